@@ -1,0 +1,316 @@
+"""FlashAttention-2 backward in Triton: dQ, dK, dV recomputed from the forward's LSE.
+
+Three launches, no atomics (deterministic):
+  1. delta = rowsum(dO * O), float32, once per call (or passed in, e.g. once per ring backward);
+  2. dK/dV: one program per (key tile, KV head, sequence); it walks the query tiles that can see
+     its keys, for every query head of its GQA group, so dK/dV need no reduction afterwards;
+  3. dQ: one program per (query tile, query head, sequence), walking the visible key tiles.
+Both walk with the same ``visible_tiles`` spans as the forward. With ``accumulate=True`` the
+kernels add into the given gradient buffers (the ring engine's float32 accumulators).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import backward_kv_config, backward_q_config, block_d
+from .forward import LOG2E, as_4d, dot_precision, lse_strides
+from .problem import AttentionProblem
+from .tiling import seq_bounds, visibility_mask, visible_tiles
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DELTA, CU_Q, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+    stride_lb, stride_lh, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, _, _, pb = seq_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, IS_VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < len_q
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = (q0 + offs_m).to(tl.int64)
+    o = tl.load(O + pb * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :], mask=mask)
+    do = tl.load(DO + pb * stride_db + h * stride_dh + rows[:, None] * stride_ds + offs_d[None, :], mask=mask)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pb * stride_lb + h * stride_lh + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _store_grad(ptrs, value, mask, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        value += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+    lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        io_mask = d_ok
+        row_mask = rows < len_q
+        if MASKED:
+            io_mask = io_mask & row_mask[:, None]
+        q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :], mask=io_mask, other=0.0)
+        lse2 = tl.load(lse_base + rows, mask=row_mask, other=0.0) * 1.4426950408889634  # log2(e)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if MASKED:
+            # Keys are this program's rows, queries its columns: the window's sides swap.
+            vis = visibility_mask(
+                key_pos, q_start + q_stride * rows, rows, len_q, win_right, win_left, HAS_RIGHT, HAS_LEFT
+            )
+            p_t = tl.where(vis, p_t, 0.0)
+        do = tl.load(do_base + rows[:, None] * stride_ds + offs_d[None, :], mask=io_mask, other=0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 < len_k:
+        if ALIGN_END:
+            q_start += len_k - len_q
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
+        krow = (k0 + offs_n).to(tl.int64)
+        k = tl.load(K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :], mask=kv_mask)
+        v = tl.load(V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :], mask=kv_mask)
+        key_pos = k_start + k_stride * offs_n
+        key_lo = k_start + k_stride * n0
+        key_hi = k_start + k_stride * (tl.minimum(n0 + BLOCK_N, len_k) - 1)
+        # Seen from the key side, a key at k is visible to queries with k - right <= q <= k + left.
+        start, full_start, full_end, end = visible_tiles(
+            key_lo, key_hi, q_start, q_stride, len_q, win_right, win_left, HAS_RIGHT, HAS_LEFT, BLOCK_M
+        )
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for g in range(GROUP):
+            h = (hk * GROUP + g).to(tl.int64)
+            q_base = Q + pb * stride_qb + h * stride_qh + q0.to(tl.int64) * stride_qs
+            do_base = DO + pb * stride_db + h * stride_dh + q0.to(tl.int64) * stride_ds
+            lse_base = LSE + pb * stride_lb + h * stride_lh + q0
+            delta_base = DELTA + pb * stride_lb + h * stride_lh + q0
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                start, full_start, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                True, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                full_start, full_end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                False, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                full_end, end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                True, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            )  # fmt: skip
+        dk = dk * softmax_scale
+        dk_ptrs = DK + pb * stride_dkb + hk * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
+        dv_ptrs = DV + pb * stride_dvb + hk * stride_dvh + krow[:, None] * stride_dvs + offs_d[None, :]
+        _store_grad(dk_ptrs, dk, kv_mask, ACCUMULATE)
+        _store_grad(dv_ptrs, dv, kv_mask, ACCUMULATE)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
+    lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = d_ok
+        if MASKED:
+            kv_mask = kv_mask & (cols[:, None] < len_k)
+        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            col_pos = k_start + k_stride * cols
+            vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 < len_q:
+        if ALIGN_END:
+            q_start += len_k - len_q
+        hk = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = offs_m < len_q
+        io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        qrow = (q0 + offs_m).to(tl.int64)
+        q = tl.load(Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :], mask=io_mask)
+        do = tl.load(DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :], mask=io_mask)
+        lse2 = tl.load(LSE + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0)
+        k_base = K + pb.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks
+        v_base = V + pb.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vs
+        row_pos = q_start + q_stride * offs_m
+        row_lo = q_start + q_stride * m0
+        row_hi = q_start + q_stride * (tl.minimum(m0 + BLOCK_M, len_q) - 1)
+        start, full_start, full_end, end = visible_tiles(
+            row_lo, row_hi, k_start, k_stride, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N
+        )
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, full_start, row_pos,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+        )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_start, full_end, row_pos,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale,
+            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+        )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_end, end, row_pos,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+        )  # fmt: skip
+        dq = dq * softmax_scale
+        dq_ptrs = DQ + pb * stride_dqb + h * stride_dqh + qrow[:, None] * stride_dqs + offs_d[None, :]
+        _store_grad(dq_ptrs, dq, io_mask, ACCUMULATE)
+
+
+def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
+    """delta = rowsum(dout * out) in float32, shaped like the LSE (``problem.lse_shape``)."""
+    vl = problem.varlen
+    delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
+    o4, do4 = as_4d(out, vl), as_4d(dout, vl)
+    block_m = 64
+    grid = (triton.cdiv(problem.max_seqlen_q, block_m), problem.heads_q, problem.batch)
+    if grid[0] > 0:
+        _delta_kernel[grid](
+            o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
+            do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
+            HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m, IS_VARLEN=vl,
+        )  # fmt: skip
+    return delta
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    problem: AttentionProblem,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the dK/dV and dQ kernels for a validated problem.
+
+    dout: like q. lse: the forward's float32 LSE of these queries over *all* keys they attend
+    to (for a ring step, the final merged LSE). delta: ``attention_delta(out, dout, problem)``.
+    dq/dk/dv buffers (shapes of q/k/v, any supported float dtype) are written, or added to when
+    ``accumulate`` is True; missing ones are allocated in q's dtype. Returns (dq, dk, dv).
+    """
+    if accumulate and (dq is None or dk is None or dv is None):
+        raise ValueError("accumulate=True needs dq, dk and dv buffers to add into")
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    if lse.stride() != delta.stride():
+        raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
+    vl = problem.varlen
+    q4, k4, v4, do4, dq4, dk4, dv4 = (as_4d(t, vl) for t in (q, k, v, dout, dq, dk, dv))
+    if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
+        if not accumulate:
+            for g in (dq, dk, dv):
+                g.zero_()
+        return dq, dk, dv
+    b = problem.bounds
+    common = dict(
+        GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
+        IS_VARLEN=vl, ALIGN_END=problem.align_end, HAS_LEFT=b.left is not None,
+        HAS_RIGHT=b.right is not None, ACCUMULATE=accumulate, DOT_PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+    scalars = (
+        problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, problem.softmax_scale * LOG2E,
+        problem.q_positions.start, problem.q_positions.stride,
+        problem.k_positions.start, problem.k_positions.stride, b.left or 0, b.right or 0,
+    )  # fmt: skip
+    qkv_strides = (
+        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
+    )  # fmt: skip
+    cfg = backward_kv_config(problem.head_dim)
+    grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
+    _dkdv_kernel[grid](
+        q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        *qkv_strides, dk4.stride(0), dk4.stride(1), dk4.stride(2), dv4.stride(0), dv4.stride(1), dv4.stride(2),
+        *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )  # fmt: skip
+    cfg = backward_q_config(problem.head_dim)
+    grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
+    _dq_kernel[grid](
+        q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
+        *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,63 @@
+"""Tile sizes and launch parameters for the attention kernels.
+
+Chosen by head dimension from sweeps on H100/H200 (see docs/performance.md) rather than
+``triton.autotune``: the backward kernels accumulate into caller buffers, which an autotuner's
+repeated launches would corrupt, and a fixed table keeps launches deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter runs tiles as numpy ops: small tiles keep CPU tests quick and make short
+# sequences span several tiles, so boundary and masking paths are exercised.
+_INTERPRET_CONFIG = TileConfig(16, 16, 4, 1)
+
+
+def block_d(head_dim: int) -> int:
+    """Tile width over head_dim: next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def forward_config(head_dim: int) -> TileConfig:
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if head_dim <= 64:
+        return TileConfig(128, 64, 4, 3)
+    if head_dim <= 128:
+        return TileConfig(128, 64, 8, 3)
+    return TileConfig(64, 32, 4, 2)
+
+
+def backward_kv_config(head_dim: int) -> TileConfig:
+    """dK/dV kernel: block_n keys stay resident, block_m query rows stream past."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if head_dim <= 64:
+        return TileConfig(64, 128, 8, 3)
+    if head_dim <= 128:
+        return TileConfig(64, 128, 8, 2)
+    return TileConfig(32, 64, 4, 1)
+
+
+def backward_q_config(head_dim: int) -> TileConfig:
+    """dQ kernel: block_m queries stay resident, block_n key rows stream past."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if head_dim <= 64:
+        return TileConfig(128, 64, 8, 3)
+    if head_dim <= 128:
+        return TileConfig(128, 64, 8, 2)
+    return TileConfig(64, 32, 4, 1)

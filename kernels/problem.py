@@ -1,0 +1,183 @@
+"""Validated description of one attention call, shared by the forward and backward launchers.
+
+Checking happens here, once, so that bad input raises a ValueError/TypeError naming the
+argument instead of failing deep inside Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .configs import INTERPRET
+from .positions import MaskBounds, TokenPositions
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    batch: int  # sequences (varlen: len(cu_seqlens) - 1)
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    bounds: MaskBounds
+    q_positions: TokenPositions
+    k_positions: TokenPositions
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def align_end(self) -> bool:
+        """Varlen: each sequence's queries align to the end of its keys (flash-attn convention)."""
+        return self.varlen
+
+    def lse_shape(self, total_q: int) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.heads_q, total_q)
+        return (self.batch, self.heads_q, self.max_seqlen_q)
+
+
+def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        layout = "(batch, seqlen, heads, head_dim)" if ndim == 4 else "(total_tokens, heads, head_dim)"
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
+    if t.device.type == "cpu" and not INTERPRET:
+        raise ValueError(
+            f"{name} is on the CPU: the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 "
+            "set before ringflash is imported to run them (slowly) on the CPU"
+        )
+    return t
+
+
+def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if any(w < -1 for w in window_size):
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
+    return causal, (int(window_size[0]), int(window_size[1]))
+
+
+def resolve_scale(softmax_scale: object, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be a 1-D torch.int32 tensor of cumulative lengths")
+    if cu.numel() < 2:
+        raise ValueError(f"{name} needs at least 2 entries (0 and the total length)")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    host = cu.tolist()
+    if host[0] != 0 or any(b < a for a, b in zip(host, host[1:])) or host[-1] != total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at {total}, got {host}")
+    return cu.contiguous()
+
+
+def build_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    q_positions: TokenPositions | None = None,
+    k_positions: TokenPositions | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> AttentionProblem:
+    """Validate q/k/v and the mask arguments; resolve defaults (scale, bottom-right alignment)."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ndim = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, ndim)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}")
+    heads_q, heads_k = q.shape[-2], k.shape[-2]
+    if heads_q % heads_k != 0:
+        raise ValueError(f"q heads ({heads_q}) must be divisible by k/v heads ({heads_k}) for GQA/MQA")
+    causal, window_size = check_window(causal, window_size)
+    scale = resolve_scale(softmax_scale, head_dim)
+
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
+        cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0])
+        cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, k.shape[0])
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                f"got {cu_q.numel() - 1} and {cu_k.numel() - 1}"
+            )
+        lens_q = (cu_q[1:] - cu_q[:-1]).tolist()
+        lens_k = (cu_k[1:] - cu_k[:-1]).tolist()
+        for name, given, actual in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+            if not isinstance(given, int) or given < max(actual):
+                raise ValueError(f"{name} must be an int >= the longest sequence ({max(actual)}), got {given!r}")
+        batch, seqlen_q, seqlen_k = cu_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        q_positions = q_positions or TokenPositions(0, 1)  # shifted per sequence in the kernel
+    else:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q batch {q.shape[0]} differs from k/v batch {k.shape[0]}")
+        cu_q = cu_k = None
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        q_positions = q_positions or TokenPositions(seqlen_k - seqlen_q, 1)
+    k_positions = k_positions or TokenPositions(0, 1)
+    return AttentionProblem(
+        batch=batch,
+        heads_q=heads_q,
+        heads_k=heads_k,
+        head_dim=head_dim,
+        max_seqlen_q=seqlen_q,
+        max_seqlen_k=seqlen_k,
+        softmax_scale=scale,
+        bounds=MaskBounds.from_args(causal, window_size),
+        q_positions=q_positions,
+        k_positions=k_positions,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )

@@ -1,0 +1,101 @@
+"""Triton helpers shared by the forward and backward kernels: which tiles a program visits.
+
+A program owns a tile of rows (queries in forward/dQ, keys in dK/dV) and walks the tiles of
+the other side. From the affine positions of both sides and the mask bounds it computes, with
+non-negative integer math only (Triton and the interpreter round negative division
+differently), the span of tiles that can see the row tile, and inside it the span where every
+pair is visible and no mask is needed:
+
+    [start, full_start)  masked      [full_start, full_end)  unmasked      [full_end, end)  masked
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _first_at_or_after(pos, base, stride):
+    """Smallest index i >= 0 with base + stride * i >= pos."""
+    return (tl.maximum(pos - base, 0) + stride - 1) // stride
+
+
+@triton.jit
+def _count_at_or_before(pos, base, stride):
+    """Number of indices i >= 0 with base + stride * i <= pos."""
+    return tl.maximum(pos - base + stride, 0) // stride
+
+
+@triton.jit
+def visible_tiles(
+    row_lo,
+    row_hi,
+    col_base,
+    col_stride,
+    n_cols,
+    lo_off,
+    hi_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Column tile spans for a row tile whose positions run from row_lo to row_hi.
+
+    A column at position c is visible to a row at position r iff r - lo_off <= c <= r + hi_off
+    (each side only when HAS_LO / HAS_HI). Returns (start, full_start, full_end, end), all
+    multiples of BLOCK except end, which is clamped to n_cols.
+    """
+    zero = n_cols * 0  # a runtime scalar, so every branch below yields the same type
+    lo = zero
+    full_lo = zero
+    if HAS_LO:
+        lo = _first_at_or_after(row_lo - lo_off, col_base, col_stride)
+        full_lo = _first_at_or_after(row_hi - lo_off, col_base, col_stride)
+    hi = n_cols + zero
+    full_hi = n_cols + zero
+    if HAS_HI:
+        hi = tl.minimum(_count_at_or_before(row_hi + hi_off, col_base, col_stride), n_cols)
+        full_hi = tl.minimum(_count_at_or_before(row_lo + hi_off, col_base, col_stride), n_cols)
+    empty = lo >= hi
+    start = tl.where(empty, 0, (lo // BLOCK) * BLOCK)
+    hi = tl.where(empty, 0, hi)
+    full_start = tl.maximum(((full_lo + BLOCK - 1) // BLOCK) * BLOCK, start)
+    full_end = (full_hi // BLOCK) * BLOCK
+    # No mask-free tile (or nothing visible): one masked span [start, hi).
+    no_full = empty | (full_start >= full_end)
+    full_start = tl.where(no_full, start, full_start)
+    full_end = tl.where(no_full, start, full_end)
+    return start, full_start, full_end, hi
+
+
+@triton.jit
+def visibility_mask(
+    row_pos, col_pos, col_idx, n_cols, lo_off, hi_off, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr
+):
+    """[rows, cols] boolean mask for a tile: inside n_cols and inside the window."""
+    mask = col_idx[None, :] < n_cols
+    if HAS_LO:
+        mask = mask & (col_pos[None, :] >= row_pos[:, None] - lo_off)
+    if HAS_HI:
+        mask = mask & (col_pos[None, :] <= row_pos[:, None] + hi_off)
+    return mask
+
+
+@triton.jit
+def seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q offset, q length, k offset, k length, int64 batch index for pointers) of sequence b.
+
+    Varlen tensors are launched as one batch of packed tokens, so their batch index is 0.
+    """
+    if IS_VARLEN:
+        q0 = tl.load(CU_Q + b)
+        len_q = tl.load(CU_Q + b + 1) - q0
+        k0 = tl.load(CU_K + b)
+        len_k = tl.load(CU_K + b + 1) - k0
+        pb = b.to(tl.int64) * 0
+    else:
+        q0 = b * 0
+        len_q = seqlen_q + b * 0
+        k0 = b * 0
+        len_k = seqlen_k + b * 0
+        pb = b.to(tl.int64)
+    return q0, len_q, k0, len_k, pb

@@ -1,0 +1,29 @@
+"""Test setup: without a GPU the Triton kernels run under the interpreter on the CPU.
+
+TRITON_INTERPRET must be set before triton.jit decorates the kernels, i.e. before ringflash
+is imported, so it is set here, at conftest import time.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpus = torch.cuda.device_count()
+    for item in items:
+        if "gpu" in item.keywords and n_gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and n_gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2 or more CUDA GPUs"))
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE

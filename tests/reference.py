@@ -1,0 +1,58 @@
+"""Float64 reference attention and error metrics shared by the tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window_size=(-1, -1)) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: key visible to query under causal/window at these positions."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    mask = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    if left >= 0:
+        mask &= k_pos[None, :] >= q_pos[:, None] - left
+    if right >= 0:
+        mask &= k_pos[None, :] <= q_pos[:, None] + right
+    return mask
+
+
+def reference_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None):
+    """Attention in float64 on the CPU. q (B, Sq, H, D); k, v (B, Sk, Hk, D).
+
+    Positions default to flash-attn's bottom-right alignment. Returns (out (B, Sq, H, D),
+    lse (B, H, Sq)); rows that see no key give out 0 and lse -inf. Differentiable.
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    qd, kd, vd = (t.to("cpu", torch.float64) for t in (q, k, v))
+    kd = kd.repeat_interleave(h // hk, dim=2)
+    vd = vd.repeat_interleave(h // hk, dim=2)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    q_pos = torch.arange(sq) + (sk - sq) if q_pos is None else q_pos
+    k_pos = torch.arange(sk) if k_pos is None else k_pos
+    scores = scores.masked_fill(~visibility(q_pos, k_pos, causal, window_size), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float64).min))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
+    return out, lse
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| over finite expected entries; inf if actual has NaN."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if torch.isnan(a).any():
+        return math.inf
+    finite = torch.isfinite(e)
+    if not torch.equal(torch.isfinite(a), finite) or not torch.equal(a[~finite], e[~finite]):
+        return math.inf  # -inf LSE rows must match exactly
+    denom = e[finite].norm().item()
+    return (a[finite] - e[finite]).norm().item() / max(denom, 1e-30)
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
