@@ -27,3 +27,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(n)``: a reusable pool of n gloo ranks (see tests/distributed.py)."""
+    from distributed import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()

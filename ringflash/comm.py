@@ -1,0 +1,70 @@
+"""All communication of the sequence-parallel layer goes through this module."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group`` or the default (world) group; errors clearly when torch.distributed is not set up."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ringflash's sequence-parallel functions need torch.distributed: call "
+            "torch.distributed.init_process_group (e.g. launch with torchrun) first"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+class PendingExchange:
+    """Handle of an exchange in flight; ``wait`` orders later work after it (no host block on NCCL)."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
+class RingComm:
+    """Point-to-point exchange between neighbours of a ring over a process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = resolve_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank % self.world_size)
+
+    def exchange(
+        self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], offset: int = 1
+    ) -> PendingExchange:
+        """Send ``send`` to rank + offset and receive into ``recv`` from rank - offset, asynchronously.
+
+        Every rank of the group must call this with the same offset and matching shapes. Issue
+        it *before* the compute it should overlap: NCCL orders a new exchange after the work
+        already queued on the current stream.
+        """
+        if self.world_size == 1 or offset % self.world_size == 0:
+            for r, s in zip(recv, send):
+                r.copy_(s)
+            return PendingExchange([])
+        to_rank, from_rank = self._global(self.rank + offset), self._global(self.rank - offset)
+        ops = [dist.P2POp(dist.isend, s, to_rank, self.group) for s in send]
+        ops += [dist.P2POp(dist.irecv, r, from_rank, self.group) for r in recv]
+        return PendingExchange(dist.batch_isend_irecv(ops))
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on all ranks), in group-rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts

@@ -1,0 +1,55 @@
+"""Moving a full sequence to per-rank shards and back, in any layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingComm
+from .layouts import check_layout, layout_indices
+
+
+def _check_dim(x: object, dim: object) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [-{x.dim()}, {x.dim()}), got {dim!r}")
+    return dim % x.dim()
+
+
+def shard_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1, layout: str = "zigzag"
+) -> torch.Tensor:
+    """This rank's shard of a full-sequence tensor.
+
+    x: any tensor whose ``dim`` is the full sequence (e.g. (batch, seqlen, heads, head_dim),
+    or (batch, seqlen) token ids). Returns the tokens this rank holds under ``layout``, in the
+    local order ``ring_flash_attn_func`` expects: (..., seqlen / W, ...). Differentiable.
+    Raises ValueError if seqlen does not split evenly (zigzag: multiple of 2W; else W).
+    """
+    dim = _check_dim(x, dim)
+    comm = RingComm(group)
+    idx = layout_indices(check_layout(layout), comm.rank, comm.world_size, x.shape[dim])
+    return x.index_select(dim, idx.to(x.device))
+
+
+def gather_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1, layout: str = "zigzag"
+) -> torch.Tensor:
+    """The full sequence on every rank, from each rank's shard (inverse of ``shard_sequence``).
+
+    x: this rank's shard, same shape on every rank; returns (..., seqlen_local * W, ...).
+    Not differentiable (an all-gather of activations for checking and logging).
+    """
+    dim = _check_dim(x, dim)
+    comm = RingComm(group)
+    check_layout(layout)
+    parts = comm.all_gather(x.detach())
+    total = x.shape[dim] * comm.world_size
+    full = torch.empty(
+        (*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device
+    )
+    for r, part in enumerate(parts):
+        idx = layout_indices(layout, r, comm.world_size, total).to(x.device)
+        full.index_copy_(dim, idx, part)
+    return full

@@ -1,0 +1,116 @@
+"""A pool of N gloo ranks, spawned once and reused by every multi-process test.
+
+``RankPool(n).run(fn, *args)`` runs the module-level function ``fn`` on every rank at once and
+returns the per-rank results in rank order. A rank that raises, or a run that outlives its
+timeout (e.g. a collective that some rank never joined), fails the test with every rank's
+traceback and tears the pool down, so a bug shows as an error, never as a hung suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # N ranks share a 2-core machine
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; return the results ordered by rank."""
+        for q in self._tasks:
+            q.put((fn, args))
+        got: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self._results.get(timeout=timeout)
+                if ok:
+                    got[rank] = value
+                else:
+                    errors.append(f"--- rank {rank} ---\n{value}")
+        except queue.Empty:
+            self.close(force=True)
+            missing = sorted(set(range(self.world_size)) - set(got))
+            raise TimeoutError(
+                f"ranks {missing} did not finish {fn.__name__} within {timeout}s\n" + "\n".join(errors)
+            ) from None
+        if errors:
+            # Ranks that raised may have left the others waiting in a collective: restart.
+            self.close(force=True)
+            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return [got[r] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=30)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class RankPools:
+    """Session-wide cache: one live pool per world size, replaced if it was torn down."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

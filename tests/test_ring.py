@@ -1,0 +1,158 @@
+"""Ring attention over several gloo ranks against float64 attention over the full sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import TOLERANCE, reference_attention, rel_err
+
+import ringflash
+from ringflash.layouts import layout_indices
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    layout: str
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    batch: int = 1
+    seqlen: int = 48
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+def _full_inputs(case: Case):
+    g = torch.Generator().manual_seed(case.seed)
+    shape_q = (case.batch, case.seqlen, case.heads, case.head_dim)
+    shape_kv = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
+    q = torch.randn(shape_q, generator=g).to(case.dtype)
+    k = torch.randn(shape_kv, generator=g).to(case.dtype)
+    v = torch.randn(shape_kv, generator=g).to(case.dtype)
+    dout = torch.randn(shape_q, generator=g).to(case.dtype)
+    return q, k, v, dout
+
+
+def _run_ring(case: Case):
+    """On every rank: shard the full inputs, ring forward + backward, return local results."""
+    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout) for t in _full_inputs(case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringflash.ring_flash_attn_func(
+        q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, return_lse=True
+    )
+    out.backward(dout)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+def _assemble(parts, layout: str, world: int, total: int, dim: int):
+    shape = list(parts[0].shape)
+    shape[dim] = total
+    full = torch.empty(shape, dtype=parts[0].dtype)
+    for r, p in enumerate(parts):
+        full.index_copy_(dim, layout_indices(layout, r, world, total), p)
+    return full
+
+
+def check_ring(rank_pool, case: Case) -> None:
+    results = rank_pool(case.world).run(_run_ring, case)
+    q, k, v, dout = (t.double().requires_grad_() for t in _full_inputs(case))
+    ref_out, ref_lse = reference_attention(q, k, v, causal=case.causal, window_size=case.window)
+    ref_out.backward(dout)
+    names = ("out", "lse", "dq", "dk", "dv")
+    expected = (ref_out, ref_lse, q.grad, k.grad, v.grad)
+    tol = TOLERANCE[case.dtype]
+    for i, (name, exp) in enumerate(zip(names, expected)):
+        dim = 2 if name == "lse" else 1
+        got = _assemble([r[i] for r in results], case.layout, case.world, case.seqlen, dim)
+        assert got.dtype == (torch.float32 if name == "lse" else case.dtype), name
+        err = rel_err(got, exp)
+        assert err < tol, f"{case}: {name} rel err {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_matches_full_attention(rank_pool, world, layout, causal):
+    check_ring(rank_pool, Case(world, layout, causal))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize(("causal", "window"), [(True, (5, -1)), (False, (7, 3)), (True, (20, 0))])
+def test_ring_sliding_window(rank_pool, layout, causal, window):
+    check_ring(rank_pool, Case(4, layout, causal, window))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
+    check_ring(rank_pool, Case(2, layout, True, batch=2, heads=4, kv_heads=kv_heads, dtype=torch.float16, seed=3))
+
+
+def test_ring_head_dim_not_power_of_two(rank_pool):
+    check_ring(rank_pool, Case(3, "zigzag", True, seqlen=36, head_dim=40, seed=5))
+
+
+def _round_trip(layout: str, total: int):
+    x = torch.arange(2 * total * 3, dtype=torch.float32).reshape(2, total, 3)
+    shard = ringflash.shard_sequence(x, layout=layout)
+    back = ringflash.gather_sequence(shard, layout=layout)
+    return shard, torch.equal(back, x)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+def test_shard_gather_round_trip(rank_pool, layout):
+    results = rank_pool(4).run(_round_trip, layout, 16)
+    assert all(ok for _, ok in results)
+    shards = [s for s, _ in results]
+    assert all(s.shape == (2, 4, 3) for s in shards)
+    seen = torch.cat([s[0, :, 0] for s in shards]).sort().values
+    assert torch.equal(seen, torch.arange(0, 48, 3, dtype=torch.float32))  # each token exactly once
+
+
+def test_zigzag_indices_balance():
+    idx = [ringflash.zigzag_indices(r, 4, 16) for r in range(4)]
+    assert idx[0].tolist() == [0, 1, 14, 15]
+    assert idx[3].tolist() == [6, 7, 8, 9]
+    # Causal work (keys at or before each query) is the same on every rank.
+    work = [int((i + 1).sum()) for i in idx]
+    assert len(set(work)) == 1
+
+
+def _bad_calls():
+    q = torch.randn(1, 6, 2, 16)
+    errors = {}
+    for name, call in {
+        "layout": lambda: ringflash.ring_flash_attn_func(q, q, q, layout="spiral"),
+        "odd": lambda: ringflash.ring_flash_attn_func(q[:, :5], q[:, :5], q[:, :5], layout="zigzag"),
+        "lengths": lambda: ringflash.ring_flash_attn_func(q, q[:, :4], q[:, :4]),
+        "shard": lambda: ringflash.shard_sequence(torch.randn(1, 10, 2), layout="zigzag"),
+        "group": lambda: ringflash.ring_flash_attn_func(q, q, q, group="world"),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return errors
+
+
+def test_ring_bad_inputs(rank_pool):
+    errors = rank_pool(2).run(_bad_calls)[0]
+    assert "layout must be one of" in errors["layout"]
+    assert "multiple of 4 (pad to 12)" in errors["odd"]
+    assert "same local length" in errors["lengths"]
+    assert "multiple of 4 (pad to 12)" in errors["shard"]
+    assert errors["group"].startswith("TypeError: group must be")
+
+
+def test_ring_without_process_group_says_so():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ringflash.ring_flash_attn_func(q, q, q)
