@@ -107,8 +107,12 @@ def _dkdv_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
         krow = (k0 + offs_n).to(tl.int64)
-        k = tl.load(K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :], mask=kv_mask)
-        v = tl.load(V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :], mask=kv_mask)
+        k = tl.load(
+            K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :], mask=kv_mask
+        )
+        v = tl.load(
+            V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :], mask=kv_mask
+        )
         key_pos = k_start + k_stride * offs_n
         key_lo = k_start + k_stride * n0
         key_hi = k_start + k_stride * (tl.minimum(n0 + BLOCK_N, len_k) - 1)
@@ -199,9 +203,15 @@ def _dq_kernel(
         row_ok = offs_m < len_q
         io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
         qrow = (q0 + offs_m).to(tl.int64)
-        q = tl.load(Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :], mask=io_mask)
-        do = tl.load(DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :], mask=io_mask)
-        lse2 = tl.load(LSE + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+        q = tl.load(
+            Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :], mask=io_mask
+        )
+        do = tl.load(
+            DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :], mask=io_mask
+        )
+        lse2 = (
+            tl.load(LSE + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+        )
         delta = tl.load(DELTA + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0)
         k_base = K + pb.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks
         v_base = V + pb.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vs
@@ -301,7 +311,7 @@ def attention_backward(
     grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
     _dkdv_kernel[grid](
         q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
-        *qkv_strides, dk4.stride(0), dk4.stride(1), dk4.stride(2), dv4.stride(0), dv4.stride(1), dv4.stride(2),
+        *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
         *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip

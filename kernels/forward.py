@@ -115,7 +115,9 @@ def _fwd_kernel(
         # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         o_base = O + pb * stride_ob + h.to(tl.int64) * stride_oh + q0.to(tl.int64) * stride_os
-        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
+        tl.store(
+            o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask
+        )
         lse_base = LSE + pb * stride_lb + h.to(tl.int64) * stride_lh + q0
         tl.store(lse_base + offs_m, lse, mask=row_ok)
 

@@ -155,9 +155,14 @@ def build_problem(
             )
         lens_q = (cu_q[1:] - cu_q[:-1]).tolist()
         lens_k = (cu_k[1:] - cu_k[:-1]).tolist()
-        for name, given, actual in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        for name, given, actual in (
+            ("max_seqlen_q", max_seqlen_q, lens_q),
+            ("max_seqlen_k", max_seqlen_k, lens_k),
+        ):
             if not isinstance(given, int) or given < max(actual):
-                raise ValueError(f"{name} must be an int >= the longest sequence ({max(actual)}), got {given!r}")
+                raise ValueError(
+                    f"{name} must be an int >= the longest sequence ({max(actual)}), got {given!r}"
+                )
         batch, seqlen_q, seqlen_k = cu_q.numel() - 1, max_seqlen_q, max_seqlen_k
         q_positions = q_positions or TokenPositions(0, 1)  # shifted per sequence in the kernel
     else:

@@ -49,7 +49,12 @@ def _slices(task: BlockTask) -> tuple[slice, slice]:
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, schedule: RingSchedule, comm: RingComm
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    base: AttentionProblem,
+    schedule: RingSchedule,
+    comm: RingComm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward for local shards q (B, n, Hq, D), k/v (B, n, Hk, D); returns (out, lse (B, Hq, n))."""
     b, n, hq, d = q.shape
@@ -174,7 +179,8 @@ def ring_flash_attn_func(
     base = build_problem(q, k, v, softmax_scale, causal, window_size)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
-            f"ring attention needs q and k/v shards of the same local length, got {q.shape[1]} and {k.shape[1]}"
+            "ring attention needs q and k/v shards of the same local length, "
+            f"got {q.shape[1]} and {k.shape[1]}"
         )
     local_len = q.shape[1]
     check_total_length(layout, local_len * comm.world_size, comm.world_size, "full sequence length")

@@ -51,7 +51,9 @@ def block_tasks(q_segs: list[Segment], k_segs: list[Segment], bounds: MaskBounds
                 tasks.append(BlockTask(qs.local_start, qs.length, ks.local_start, ks.length))
             elif vis is Visibility.PARTIAL:
                 tasks.append(
-                    BlockTask(qs.local_start, qs.length, ks.local_start, ks.length, qs.positions, ks.positions)
+                    BlockTask(
+                        qs.local_start, qs.length, ks.local_start, ks.length, qs.positions, ks.positions
+                    )
                 )
     return _coalesce(tasks)
 
@@ -80,7 +82,9 @@ def _coalesce(tasks: list[BlockTask]) -> tuple[BlockTask, ...]:
 
 
 @lru_cache(maxsize=256)
-def ring_schedule(layout: str, rank: int, world_size: int, local_len: int, bounds: MaskBounds) -> RingSchedule:
+def ring_schedule(
+    layout: str, rank: int, world_size: int, local_len: int, bounds: MaskBounds
+) -> RingSchedule:
     """The tasks of every ring step for ``rank``; the same step count on every rank of the ring."""
     segs = [segments(layout, r, world_size, local_len) for r in range(world_size)]
     n_steps = 1

@@ -46,9 +46,7 @@ def gather_sequence(
     check_layout(layout)
     parts = comm.all_gather(x.detach())
     total = x.shape[dim] * comm.world_size
-    full = torch.empty(
-        (*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device
-    )
+    full = torch.empty((*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device)
     for r, part in enumerate(parts):
         idx = layout_indices(layout, r, comm.world_size, total).to(x.device)
         full.index_copy_(dim, idx, part)

@@ -51,7 +51,9 @@ class RankPool:
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in self._procs:

@@ -20,7 +20,9 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window_si
     return mask
 
 
-def reference_attention(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None):
+def reference_attention(
+    q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None
+):
     """Attention in float64 on the CPU. q (B, Sq, H, D); k, v (B, Sk, Hk, D).
 
     Positions default to flash-attn's bottom-right alignment. Returns (out (B, Sq, H, D),

@@ -91,7 +91,9 @@ def test_ring_sliding_window(rank_pool, layout, causal, window):
 @pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("layout", ["zigzag", "stripe"])
 def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
-    check_ring(rank_pool, Case(2, layout, True, batch=2, heads=4, kv_heads=kv_heads, dtype=torch.float16, seed=3))
+    check_ring(
+        rank_pool, Case(2, layout, True, batch=2, heads=4, kv_heads=kv_heads, dtype=torch.float16, seed=3)
+    )
 
 
 def test_ring_head_dim_not_power_of_two(rank_pool):
