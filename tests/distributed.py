@@ -1,4 +1,8 @@
-"""A pool of N gloo ranks, spawned once and reused by every multi-process test.
+"""A pool of N ranks, spawned once and reused by every multi-process test.
+
+With at least N GPUs the ranks use NCCL, one GPU each; otherwise gloo on the CPU, where the
+kernels run under the Triton interpreter (a GPU machine without enough GPUs skips the test).
+Test functions place their tensors on ``worker_device()``.
 
 ``RankPool(n).run(fn, *args)`` runs the module-level function ``fn`` on every rank at once and
 returns the per-rank results in rank order. A rank that raises, or a run that outlives its
@@ -15,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,11 +31,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+_DEVICE = torch.device("cpu")
+
+
+def worker_device() -> torch.device:
+    """The device of the current rank (inside a function run by ``RankPool.run``)."""
+    return _DEVICE
+
+
+def pool_backend(world_size: int) -> str | None:
+    """ "nccl" with a GPU per rank, "gloo" under the Triton interpreter, else None (cannot run)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+    global _DEVICE
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # N ranks share a 2-core machine
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        _DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(_DEVICE)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=_DEVICE)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
     while True:
         item = tasks.get()
         if item is None:
@@ -44,17 +70,15 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
 
 
 class RankPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [
-            ctx.Process(
-                target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
-            )
-            for r in range(world_size)
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, q, self._results), daemon=True)
+            for r, q in enumerate(self._tasks)
         ]
         for p in self._procs:
             p.start()
@@ -107,9 +131,12 @@ class RankPools:
         self._pools: dict[int, RankPool] = {}
 
     def __call__(self, world_size: int) -> RankPool:
+        backend = pool_backend(world_size)
+        if backend is None:
+            pytest.skip(f"{world_size} ranks need {world_size} GPUs or the Triton interpreter")
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
-            pool = self._pools[world_size] = RankPool(world_size)
+            pool = self._pools[world_size] = RankPool(world_size, backend)
         return pool
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import worker_device
 from reference import TOLERANCE, reference_attention, rel_err
 
 import ringflash
@@ -41,13 +42,14 @@ def _full_inputs(case: Case):
 
 def _run_ring(case: Case):
     """On every rank: shard the full inputs, ring forward + backward, return local results."""
-    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout) for t in _full_inputs(case))
+    full = [t.to(worker_device()) for t in _full_inputs(case)]
+    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout) for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = ringflash.ring_flash_attn_func(
         q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, return_lse=True
     )
     out.backward(dout)
-    return out.detach(), lse, q.grad, k.grad, v.grad
+    return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
 
 
 def _assemble(parts, layout: str, world: int, total: int, dim: int):
@@ -96,15 +98,23 @@ def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
     )
 
 
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["zigzag", "stripe", "contiguous"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
+    case = Case(world, layout, True, seqlen=8192, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    check_ring(rank_pool, case)
+
+
 def test_ring_head_dim_not_power_of_two(rank_pool):
     check_ring(rank_pool, Case(3, "zigzag", True, seqlen=36, head_dim=40, seed=5))
 
 
 def _round_trip(layout: str, total: int):
-    x = torch.arange(2 * total * 3, dtype=torch.float32).reshape(2, total, 3)
+    x = torch.arange(2 * total * 3, dtype=torch.float32, device=worker_device()).reshape(2, total, 3)
     shard = ringflash.shard_sequence(x, layout=layout)
     back = ringflash.gather_sequence(shard, layout=layout)
-    return shard, torch.equal(back, x)
+    return shard.cpu(), torch.equal(back, x)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
@@ -127,7 +137,7 @@ def test_zigzag_indices_balance():
 
 
 def _bad_calls():
-    q = torch.randn(1, 6, 2, 16)
+    q = torch.randn(1, 6, 2, 16, device=worker_device())
     errors = {}
     for name, call in {
         "layout": lambda: ringflash.ring_flash_attn_func(q, q, q, layout="spiral"),
