@@ -307,7 +307,7 @@ def attention_backward(
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
     )  # fmt: skip
-    cfg = backward_kv_config(problem.head_dim)
+    cfg = backward_kv_config(problem.head_dim, problem.bounds.right is not None)
     grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
     _dkdv_kernel[grid](
         q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
@@ -315,7 +315,7 @@ def attention_backward(
         *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip
-    cfg = backward_q_config(problem.head_dim)
+    cfg = backward_q_config(problem.head_dim, problem.bounds.right is not None)
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
     _dq_kernel[grid](
         q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,

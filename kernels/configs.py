@@ -1,6 +1,7 @@
 """Tile sizes and launch parameters for the attention kernels.
 
-Chosen by head dimension from sweeps on H100/H200 (see docs/performance.md) rather than
+Chosen by head dimension (and causality, where the sweep disagreed) from
+``launch/tune_attention.py`` sweeps on an H200 (docs/performance.md) rather than
 ``triton.autotune``: the backward kernels accumulate into caller buffers, which an autotuner's
 repeated launches would corrupt, and a fixed table keeps launches deterministic.
 """
@@ -31,33 +32,31 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def forward_config(head_dim: int) -> TileConfig:
+def forward_config(head_dim: int, causal: bool = False) -> TileConfig:
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
-        return TileConfig(128, 64, 4, 3)
-    if head_dim <= 128:
         return TileConfig(128, 64, 8, 3)
+    if head_dim <= 128:
+        return TileConfig(128, 128, 8, 3)
     return TileConfig(64, 32, 4, 2)
 
 
-def backward_kv_config(head_dim: int) -> TileConfig:
+def backward_kv_config(head_dim: int, causal: bool = False) -> TileConfig:
     """dK/dV kernel: block_n keys stay resident, block_m query rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
-        return TileConfig(64, 128, 8, 3)
+        return TileConfig(64, 128, 4, 2) if causal else TileConfig(64, 64, 4, 3)
     if head_dim <= 128:
-        return TileConfig(64, 128, 8, 2)
+        return TileConfig(64, 128, 8, 3)
     return TileConfig(32, 64, 4, 1)
 
 
-def backward_q_config(head_dim: int) -> TileConfig:
+def backward_q_config(head_dim: int, causal: bool = False) -> TileConfig:
     """dQ kernel: block_m queries stay resident, block_n key rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG
-    if head_dim <= 64:
-        return TileConfig(128, 64, 8, 3)
     if head_dim <= 128:
-        return TileConfig(128, 64, 8, 2)
+        return TileConfig(128, 64, 8, 3)
     return TileConfig(64, 32, 4, 1)

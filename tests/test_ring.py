@@ -102,7 +102,7 @@ def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
 @pytest.mark.parametrize("layout", ["zigzag", "stripe", "contiguous"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
-    case = Case(world, layout, True, seqlen=8192, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    case = Case(world, layout, True, seqlen=4096, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     check_ring(rank_pool, case)
 
 
