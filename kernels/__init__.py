@@ -10,7 +10,7 @@ from .backward import attention_backward, attention_delta
 from .forward import attention_forward
 from .functional import flash_attn_func, flash_attn_varlen_func
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
-from .problem import AttentionProblem, build_problem
+from .problem import AttentionProblem, build_problem, check_window
 
 __all__ = [
     "AttentionProblem",
@@ -22,6 +22,7 @@ __all__ = [
     "attention_forward",
     "block_visibility",
     "build_problem",
+    "check_window",
     "flash_attn_func",
     "flash_attn_varlen_func",
 ]

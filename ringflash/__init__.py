@@ -1,8 +1,9 @@
 """ringflash: exact attention over sequences too long for one GPU.
 
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAttention-2 with LSE).
-Sequence parallel: ``ring_flash_attn_func`` over a process group, with ``shard_sequence`` /
-``gather_sequence`` to move between full sequences and per-rank shards.
+Sequence parallel: ``ring_flash_attn_func`` (ring), ``ulysses_attn_func`` (all-to-all over
+heads) and ``sp_attn_func`` (one entry point for ring / ulysses / hybrid) over a process group,
+with ``shard_sequence`` / ``gather_sequence`` to move between full sequences and shards.
 """
 
 from .kernels import flash_attn_func, flash_attn_varlen_func
@@ -10,11 +11,13 @@ from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .merge import merge_partial
 from .ring import ring_flash_attn_func
 from .sharding import gather_sequence, shard_sequence
+from .ulysses import SP_MODES, sp_attn_func, ulysses_attn_func
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LAYOUTS",
+    "SP_MODES",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "gather_sequence",
@@ -22,5 +25,7 @@ __all__ = [
     "merge_partial",
     "ring_flash_attn_func",
     "shard_sequence",
+    "sp_attn_func",
+    "ulysses_attn_func",
     "zigzag_indices",
 ]

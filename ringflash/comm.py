@@ -68,3 +68,30 @@ class RingComm:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-to-all over dim 0: chunk i of ``x`` goes to rank i; chunk j of the
+    result came from rank j. x: (world_size, ...) with equal chunks; returns the same shape."""
+    return _AllToAll.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Equal chunks: the transpose of an all-to-all is the same all-to-all.
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    if dist.get_world_size(group) == 1:
+        return x.clone()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out

@@ -69,14 +69,33 @@ def segments(layout: str, rank: int, world_size: int, local_len: int) -> list[Se
     ]
 
 
-def layout_indices(layout: str, rank: int, world_size: int, total: int) -> torch.Tensor:
-    """Global positions (int64, in local order) of rank ``rank``'s tokens."""
-    local_len = check_total_length(layout, total, world_size)
+def layout_indices(
+    layout: str, rank: int, world_size: int, total: int, ulysses_size: int = 1
+) -> torch.Tensor:
+    """Global positions (int64, in local order) of rank ``rank``'s tokens.
+
+    With ``ulysses_size`` U > 1 (Ulysses or hybrid sequence parallelism) the sequence is first
+    split by ``layout`` over the W/U ring groups, and each ring shard is then cut into U
+    contiguous pieces, one per rank of the Ulysses group (ranks g*U .. g*U+U-1). After the
+    Ulysses all-to-all, a group thus holds its ring shard in the ring's own local order.
+    """
+    if world_size % ulysses_size:
+        raise ValueError(f"ulysses_size {ulysses_size} must divide the group size {world_size}")
+    ring_size = world_size // ulysses_size
+    check_total_length(layout, total, ring_size)
+    ring_len = total // ring_size
+    if ring_len % ulysses_size:
+        raise ValueError(
+            f"sequence length {total} cannot be split over {ring_size} ring x {ulysses_size} Ulysses ranks: "
+            f"it must be a multiple of {shard_multiple(layout, ring_size) * ulysses_size}"
+        )
+    ring_rank, piece = divmod(rank, ulysses_size)
     parts = [
         s.positions.start + s.positions.stride * torch.arange(s.length)
-        for s in segments(layout, rank, world_size, local_len)
+        for s in segments(layout, ring_rank, ring_size, ring_len)
     ]
-    return torch.cat(parts)
+    n = ring_len // ulysses_size
+    return torch.cat(parts)[piece * n : (piece + 1) * n]
 
 
 def zigzag_indices(rank: int, world_size: int, total: int) -> torch.Tensor:

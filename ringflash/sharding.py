@@ -18,23 +18,32 @@ def _check_dim(x: object, dim: object) -> int:
 
 
 def shard_sequence(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1, layout: str = "zigzag"
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    dim: int = 1,
+    layout: str = "zigzag",
+    ulysses_size: int = 1,
 ) -> torch.Tensor:
     """This rank's shard of a full-sequence tensor.
 
     x: any tensor whose ``dim`` is the full sequence (e.g. (batch, seqlen, heads, head_dim),
     or (batch, seqlen) token ids). Returns the tokens this rank holds under ``layout``, in the
-    local order ``ring_flash_attn_func`` expects: (..., seqlen / W, ...). Differentiable.
-    Raises ValueError if seqlen does not split evenly (zigzag: multiple of 2W; else W).
+    local order ``ring_flash_attn_func`` expects: (..., seqlen / W, ...). For Ulysses or hybrid
+    parallelism pass the Ulysses group size (``sp_attn_func``'s U; W for pure Ulysses).
+    Differentiable. Raises ValueError if seqlen does not split evenly (zigzag: multiple of 2W).
     """
     dim = _check_dim(x, dim)
     comm = RingComm(group)
-    idx = layout_indices(check_layout(layout), comm.rank, comm.world_size, x.shape[dim])
+    idx = layout_indices(check_layout(layout), comm.rank, comm.world_size, x.shape[dim], ulysses_size)
     return x.index_select(dim, idx.to(x.device))
 
 
 def gather_sequence(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1, layout: str = "zigzag"
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    dim: int = 1,
+    layout: str = "zigzag",
+    ulysses_size: int = 1,
 ) -> torch.Tensor:
     """The full sequence on every rank, from each rank's shard (inverse of ``shard_sequence``).
 
@@ -48,6 +57,6 @@ def gather_sequence(
     total = x.shape[dim] * comm.world_size
     full = torch.empty((*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device)
     for r, part in enumerate(parts):
-        idx = layout_indices(layout, r, comm.world_size, total).to(x.device)
+        idx = layout_indices(layout, r, comm.world_size, total, ulysses_size).to(x.device)
         full.index_copy_(dim, idx, part)
     return full

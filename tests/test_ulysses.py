@@ -1,0 +1,108 @@
+"""Ulysses and hybrid sequence parallelism against float64 full-sequence attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from distributed import worker_device
+from reference import TOLERANCE, reference_attention, rel_err
+
+import ringflash
+from ringflash.layouts import layout_indices
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    ulysses: int  # Ulysses group size U; ring size W / U
+    causal: bool = True
+    kv_heads: int = 4
+    layout: str = "zigzag"
+    heads: int = 4
+    seqlen: int = 32
+    head_dim: int = 16
+    dtype: torch.dtype = torch.float32
+
+
+def _full(case: Case):
+    g = torch.Generator().manual_seed(1)
+    mk = lambda h: torch.randn(2, case.seqlen, h, case.head_dim, generator=g).to(case.dtype)  # noqa: E731
+    return mk(case.heads), mk(case.kv_heads), mk(case.kv_heads), mk(case.heads)
+
+
+def _run(case: Case):
+    full = [t.to(worker_device()) for t in _full(case)]
+    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout, ulysses_size=case.ulysses) for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mode = {1: "ring", case.world: "ulysses"}.get(case.ulysses, "hybrid")
+    out, lse = ringflash.sp_attn_func(
+        q,
+        k,
+        v,
+        causal=case.causal,
+        layout=case.layout,
+        sp_mode=mode,
+        ulysses_size=case.ulysses,
+        return_lse=True,
+    )
+    out.backward(dout)
+    return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
+
+
+@pytest.mark.parametrize("ulysses", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_ulysses_and_hybrid_match_full_attention(rank_pool, ulysses, causal, kv_heads):
+    case = Case(4, ulysses, causal, kv_heads)
+    results = rank_pool(case.world).run(_run, case)
+    q, k, v, dout = (t.double().requires_grad_() for t in _full(case))
+    ref_out, ref_lse = reference_attention(q, k, v, causal=case.causal)
+    ref_out.backward(dout)
+    for i, (name, exp) in enumerate(
+        zip(("out", "lse", "dq", "dk", "dv"), (ref_out, ref_lse, q.grad, k.grad, v.grad))
+    ):
+        dim = 2 if name == "lse" else 1
+        got = torch.empty(exp.shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            got.index_copy_(
+                dim, layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses), res[i]
+            )
+        err = rel_err(got, exp)
+        assert err < TOLERANCE[case.dtype], f"{case}: {name} rel err {err:.2e}"
+
+
+def _bad_calls():
+    q = torch.randn(1, 8, 3, 16, device=worker_device())
+    kv = torch.randn(1, 8, 3, 16, device=worker_device())
+    errors = {}
+    for name, call in {
+        "heads": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="ulysses"),
+        "mode": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="star"),
+        "size": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid", ulysses_size=3),
+        "missing": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid"),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_sp_attn_bad_inputs(rank_pool):
+    errors = rank_pool(2).run(_bad_calls)[0]
+    assert "q heads (3) divisible by the Ulysses group size (2)" in errors["heads"]
+    assert "sp_mode must be one of" in errors["mode"]
+    assert "ulysses_size 3 must divide" in errors["size"]
+    assert "needs ulysses_size" in errors["missing"]
+
+
+def test_hybrid_layout_indices_cover_sequence():
+    for layout in ringflash.LAYOUTS:
+        for u in (1, 2, 4):
+            idx = torch.cat([layout_indices(layout, r, 4, 32, u) for r in range(4)])
+            assert torch.equal(idx.sort().values, torch.arange(32)), (layout, u)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        layout_indices("zigzag", 0, 4, 6, 4)  # one ring shard of 6 tokens over 4 Ulysses ranks
