@@ -10,6 +10,7 @@ the share of time left to exposed communication (1 - time of the same ring sched
 transfers removed / ring time) and peak memory per GPU; then the same for
 torch.distributed.tensor.experimental.context_parallel with SDPA's cuDNN and flash backends.
 Times are medians over --iters runs, max over ranks. bf16, B=1, causal unless --no-causal.
+--modes adds Ulysses and hybrid (sp_attn_func) columns to the same run.
 """
 
 from __future__ import annotations
@@ -100,6 +101,30 @@ def bench_ringflash(args, S: int, flops: float) -> dict:
     return r
 
 
+def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
+    """Ulysses ("ulysses") or hybrid ("hybrid:U") through sp_attn_func, on the same shapes."""
+    world = dist.get_world_size()
+    sp_mode, _, u = mode.partition(":")
+    kw = dict(
+        causal=not args.no_causal, layout=args.layout, sp_mode=sp_mode, ulysses_size=int(u) if u else None
+    )
+    mk = lambda h: torch.randn(1, S // world, h, args.head_dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            ringflash.sp_attn_func(q, k, v, **kw)
+
+    def fwd_bwd():
+        torch.autograd.grad(ringflash.sp_attn_func(*leaves, **kw), leaves, dout)
+
+    r = {"fwd": flops / world / timed(fwd, args.iters) / 1e12}
+    r["fwd_bwd"] = 3.5 * flops / world / timed(fwd_bwd, args.iters) / 1e12
+    r["peak_gib"] = peak_gib(fwd_bwd)
+    return r
+
+
 def single_gpu_fwd_bwd_tflops(args, S: int) -> float:
     s = min(S, 65536)
     mk = lambda h: torch.randn(
@@ -166,6 +191,7 @@ def main() -> None:
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--baselines", nargs="*", default=["cudnn", "flash"], choices=["cudnn", "flash"])
+    p.add_argument("--modes", nargs="*", default=[], help='extra ringflash modes: "ulysses", "hybrid:U"')
     p.add_argument("--cp-rotate", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--plot", help="write a PNG of per-GPU fwd+bwd TFLOP/s against sequence length")
@@ -184,6 +210,8 @@ def main() -> None:
         flops = 4 * S * S * args.heads * args.head_dim * (1.0 if args.no_causal else 0.5)
         row: dict = {"S": S}
         runs = [("ringflash", lambda S=S, f=flops: bench_ringflash(args, S, f))]
+        for m in args.modes:
+            runs.append((m, lambda S=S, f=flops, m=m: bench_sp_mode(args, S, f, m)))
         for b in args.baselines:
             runs.append((f"cp_{b}", lambda S=S, f=flops, b=b: bench_context_parallel(args, S, f, b)))
         for name, fn in runs:
@@ -207,6 +235,8 @@ def main() -> None:
             f"causal={not args.no_causal}, bf16; per-GPU TFLOP/s fwd / fwd+bwd, median of {args.iters}"
         )
         cols = ["S", "ringflash", "eff", "exposed comm", "peak GiB"]
+        for m in args.modes:
+            cols += [m, f"peak GiB ({m})"]
         for b in args.baselines:
             cols += [f"CP {b}", f"peak GiB ({b})"]
         cols += ["ringflash/CP cudnn (fwd+bwd)"] if "cudnn" in args.baselines else []
@@ -215,6 +245,8 @@ def main() -> None:
             rf = row["ringflash"]
             cells = [str(row["S"]), f"{fmt(rf, 'fwd')} / {fmt(rf, 'fwd_bwd')}", fmt(rf, "efficiency", ".0%"),
                      fmt(rf, "exposed_comm", ".1%"), fmt(rf, "peak_gib", ".1f")]  # fmt: skip
+            for m in args.modes:
+                cells += [f"{fmt(row[m], 'fwd')} / {fmt(row[m], 'fwd_bwd')}", fmt(row[m], "peak_gib", ".1f")]
             for b in args.baselines:
                 cp = row[f"cp_{b}"]
                 cells += [f"{fmt(cp, 'fwd')} / {fmt(cp, 'fwd_bwd')}", fmt(cp, "peak_gib", ".1f")]
@@ -235,7 +267,7 @@ def main() -> None:
             import matplotlib.pyplot as plt
 
             fig, ax = plt.subplots(figsize=(6, 4))
-            for name in ["ringflash"] + [f"cp_{b}" for b in args.baselines]:
+            for name in ["ringflash", *args.modes] + [f"cp_{b}" for b in args.baselines]:
                 pts = [(r["S"], r[name]["fwd_bwd"]) for r in rows if r.get(name)]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=name)
