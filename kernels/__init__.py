@@ -9,6 +9,7 @@ positions (``TokenPositions``).
 from .backward import attention_backward, attention_delta
 from .forward import attention_forward
 from .functional import flash_attn_func, flash_attn_varlen_func
+from .merge import merge_attention_partial
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window
 
@@ -25,4 +26,5 @@ __all__ = [
     "check_window",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "merge_attention_partial",
 ]

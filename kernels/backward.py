@@ -270,6 +270,8 @@ def attention_backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     accumulate: bool = False,
+    compute_dkdv: bool = True,
+    compute_dq: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the dK/dV and dQ kernels for a validated problem.
 
@@ -277,6 +279,8 @@ def attention_backward(
     to (for a ring step, the final merged LSE). delta: ``attention_delta(out, dout, problem)``.
     dq/dk/dv buffers (shapes of q/k/v, any supported float dtype) are written, or added to when
     ``accumulate`` is True; missing ones are allocated in q's dtype. Returns (dq, dk, dv).
+    ``compute_dkdv``/``compute_dq`` launch only one of the two kernels (the other buffers are
+    left untouched), so a caller can ship dK/dV while dQ is still being computed.
     """
     if accumulate and (dq is None or dk is None or dv is None):
         raise ValueError("accumulate=True needs dq, dk and dv buffers to add into")
@@ -309,18 +313,20 @@ def attention_backward(
     )  # fmt: skip
     cfg = backward_kv_config(problem.head_dim, problem.bounds.right is not None)
     grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
-    _dkdv_kernel[grid](
-        q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
-        *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
-        *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-    )  # fmt: skip
+    if compute_dkdv:
+        _dkdv_kernel[grid](
+            q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
+            *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
     cfg = backward_q_config(problem.head_dim, problem.bounds.right is not None)
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
-    _dq_kernel[grid](
-        q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,
-        *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
-        *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-    )  # fmt: skip
+    if compute_dq:
+        _dq_kernel[grid](
+            q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
+            *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
     return dq, dk, dv

@@ -102,27 +102,34 @@ def ring_backward(
     grads_pending = None
     for i, tasks in enumerate(schedule.steps):
         kv_pending = comm.exchange(kv, bufs[i % 2]) if i < last else None
-        if tasks:
+        calls = [(*_slices(t), _task_problem(base, t)) for t in tasks]
+
+        def launch(qs, ks, problem, kv=kv, **which):
+            attention_backward(
+                dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], lse[:, :, qs], delta[:, :, qs], problem,
+                dq=dq[:, qs], dk=scratch[0][:, ks], dv=scratch[1][:, ks], accumulate=True, **which,
+            )  # fmt: skip
+
+        # dK/dV first, so their transfer overlaps this step's dQ kernels (after the last step
+        # this hides the trip home).
+        if calls:
             for g in scratch:
                 g.zero_()
-            for task in tasks:
-                qs, ks = _slices(task)
-                attention_backward(
-                    dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], lse[:, :, qs], delta[:, :, qs],
-                    _task_problem(base, task), dq=dq[:, qs], dk=scratch[0][:, ks], dv=scratch[1][:, ks],
-                    accumulate=True,
-                )  # fmt: skip
+            for call in calls:
+                launch(*call, compute_dq=False)
         acc = travel[i % 2]  # this shard's dK/dV so far, received from the previous rank
         if grads_pending is None:
             for a, s in zip(acc, scratch):
-                a.copy_(s) if tasks else a.zero_()
+                a.copy_(s) if calls else a.zero_()
         else:
             grads_pending.wait()
-            if tasks:
+            if calls:
                 for a, s in zip(acc, scratch):
                     a.add_(s)
         # Pass the accumulator on; after the last step it goes straight home, `last` ranks back.
         grads_pending = comm.exchange(acc, travel[(i + 1) % 2], offset=1 if i < last else -last)
+        for call in calls:
+            launch(*call, compute_dkdv=False)
         if kv_pending is not None:
             kv_pending.wait()
             kv = bufs[i % 2]
