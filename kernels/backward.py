@@ -36,8 +36,14 @@ def _delta_kernel(
     row_ok = offs_m < len_q
     mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q0 + offs_m).to(tl.int64)
-    o = tl.load(O + pb * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :], mask=mask)
-    do = tl.load(DO + pb * stride_db + h * stride_dh + rows[:, None] * stride_ds + offs_d[None, :], mask=mask)
+    o = tl.load(
+        O + pb * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0
+    )
+    do = tl.load(
+        DO + pb * stride_db + h * stride_dh + rows[:, None] * stride_ds + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + pb * stride_lb + h * stride_lh + rows, delta, mask=row_ok)
 
@@ -108,10 +114,14 @@ def _dkdv_kernel(
         kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
         krow = (k0 + offs_n).to(tl.int64)
         k = tl.load(
-            K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :], mask=kv_mask
+            K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
         )
         v = tl.load(
-            V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :], mask=kv_mask
+            V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
         )
         key_pos = k_start + k_stride * offs_n
         key_lo = k_start + k_stride * n0
@@ -204,10 +214,14 @@ def _dq_kernel(
         io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
         qrow = (q0 + offs_m).to(tl.int64)
         q = tl.load(
-            Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :], mask=io_mask
+            Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :],
+            mask=io_mask,
+            other=0.0,
         )
         do = tl.load(
-            DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :], mask=io_mask
+            DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :],
+            mask=io_mask,
+            other=0.0,
         )
         lse2 = (
             tl.load(LSE + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
