@@ -1,0 +1,154 @@
+"""Single-GPU attention benchmark: ringflash's Triton kernel beside torch SDPA (flash, cuDNN) and
+FlexAttention, in the same run on the same inputs.
+
+    python launch/bench_attention.py
+    python launch/bench_attention.py --head-dims 128 --seqlens 16384 65536 --backends ringflash cudnn
+
+bf16, B*S kept near --tokens (default 64K), 16 heads. TFLOP/s from attention FLOPs: fwd =
+4*B*H*S^2*D (half when causal), fwd+bwd = 3.5x fwd; medians of triton.testing.do_bench. Peak
+memory is one fwd+bwd's peak allocation above the inputs. Each config first checks ringflash's
+output against SDPA's flash backend (rel. error < 2e-2, else the row says FAIL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ringflash
+
+BACKENDS = ("ringflash", "flash", "cudnn", "flex")
+
+
+def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool):
+    """(run, leaves): ``run()`` computes attention with backend ``name`` on fresh random
+    inputs; ``leaves`` are the tensors to differentiate with respect to."""
+    layout = (b, s, h, d) if name == "ringflash" else (b, h, s, d)  # SDPA/Flex take (B, H, S, D)
+    q, k, v = (torch.randn(layout, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    if name == "ringflash":
+        return (lambda: ringflash.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
+    if name in ("flash", "cudnn"):
+        backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return run, (q, k, v)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
+    flex = torch.compile(flex_attention)
+    return (lambda: flex(q, k, v, block_mask=mask)), (q, k, v)
+
+
+def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool) -> dict:
+    fn, leaves = make_runner(name, b, s, h, d, causal)
+    dout = torch.randn_like(fn())
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    with torch.no_grad():
+        t_fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    t_all = triton.testing.do_bench(
+        lambda: torch.autograd.grad(fn(), leaves, dout), warmup=25, rep=100, return_mode="median"
+    )
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(fn(), leaves, dout)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return {"fwd": flops / t_fwd / 1e9, "fwd_bwd": 3.5 * flops / t_all / 1e9, "peak_gib": peak}
+
+
+def check_against_sdpa(b: int, s: int, h: int, d: int, causal: bool) -> float:
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        ours = ringflash.flash_attn_func(q, k, v, causal=causal).float()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+    ref = ref.transpose(1, 2).float()
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--tokens", type=int, default=65536, help="batch = max(1, tokens // seqlen)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--quick", action="store_true", help="one small config, for a smoke test")
+    p.add_argument("--json", help="write raw results here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention.py needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    if args.quick:
+        args.head_dims, args.seqlens, args.causal = [128], [4096], "yes"
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    rows = []
+    for d in args.head_dims:
+        for causal in causals:
+            for s in args.seqlens:
+                b = max(1, args.tokens // s)
+                row = {
+                    "S": s,
+                    "B": b,
+                    "D": d,
+                    "causal": causal,
+                    "err": check_against_sdpa(b, s, args.heads, d, causal),
+                }
+                for name in args.backends:
+                    print(
+                        f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} {name}",
+                        file=sys.stderr,
+                    )
+                    try:
+                        row[name] = bench_one(name, b, s, args.heads, d, causal)
+                    except Exception as e:  # a backend that cannot run a shape shows n/a
+                        print(
+                            f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr
+                        )
+                        row[name] = None
+                    torch.cuda.empty_cache()
+                rows.append(row)
+
+    def cell(r):
+        return "n/a" if r is None else f"{r['fwd']:.0f} / {r['fwd_bwd']:.0f}"
+
+    def peak(r):
+        return "n/a" if r is None else f"{r['peak_gib']:.2f}"
+
+    def ratio(row, other):
+        a, o = row.get("ringflash"), row.get(other)
+        return "n/a" if not a or not o else f"{a['fwd_bwd'] / o['fwd_bwd']:.2f}"
+
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.date.today()}, bf16, {args.heads} heads; TFLOP/s fwd / fwd+bwd (median)")  # fmt: skip
+    cols = ["S", "B", "D", "causal", *args.backends, "vs flash", "vs cuDNN", "peak GiB ours / flash", "check"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in rows:
+        cells = [row["S"], row["B"], row["D"], "yes" if row["causal"] else "no"]
+        cells += [cell(row.get(n)) for n in args.backends]
+        cells += [
+            ratio(row, "flash"),
+            ratio(row, "cudnn"),
+            f"{peak(row.get('ringflash'))} / {peak(row.get('flash'))}",
+        ]
+        cells += [f"{'ok' if row['err'] < 2e-2 else 'FAIL'} {row['err']:.1e}"]
+        print("| " + " | ".join(map(str, cells)) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
