@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 
 import torch
+import torch.nn.attention.flex_attention as _flex
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -42,11 +44,16 @@ def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         return run, (q, k, v)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = _flex.create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
+    return (lambda: _compiled_flex()(q, k, v, block_mask=mask)), (q, k, v)
 
-    mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
-    flex = torch.compile(flex_attention)
-    return (lambda: flex(q, k, v, block_mask=mask)), (q, k, v)
+
+@functools.cache
+def _compiled_flex():
+    # One compiled function for all shapes; each shape is a recompile, so lift dynamo's limit
+    # (past it, flex_attention silently falls back to an unfused, memory-hungry path).
+    torch._dynamo.config.cache_size_limit = 256
+    return torch.compile(_flex.flex_attention, dynamic=False)
 
 
 def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool) -> dict:
