@@ -32,31 +32,42 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def forward_config(head_dim: int, causal: bool = False) -> TileConfig:
+def _shrink_for_fp32(cfg: TileConfig, head_dim: int) -> TileConfig:
+    """float32 tiles take twice the shared memory of the bf16-tuned ones: halve and stage less.
+    fp32 runs are for exactness (CPU tests, references), not speed."""
+    if head_dim > 128:
+        return TileConfig(32, 32, 4, 1)
+    return TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 64), 4, 2)
+
+
+def forward_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
-        return TileConfig(128, 64, 8, 3)
-    if head_dim <= 128:
-        return TileConfig(128, 128, 8, 3)
-    return TileConfig(64, 32, 4, 2)
+        cfg = TileConfig(128, 64, 8, 3)
+    elif head_dim <= 128:
+        cfg = TileConfig(128, 128, 8, 3)
+    else:
+        cfg = TileConfig(64, 32, 4, 2)
+    return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_kv_config(head_dim: int, causal: bool = False) -> TileConfig:
+def backward_kv_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
     """dK/dV kernel: block_n keys stay resident, block_m query rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
-        return TileConfig(64, 128, 4, 2) if causal else TileConfig(64, 64, 4, 3)
-    if head_dim <= 128:
-        return TileConfig(64, 128, 8, 3)
-    return TileConfig(32, 64, 4, 1)
+        cfg = TileConfig(64, 128, 4, 2) if causal else TileConfig(64, 64, 4, 3)
+    elif head_dim <= 128:
+        cfg = TileConfig(64, 128, 8, 3)
+    else:
+        cfg = TileConfig(32, 64, 4, 1)
+    return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_q_config(head_dim: int, causal: bool = False) -> TileConfig:
+def backward_q_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
     """dQ kernel: block_m queries stay resident, block_n key rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG
-    if head_dim <= 128:
-        return TileConfig(128, 64, 8, 3)
-    return TileConfig(64, 32, 4, 1)
+    cfg = TileConfig(128, 64, 8, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 1)
+    return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg

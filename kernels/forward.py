@@ -156,7 +156,7 @@ def attention_forward(
         out = torch.empty_like(q)
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
-    cfg = forward_config(problem.head_dim, problem.bounds.right is not None)
+    cfg = forward_config(problem.head_dim, problem.bounds.right is not None, q.dtype == torch.float32)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
