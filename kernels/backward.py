@@ -57,9 +57,9 @@ def _store_grad(ptrs, value, mask, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds, stride_dqs,
-    lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale, softmax_scale,
-    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+    lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.arange(0, BLOCK_M)
@@ -87,26 +87,19 @@ def _dkdv_tiles(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if FUSED_DQ:
-            # dQ rows get contributions from every key tile: add them atomically in float32.
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * softmax_scale
-            tl.atomic_add(
-                dq_base + rows[:, None] * stride_dqs + offs_d[None, :], dq, mask=d_ok & row_mask[:, None]
-            )
     return dk, dv
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    stride_lb, stride_lh,
     seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -145,24 +138,20 @@ def _dkdv_kernel(
             do_base = DO + pb * stride_db + h * stride_dh + q0.to(tl.int64) * stride_ds
             lse_base = LSE + pb * stride_lb + h * stride_lh + q0
             delta_base = DELTA + pb * stride_lb + h * stride_lh + q0
-            dq_base = DQ + pb * stride_dqb + h * stride_dqh + q0.to(tl.int64) * stride_dqs
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                stride_qs, stride_ds, stride_dqs, start, full_start, key_pos, q_start, q_stride, len_q,
-                win_left, win_right, qk_scale, softmax_scale, True, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                start, full_start, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                True, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
             )  # fmt: skip
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                stride_qs, stride_ds, stride_dqs, full_start, full_end, key_pos, q_start, q_stride, len_q,
-                win_left, win_right, qk_scale, softmax_scale, False, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                full_start, full_end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                False, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
             )  # fmt: skip
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                stride_qs, stride_ds, stride_dqs, full_end, end, key_pos, q_start, q_stride, len_q,
-                win_left, win_right, qk_scale, softmax_scale, True, HAS_LEFT, HAS_RIGHT, FUSED_DQ,
-                BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                full_end, end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
+                True, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
             )  # fmt: skip
         dk = dk * softmax_scale
         dk_ptrs = DK + pb * stride_dkb + hk * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
@@ -297,7 +286,6 @@ def attention_backward(
     accumulate: bool = False,
     compute_dkdv: bool = True,
     compute_dq: bool = True,
-    fused_dq: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the dK/dV and dQ kernels for a validated problem.
 
@@ -307,8 +295,6 @@ def attention_backward(
     ``accumulate`` is True; missing ones are allocated in q's dtype. Returns (dq, dk, dv).
     ``compute_dkdv``/``compute_dq`` launch only one of the two kernels (the other buffers are
     left untouched), so a caller can ship dK/dV while dQ is still being computed.
-    ``fused_dq`` computes dQ inside the dK/dV kernel with float32 atomic adds (fewer matmuls,
-    not bitwise deterministic) when both parts are requested.
     """
     if accumulate and (dq is None or dk is None or dv is None):
         raise ValueError("accumulate=True needs dq, dk and dv buffers to add into")
@@ -339,24 +325,15 @@ def attention_backward(
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
     )  # fmt: skip
-    fused_dq = fused_dq and compute_dkdv and compute_dq
-    dq_acc = dq
-    if fused_dq and not (accumulate and dq.dtype == torch.float32):
-        dq_acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
-    dqa4 = as_4d(dq_acc, vl)
     cfg = backward_kv_config(problem.head_dim, problem.bounds.right is not None, q.dtype == torch.float32)
     grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
     if compute_dkdv:
         _dkdv_kernel[grid](
-            q4, k4, v4, do4, lse, delta, dk4, dv4, dqa4, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3], *dqa4.stride()[:3],
+            q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
             *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, FUSED_DQ=fused_dq, **common,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    if fused_dq:
-        if dq_acc is not dq:
-            dq.add_(dq_acc) if accumulate else dq.copy_(dq_acc)
-        return dq, dk, dv
     cfg = backward_q_config(problem.head_dim, problem.bounds.right is not None, q.dtype == torch.float32)
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
     if compute_dq:

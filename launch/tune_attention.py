@@ -74,38 +74,16 @@ def sweep_case(d: int, causal: bool, seqlen: int, heads: int) -> dict:
     return results
 
 
-def compare_dq_paths(d: int, causal: bool, seqlen: int, heads: int) -> None:
-    """Backward with dQ in its own kernel vs fused into dK/dV with atomics, current configs."""
-    b = max(1, 65536 // seqlen)
-    q, k, v, do = (torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    prob = build_problem(q, k, v, None, causal, (-1, -1))
-    flops = 2.5 * 4 * b * heads * seqlen**2 * d * (0.5 if causal else 1.0)
-    out, lse = attention_forward(q, k, v, prob)
-    delta = attention_delta(out, do, prob)
-    res = {}
-    for fused in (False, True):
-        res[fused] = bench(lambda f=fused: attention_backward(do, q, k, v, lse, delta, prob, fused_dq=f))
-    print(
-        f"DQPATH D={d} causal={causal} backward TFLOP/s: separate dQ kernel {flops / res[False] / 1e9:.0f}, "
-        f"fused atomic dQ {flops / res[True] / 1e9:.0f}"
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dq-only", action="store_true", help="only compare the two dQ paths")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
     for d in args.head_dims:
         for causal in (False, True):
-            if args.dq_only:
-                compare_dq_paths(d, causal, args.seqlen, args.heads)
-                continue
             print(f"RESULT D={d} causal={causal} {sweep_case(d, causal, args.seqlen, args.heads)}")
-            compare_dq_paths(d, causal, args.seqlen, args.heads)
 
 
 if __name__ == "__main__":
