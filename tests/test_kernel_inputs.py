@@ -1,77 +1,369 @@
 """Bad input raises ValueError/TypeError naming the argument, before anything reaches Triton."""
 
+from __future__ import annotations
+
+import math
+
 import pytest
 import torch
 
 import ringflash
+from ringflash.kernels import attention_backward, attention_delta, attention_forward, build_problem
 
 
 def _qkv(device, b=1, s=8, h=2, hk=2, d=16, dtype=torch.float32):
-    return (torch.randn(b, s, n, d, device=device, dtype=dtype) for n in (h, hk, hk))
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, s, n, d, generator=g).to(device, dtype) for n in (h, hk, hk))
 
 
-def test_bad_tensors(device):
+def _no_last_dim_stride(t):
+    """Same values, stride(-1) != 1."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# Each case: function of (q, k, v) -> kwargs overriding flash_attn_func's, exception, match.
+def _case(case_id, make, exc, match):
+    return pytest.param(make, exc, match, id=case_id)
+
+
+def _same_dim(n):
+    """q, k, v cut or tiled to head_dim n."""
+    return lambda q, k, v: {name: t.repeat(1, 1, 1, 17)[..., :n] for name, t in zip("qkv", (q, k, v))}
+
+
+# Each case: function of (q, k, v) -> kwargs overriding flash_attn_func's, exception, match.
+DENSE_CASES = [
+    _case(
+        "q-rank",
+        lambda q, k, v: dict(q=q[0]),
+        ValueError,
+        r"q must be 4-D \(batch, seqlen, heads, head_dim\)",
+    ),
+    _case("k-rank", lambda q, k, v: dict(k=k[..., None]), ValueError, r"k must be 4-D"),
+    _case("v-rank", lambda q, k, v: dict(v=v[0]), ValueError, r"v must be 4-D"),
+    _case(
+        "q-not-tensor", lambda q, k, v: dict(q=q.tolist()), TypeError, r"q must be a torch.Tensor, got list"
+    ),
+    _case("v-not-tensor", lambda q, k, v: dict(v=None), TypeError, r"v must be a torch.Tensor, got NoneType"),
+    _case("dtype-mismatch", lambda q, k, v: dict(q=q.half()), TypeError, r"q, k, v must share a dtype"),
+    _case("dtype-mismatch-v", lambda q, k, v: dict(v=v.half()), TypeError, r"q, k, v must share a dtype"),
+    _case("int-q", lambda q, k, v: dict(q=q.int()), TypeError, r"q must be float16, bfloat16 or float32"),
+    _case("int-k", lambda q, k, v: dict(k=k.long()), TypeError, r"k must be float16, bfloat16 or float32"),
+    _case(
+        "float64-v", lambda q, k, v: dict(v=v.double()), TypeError, r"v must be float16, bfloat16 or float32"
+    ),
+    _case("bool-q", lambda q, k, v: dict(q=q > 0), TypeError, r"q must be float16, bfloat16 or float32"),
+    _case("kv-seqlen", lambda q, k, v: dict(v=v[:, :4]), ValueError, r"k and v must have the same shape"),
+    _case("kv-heads", lambda q, k, v: dict(k=k[:, :, :1]), ValueError, r"k and v must have the same shape"),
+    _case(
+        "head-dim-mismatch",
+        lambda q, k, v: dict(k=torch.cat([k, k], -1), v=torch.cat([v, v], -1)),
+        ValueError,
+        r"k head_dim 32 differs from q head_dim 16",
+    ),
+    _case(
+        "head-dim-12", _same_dim(12), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 12"
+    ),
+    _case("head-dim-4", _same_dim(4), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 4"),
+    _case(
+        "head-dim-264", _same_dim(264), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 264"
+    ),
+    _case(
+        "heads-not-divisible",
+        lambda q, k, v: dict(q=torch.cat([q, q[:, :, :1]], 2)),
+        ValueError,
+        r"q heads \(3\) must be divisible by k/v heads \(2\)",
+    ),
+    _case(
+        "q-last-dim-strided",
+        lambda q, k, v: dict(q=_no_last_dim_stride(q)),
+        ValueError,
+        r"q must have a contiguous last \(head_dim\) dimension",
+    ),
+    _case(
+        "v-last-dim-strided",
+        lambda q, k, v: dict(v=_no_last_dim_stride(v)),
+        ValueError,
+        r"v must have a contiguous last \(head_dim\) dimension",
+    ),
+    _case(
+        "k-every-other-element",
+        lambda q, k, v: dict(k=torch.cat([k, k], -1)[..., ::2]),
+        ValueError,
+        r"k must have a contiguous last",
+    ),
+    _case(
+        "batch-mismatch",
+        lambda q, k, v: dict(q=torch.cat([q, q])),
+        ValueError,
+        r"q batch 2 differs from k/v batch 1",
+    ),
+    _case(
+        "window-int", lambda q, k, v: dict(window_size=4), TypeError, r"window_size must be a pair of ints"
+    ),
+    _case(
+        "window-float",
+        lambda q, k, v: dict(window_size=(1.5, 0)),
+        TypeError,
+        r"window_size must be a pair of ints",
+    ),
+    _case(
+        "window-triple", lambda q, k, v: dict(window_size=(1, 0, 0)), TypeError, r"window_size must be a pair"
+    ),
+    _case(
+        "window-bool",
+        lambda q, k, v: dict(window_size=(True, 0)),
+        TypeError,
+        r"window_size must be a pair of int",
+    ),
+    _case(
+        "window-none",
+        lambda q, k, v: dict(window_size=None),
+        TypeError,
+        r"window_size must be a pair of ints",
+    ),
+    _case(
+        "window-left",
+        lambda q, k, v: dict(window_size=(-2, 0)),
+        ValueError,
+        r"window_size entries must be >= -1",
+    ),
+    _case(
+        "window-right",
+        lambda q, k, v: dict(window_size=(3, -5)),
+        ValueError,
+        r"window_size entries must be >= -1",
+    ),
+    _case("causal-str", lambda q, k, v: dict(causal="yes"), TypeError, r"causal must be a bool, got str"),
+    _case("causal-int", lambda q, k, v: dict(causal=1), TypeError, r"causal must be a bool, got int"),
+    _case(
+        "scale-negative",
+        lambda q, k, v: dict(softmax_scale=-1.0),
+        ValueError,
+        r"softmax_scale must be a positive",
+    ),
+    _case(
+        "scale-zero", lambda q, k, v: dict(softmax_scale=0.0), ValueError, r"softmax_scale must be a positive"
+    ),
+    _case(
+        "scale-nan",
+        lambda q, k, v: dict(softmax_scale=math.nan),
+        ValueError,
+        r"softmax_scale must be a positive",
+    ),
+    _case(
+        "scale-inf",
+        lambda q, k, v: dict(softmax_scale=math.inf),
+        ValueError,
+        r"softmax_scale must be a positive",
+    ),
+    _case(
+        "scale-str",
+        lambda q, k, v: dict(softmax_scale="0.1"),
+        TypeError,
+        r"softmax_scale must be a float or None",
+    ),
+    _case(
+        "scale-bool",
+        lambda q, k, v: dict(softmax_scale=True),
+        TypeError,
+        r"softmax_scale must be a float or None",
+    ),
+    _case(
+        "scale-tensor",
+        lambda q, k, v: dict(softmax_scale=torch.tensor(0.1)),
+        TypeError,
+        r"softmax_scale must be",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), DENSE_CASES)
+def test_bad_dense_inputs(device, make, exc, match):
     q, k, v = _qkv(device)
-    f = ringflash.flash_attn_func
-    with pytest.raises(ValueError, match="q must be 4-D"):
-        f(q[0], k, v)
-    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        f(q.tolist(), k, v)
-    with pytest.raises(TypeError, match="must share a dtype"):
-        f(q.half(), k, v)
-    with pytest.raises(TypeError, match="k must be float16, bfloat16 or float32"):
-        f(q, k.int(), v)
-    with pytest.raises(ValueError, match="k and v must have the same shape"):
-        f(q, k, v[:, :4])
-    with pytest.raises(ValueError, match="k head_dim 24 differs from q head_dim 16"):
-        q2, k2, v2 = _qkv(device, d=24)
-        f(q, k2, v2)
-    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
-        f(*_qkv(device, d=12))
-    with pytest.raises(ValueError, match="head_dim must be a multiple of 8 in \\[8, 256\\]"):
-        f(*_qkv(device, d=264))
-    with pytest.raises(ValueError, match="q heads \\(3\\) must be divisible by k/v heads \\(2\\)"):
-        f(*_qkv(device, h=3))
-    with pytest.raises(ValueError, match="contiguous last"):
-        f(q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
-    with pytest.raises(ValueError, match="q batch 2 differs from k/v batch 1"):
-        f(torch.cat([q, q]), k, v)
+    kwargs = dict(q=q, k=k, v=v)
+    kwargs.update(make(q, k, v))
+    with pytest.raises(exc, match=match):
+        ringflash.flash_attn_func(**kwargs)
 
 
-def test_bad_mask_and_scale_arguments(device):
+def test_bad_inputs_rejected_by_build_problem_too(device):
+    """The low-level entry validates the same way (the ring engine calls it directly)."""
     q, k, v = _qkv(device)
-    f = ringflash.flash_attn_func
-    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
-        f(q, k, v, window_size=4)
-    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
-        f(q, k, v, window_size=(1.5, 0))
+    with pytest.raises(TypeError, match="q, k, v must share a dtype"):
+        build_problem(q, k.half(), v, None, False, (-1, -1))
     with pytest.raises(ValueError, match="window_size entries must be >= -1"):
-        f(q, k, v, window_size=(-2, 0))
-    with pytest.raises(TypeError, match="causal must be a bool"):
-        f(q, k, v, causal="yes")
-    with pytest.raises(ValueError, match="softmax_scale must be a positive finite float"):
-        f(q, k, v, softmax_scale=-1.0)
-    with pytest.raises(ValueError, match="softmax_scale must be a positive finite float"):
-        f(q, k, v, softmax_scale=float("nan"))
-    with pytest.raises(TypeError, match="softmax_scale must be a float or None"):
-        f(q, k, v, softmax_scale="0.1")
+        build_problem(q, k, v, None, True, (0, -3))
+    with pytest.raises(ValueError, match="varlen attention needs both cu_seqlens_q and cu_seqlens_k"):
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+        build_problem(
+            q[0], k[0], v[0], None, False, (-1, -1), cu_seqlens_q=cu, max_seqlen_q=8, max_seqlen_k=8
+        )
 
 
-def test_bad_varlen_arguments(device):
+def test_backward_buffer_checks(device):
+    q, k, v = _qkv(device)
+    prob = build_problem(q, k, v, None, True, (-1, -1))
+    out, lse = attention_forward(q, k, v, prob)
+    delta = attention_delta(out, q, prob)
+    with pytest.raises(ValueError, match="accumulate=True needs dq, dk and dv buffers"):
+        attention_backward(q, q, k, v, lse, delta, prob, accumulate=True)
+    with pytest.raises(ValueError, match="lse and delta must share strides"):
+        attention_backward(q, q, k, v, lse, delta.transpose(1, 2).contiguous().transpose(1, 2), prob)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(window_size=[3, 0]),
+        dict(window_size=(0, 0)),
+        dict(softmax_scale=1),
+        dict(causal=True, window_size=(-1, 5)),
+    ],
+    ids=str,
+)
+def test_good_edge_arguments_accepted(device, kwargs):
+    """Lists as windows, int scales and the boundary head dims 8 and 256 are accepted."""
+    for d in (8, 256):
+        q, k, v = _qkv(device, d=d)
+        out = ringflash.flash_attn_func(q, k, v, **kwargs)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def _cu(values, device, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+# Each case: function of (q, k, v, cu) -> kwargs overriding flash_attn_varlen_func's, exception, match;
+# q, k, v are (10, 2, 16) packed tokens, cu = [0, 4, 10] (sequences of 4 and 6).
+VARLEN_CASES = [
+    _case(
+        "q-4d",
+        lambda q, k, v, cu: dict(q=q[None]),
+        ValueError,
+        r"q must be 3-D \(total_tokens, heads, head_dim\)",
+    ),
+    _case("k-2d", lambda q, k, v, cu: dict(k=k[0]), ValueError, r"k must be 3-D"),
+    _case(
+        "cu-q-int64",
+        lambda q, k, v, cu: dict(cu_seqlens_q=cu.long()),
+        TypeError,
+        r"cu_seqlens_q must be a 1-D torch.int32",
+    ),
+    _case(
+        "cu-k-float",
+        lambda q, k, v, cu: dict(cu_seqlens_k=cu.float()),
+        TypeError,
+        r"cu_seqlens_k must be a 1-D torch.int32",
+    ),
+    _case(
+        "cu-k-2d",
+        lambda q, k, v, cu: dict(cu_seqlens_k=cu[None]),
+        TypeError,
+        r"cu_seqlens_k must be a 1-D torch.int32",
+    ),
+    _case(
+        "cu-q-list",
+        lambda q, k, v, cu: dict(cu_seqlens_q=[0, 4, 10]),
+        TypeError,
+        r"cu_seqlens_q must be a 1-D torch.int32",
+    ),
+    _case(
+        "cu-q-one-entry",
+        lambda q, k, v, cu: dict(cu_seqlens_q=cu[:1]),
+        ValueError,
+        r"cu_seqlens_q needs at least 2 entries",
+    ),
+    _case(
+        "cu-q-not-from-0",
+        lambda q, k, v, cu: dict(cu_seqlens_q=_cu([1, 4, 10], q.device)),
+        ValueError,
+        r"cu_seqlens_q must start at 0, never decrease and end at 10, got \[1, 4, 10\]",
+    ),
+    _case(
+        "cu-k-decreasing",
+        lambda q, k, v, cu: dict(cu_seqlens_k=_cu([0, 6, 4, 10], q.device)),
+        ValueError,
+        r"cu_seqlens_k must start at 0, never decrease and end at 10, got \[0, 6, 4, 10\]",
+    ),
+    _case(
+        "cu-q-wrong-total",
+        lambda q, k, v, cu: dict(cu_seqlens_q=_cu([0, 4, 9], q.device)),
+        ValueError,
+        r"cu_seqlens_q must start at 0, never decrease and end at 10, got \[0, 4, 9\]",
+    ),
+    _case(
+        "cu-k-past-total",
+        lambda q, k, v, cu: dict(cu_seqlens_k=_cu([0, 4, 11], q.device)),
+        ValueError,
+        r"cu_seqlens_k must start at 0, never decrease and end at 10",
+    ),
+    _case(
+        "cu-counts-differ",
+        lambda q, k, v, cu: dict(cu_seqlens_k=_cu([0, 10], q.device), max_seqlen_k=10),
+        ValueError,
+        r"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got 2 and 1",
+    ),
+    _case(
+        "max-q-too-small",
+        lambda q, k, v, cu: dict(max_seqlen_q=5),
+        ValueError,
+        r"max_seqlen_q must be an int >= the longest sequence \(6\), got 5",
+    ),
+    _case(
+        "max-k-too-small",
+        lambda q, k, v, cu: dict(max_seqlen_k=0),
+        ValueError,
+        r"max_seqlen_k must be an int >= the longest sequence \(6\), got 0",
+    ),
+    _case(
+        "max-k-float", lambda q, k, v, cu: dict(max_seqlen_k=6.0), ValueError, r"max_seqlen_k must be an int"
+    ),
+    _case(
+        "max-q-none", lambda q, k, v, cu: dict(max_seqlen_q=None), ValueError, r"max_seqlen_q must be an int"
+    ),
+    _case("dtype-mismatch", lambda q, k, v, cu: dict(k=k.half()), TypeError, r"q, k, v must share a dtype"),
+    _case(
+        "head-dim",
+        lambda q, k, v, cu: dict(q=q[..., :8]),
+        ValueError,
+        r"k head_dim 16 differs from q head_dim 8",
+    ),
+    _case(
+        "heads",
+        lambda q, k, v, cu: dict(q=q[:, :1], k=torch.cat([k, k], 1), v=torch.cat([v, v], 1)),
+        ValueError,
+        r"q heads \(1\) must be divisible by k/v heads \(4\)",
+    ),
+    _case(
+        "window",
+        lambda q, k, v, cu: dict(window_size=(0, -2)),
+        ValueError,
+        r"window_size entries must be >= -1",
+    ),
+    _case("causal", lambda q, k, v, cu: dict(causal=None), TypeError, r"causal must be a bool"),
+    _case(
+        "scale", lambda q, k, v, cu: dict(softmax_scale=-0.5), ValueError, r"softmax_scale must be a positive"
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), VARLEN_CASES)
+def test_bad_varlen_inputs(device, make, exc, match):
     q, k, v = (t[0] for t in _qkv(device, s=10))
-    f = ringflash.flash_attn_varlen_func
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
-    with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-D torch.int32 tensor"):
-        f(q, k, v, cu.long(), cu, 6, 6)
-    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0, never decrease and end at 10"):
-        f(q, k, v, cu, torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=device), 6, 6)
-    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
-        f(q, k, v, torch.tensor([1, 4, 10], dtype=torch.int32, device=device), cu, 6, 6)
-    with pytest.raises(ValueError, match="end at 10"):
-        f(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32, device=device), cu, 6, 6)
-    with pytest.raises(ValueError, match="same number of sequences"):
-        f(q, k, v, cu, torch.tensor([0, 10], dtype=torch.int32, device=device), 6, 10)
-    with pytest.raises(ValueError, match="max_seqlen_q must be an int >= the longest sequence \\(6\\)"):
-        f(q, k, v, cu, cu, 5, 6)
-    with pytest.raises(ValueError, match="must be 3-D"):
-        f(q[None], k, v, cu, cu, 6, 6)
+    cu = _cu([0, 4, 10], device)
+    kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+    kwargs.update(make(q, k, v, cu))
+    with pytest.raises(exc, match=match):
+        ringflash.flash_attn_varlen_func(**kwargs)
+
+
+def test_varlen_empty_sequences_accepted(device):
+    """Equal consecutive cu_seqlens entries are empty sequences, on either side."""
+    q, k, v = (t[0] for t in _qkv(device, s=10))
+    cu_q = _cu([0, 0, 4, 4, 10, 10], device)
+    cu_k = _cu([0, 3, 3, 7, 10, 10], device)
+    out, lse = ringflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 4, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 10)
+    assert torch.isfinite(out).all()
+    assert torch.isneginf(lse[:, :4]).all() and torch.isfinite(lse[:, 4:]).all()  # 2nd sequence has no keys
