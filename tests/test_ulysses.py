@@ -106,3 +106,18 @@ def test_hybrid_layout_indices_cover_sequence():
             assert torch.equal(idx.sort().values, torch.arange(32)), (layout, u)
     with pytest.raises(ValueError, match="multiple of 8"):
         layout_indices("zigzag", 0, 4, 6, 4)  # one ring shard of 6 tokens over 4 Ulysses ranks
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+def test_ulysses_bf16_real_size_on_gpus(rank_pool, kv_heads):
+    case = Case(2, 2, True, kv_heads, heads=8, seqlen=4096, head_dim=128, dtype=torch.bfloat16)
+    results = rank_pool(case.world).run(_run, case)
+    q, k, v, dout = (t.double().requires_grad_() for t in _full(case))
+    ref_out, _ = reference_attention(q, k, v, causal=True)
+    ref_out.backward(dout)
+    for i, exp in ((0, ref_out), (2, q.grad), (3, k.grad), (4, v.grad)):
+        got = torch.empty(exp.shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            got.index_copy_(1, layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses), res[i])
+        assert rel_err(got, exp) < TOLERANCE[torch.bfloat16]
