@@ -4,11 +4,16 @@ Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAtte
 Sequence parallel: ``ring_flash_attn_func`` (ring), ``ulysses_attn_func`` (all-to-all over
 heads) and ``sp_attn_func`` (one entry point for ring / ulysses / hybrid) over a process group,
 with ``shard_sequence`` / ``gather_sequence`` to move between full sequences and shards.
+Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
+``sequence_parallel_cross_entropy``, ``reduce_gradients``, ``SequenceParallelAttention``.
 """
 
+from .batch import sequence_parallel_cross_entropy, shard_batch
+from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .kernels import flash_attn_func, flash_attn_varlen_func
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .merge import merge_partial
+from .modules import ReferenceDecoder, SequenceParallelAttention
 from .ring import ring_flash_attn_func
 from .sharding import gather_sequence, shard_sequence
 from .ulysses import SP_MODES, sp_attn_func, ulysses_attn_func
@@ -17,13 +22,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LAYOUTS",
+    "ParallelGroups",
+    "ReferenceDecoder",
+    "SequenceParallelAttention",
     "SP_MODES",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "gather_sequence",
     "layout_indices",
     "merge_partial",
+    "reduce_gradients",
     "ring_flash_attn_func",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_groups",
+    "shard_batch",
     "shard_sequence",
     "sp_attn_func",
     "ulysses_attn_func",

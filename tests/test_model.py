@@ -1,0 +1,120 @@
+"""Training step of the reference decoder: sequence-parallel loss and gradients equal the
+single-process full-sequence run (fp32), with D x S process groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import worker_device
+
+from ringflash.batch import sequence_parallel_cross_entropy, shard_batch
+from ringflash.groups import reduce_gradients, sequence_parallel_groups
+from ringflash.modules import ReferenceDecoder, SequenceParallelAttention
+
+VOCAB, DIM, LAYERS, HEADS, SEQ = 64, 32, 2, 4, 32
+
+
+def _model(kv_heads: int, attention=None) -> ReferenceDecoder:
+    torch.manual_seed(0)
+    return ReferenceDecoder(VOCAB, DIM, LAYERS, HEADS, kv_heads, attention)
+
+
+def _batch(replica: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + replica)
+    return {"input_ids": torch.randint(0, VOCAB, (2, SEQ), generator=g)}
+
+
+def _sp_step(sp_size: int, layout: str, kv_heads: int, sp_mode: str):
+    groups = sequence_parallel_groups(sp_size)
+    ulysses = sp_size if sp_mode == "ulysses" else 1
+    attn = SequenceParallelAttention(group=groups.sp_group, layout=layout, sp_mode=sp_mode)
+    model = _model(kv_heads, attn).to(worker_device())
+    batch = {k: v.to(worker_device()) for k, v in _batch(groups.dp_rank).items()}
+    shard = shard_batch(batch, groups.sp_group, layout=layout, ulysses_size=ulysses)
+    logits = model(shard["input_ids"], shard["position_ids"])
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    dist.barrier()
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("world", "sp_size", "layout", "kv_heads", "sp_mode"),
+    [
+        (2, 2, "zigzag", 2, "ring"),
+        (4, 4, "stripe", 4, "ring"),
+        (4, 2, "zigzag", 1, "ring"),
+        (2, 2, "zigzag", 2, "ulysses"),
+    ],
+)
+def test_sequence_parallel_step_matches_single_process(rank_pool, world, sp_size, layout, kv_heads, sp_mode):
+    results = rank_pool(world).run(_sp_step, sp_size, layout, kv_heads, sp_mode)
+    dp_size = world // sp_size
+    ref_grads: dict[str, torch.Tensor] = {}
+    for replica in range(dp_size):
+        model = _model(kv_heads)  # no process group: single-device attention on the full sequence
+        ids = _batch(replica)["input_ids"]
+        logits = model(ids, torch.arange(SEQ).expand_as(ids))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        for rank in range(replica * sp_size, (replica + 1) * sp_size):
+            assert abs(results[rank][0] - loss.item()) < 1e-5 * max(1.0, loss.item()), (
+                rank,
+                results[rank][0],
+            )
+        for n, p in model.named_parameters():
+            ref_grads[n] = ref_grads.get(n, 0) + p.grad / dp_size
+    for rank, (_, grads) in enumerate(results):
+        for n, g in grads.items():
+            err = ((g - ref_grads[n]).norm() / ref_grads[n].norm()).item()
+            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+
+
+def _shard_one():
+    return shard_batch({"input_ids": torch.arange(16).view(1, 16)}, layout="zigzag")
+
+
+def test_shard_batch_shifts_labels_before_sharding(rank_pool):
+    shards = [s["target_ids"] for s in rank_pool(2).run(_shard_one)]
+    # zigzag over 2 ranks: rank 0 holds tokens 0-3 and 12-15, rank 1 tokens 4-11; each token's
+    # target is the next token, including across shard boundaries (3 -> 4, 11 -> 12).
+    assert shards[0].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
+    assert shards[1].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def _bad_batches():
+    errors = {}
+    for name, batch in {
+        "pad": {
+            "input_ids": torch.ones(1, 8, dtype=torch.long),
+            "attention_mask": torch.tensor([[1] * 7 + [0]]),
+        },
+        "packed": {
+            "input_ids": torch.ones(1, 8, dtype=torch.long),
+            "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
+        },
+        "rank": {"input_ids": torch.ones(8, dtype=torch.long)},
+        "odd": {"input_ids": torch.ones(1, 6, dtype=torch.long)},
+    }.items():
+        try:
+            shard_batch(batch)
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    try:
+        sequence_parallel_groups(3)
+    except ValueError as e:
+        errors["groups"] = str(e)
+    return errors
+
+
+def test_bad_batches_and_groups(rank_pool):
+    errors = rank_pool(2).run(_bad_batches)[0]
+    assert "padding is not supported" in errors["pad"]
+    assert "packed sequences" in errors["packed"]
+    assert "(batch, seqlen)" in errors["rank"]
+    assert "multiple of 4" in errors["odd"]
+    assert "sp_size must be a positive int dividing the world size 2" in errors["groups"]
