@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (imported on demand: they need the framework installed)."""
