@@ -69,6 +69,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
     dist.destroy_process_group()
 
 
+def errors_of(calls: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
+    """Run each call (on a rank); map its name to "ErrorType: message", or None if it did not
+    raise ValueError/TypeError, so bad-input tests can assert on every rank's messages."""
+    errors: dict[str, str | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
 class RankPool:
     def __init__(self, world_size: int, backend: str) -> None:
         ctx = mp.get_context("spawn")

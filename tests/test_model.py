@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import worker_device
+from distributed import errors_of, worker_device
 
 from ringflash.batch import sequence_parallel_cross_entropy, shard_batch
 from ringflash.groups import reduce_gradients, sequence_parallel_groups
@@ -86,29 +86,18 @@ def test_shard_batch_shifts_labels_before_sharding(rank_pool):
 
 
 def _bad_batches():
-    errors = {}
-    for name, batch in {
-        "pad": {
-            "input_ids": torch.ones(1, 8, dtype=torch.long),
-            "attention_mask": torch.tensor([[1] * 7 + [0]]),
-        },
-        "packed": {
-            "input_ids": torch.ones(1, 8, dtype=torch.long),
-            "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
-        },
-        "rank": {"input_ids": torch.ones(8, dtype=torch.long)},
-        "odd": {"input_ids": torch.ones(1, 6, dtype=torch.long)},
-    }.items():
-        try:
-            shard_batch(batch)
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    try:
-        sequence_parallel_groups(3)
-    except ValueError as e:
-        errors["groups"] = str(e)
-    return errors
+    ones = torch.ones(1, 8, dtype=torch.long)
+    return errors_of(
+        {
+            "pad": lambda: shard_batch({"input_ids": ones, "attention_mask": torch.tensor([[1] * 7 + [0]])}),
+            "packed": lambda: shard_batch(
+                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2])}
+            ),
+            "rank": lambda: shard_batch({"input_ids": torch.ones(8, dtype=torch.long)}),
+            "odd": lambda: shard_batch({"input_ids": torch.ones(1, 6, dtype=torch.long)}),
+            "groups": lambda: sequence_parallel_groups(3),
+        }
+    )
 
 
 def test_bad_batches_and_groups(rank_pool):

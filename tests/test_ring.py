@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import worker_device
+from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, rel_err
 
 import ringflash
@@ -138,19 +138,15 @@ def test_zigzag_indices_balance():
 
 def _bad_calls():
     q = torch.randn(1, 6, 2, 16, device=worker_device())
-    errors = {}
-    for name, call in {
-        "layout": lambda: ringflash.ring_flash_attn_func(q, q, q, layout="spiral"),
-        "odd": lambda: ringflash.ring_flash_attn_func(q[:, :5], q[:, :5], q[:, :5], layout="zigzag"),
-        "lengths": lambda: ringflash.ring_flash_attn_func(q, q[:, :4], q[:, :4]),
-        "shard": lambda: ringflash.shard_sequence(torch.randn(1, 10, 2), layout="zigzag"),
-        "group": lambda: ringflash.ring_flash_attn_func(q, q, q, group="world"),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError) as e:
-            errors[name] = f"{type(e).__name__}: {e}"
+    errors = errors_of(
+        {
+            "layout": lambda: ringflash.ring_flash_attn_func(q, q, q, layout="spiral"),
+            "odd": lambda: ringflash.ring_flash_attn_func(q[:, :5], q[:, :5], q[:, :5], layout="zigzag"),
+            "lengths": lambda: ringflash.ring_flash_attn_func(q, q[:, :4], q[:, :4]),
+            "shard": lambda: ringflash.shard_sequence(torch.randn(1, 10, 2), layout="zigzag"),
+            "group": lambda: ringflash.ring_flash_attn_func(q, q, q, group="world"),
+        }
+    )
     dist.barrier()
     return errors
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from distributed import worker_device
+from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, rel_err
 
 import ringflash
@@ -76,19 +76,14 @@ def test_ulysses_and_hybrid_match_full_attention(rank_pool, ulysses, causal, kv_
 def _bad_calls():
     q = torch.randn(1, 8, 3, 16, device=worker_device())
     kv = torch.randn(1, 8, 3, 16, device=worker_device())
-    errors = {}
-    for name, call in {
-        "heads": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="ulysses"),
-        "mode": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="star"),
-        "size": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid", ulysses_size=3),
-        "missing": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid"),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError) as e:
-            errors[name] = str(e)
-    return errors
+    return errors_of(
+        {
+            "heads": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="ulysses"),
+            "mode": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="star"),
+            "size": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid", ulysses_size=3),
+            "missing": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid"),
+        }
+    )
 
 
 def test_sp_attn_bad_inputs(rank_pool):
