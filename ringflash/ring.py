@@ -44,6 +44,13 @@ def _task_problem(base: AttentionProblem, task: BlockTask) -> AttentionProblem:
     )  # fmt: skip
 
 
+def _receive_buffers(k: torch.Tensor, v: torch.Tensor, schedule: RingSchedule):
+    """Two K/V receive buffers (double buffering), or none when the ring never moves."""
+    if schedule.n_steps == 1:
+        return None
+    return [torch.empty_like(k), torch.empty_like(v)], [torch.empty_like(k), torch.empty_like(v)]
+
+
 def _slices(task: BlockTask) -> tuple[slice, slice]:
     return slice(task.q_start, task.q_start + task.q_len), slice(task.k_start, task.k_start + task.k_len)
 
@@ -62,7 +69,7 @@ def ring_forward(
     acc_lse = torch.full((b, hq, n), float("-inf"), device=q.device, dtype=torch.float32)
     blk_out = torch.empty_like(acc_out)
     blk_lse = torch.empty_like(acc_lse)
-    bufs = [torch.empty_like(k), torch.empty_like(v)], [torch.empty_like(k), torch.empty_like(v)]
+    bufs = _receive_buffers(k, v, schedule)
     kv = [k, v]
     for i, tasks in enumerate(schedule.steps):
         pending = comm.exchange(kv, bufs[i % 2]) if i + 1 < schedule.n_steps else None
@@ -96,7 +103,7 @@ def ring_backward(
     f32 = dict(device=k.device, dtype=torch.float32)
     scratch = [torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)]
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
-    bufs = [torch.empty_like(k), torch.empty_like(v)], [torch.empty_like(k), torch.empty_like(v)]
+    bufs = _receive_buffers(k, v, schedule)
     kv = [k, v]
     last = schedule.n_steps - 1
     grads_pending = None
