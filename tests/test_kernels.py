@@ -35,8 +35,8 @@ FULL = (-1, -1)
 # helpers
 
 
-def _randn(gen, shape, dtype, device, scale=1.0):
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+def _randn(gen, shape, dtype, device):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
 
 def _inputs(b, sq, sk, h, hk, d, dtype, device, seed=0):
@@ -261,7 +261,7 @@ def test_dout_with_strided_last_dim(device):
 
 
 def test_return_lse_false_and_determinism(device):
-    q, k, v, dout = _inputs(2, 33, 33, 4, 2, 24, torch.float32, device, seed=21)
+    q, k, v, dout = _inputs(2, 33, 20, 2, 1, 24, torch.float32, device, seed=21)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = ringflash.flash_attn_func(q, k, v, causal=True)
     assert isinstance(out, torch.Tensor)
@@ -335,7 +335,7 @@ def test_varlen_matches_per_sequence_reference(device, dtype, causal, window):
     lens_q = [5, 17, 0, 1, 33, 3, 16, 9]
     lens_k = [5, 20, 3, 2, 30, 0, 16, 1]
     g = torch.Generator().manual_seed(3)
-    h, hk, d = 4, 2, 24
+    h, hk, d = 2, 1, 24
     q, dout = (_randn(g, (sum(lens_q), h, d), dtype, device) for _ in range(2))
     k, v = (_randn(g, (sum(lens_k), hk, d), dtype, device) for _ in range(2))
     check_varlen(q, k, v, dout, lens_q, lens_k, causal, window)
