@@ -96,9 +96,10 @@ def _dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -107,8 +108,9 @@ def _dkdv_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < len_k:
-        if ALIGN_END:
-            q_start += len_k - len_q
+        # per_len: block offsets that scale with each sequence's length (see positions.py).
+        q_start += q_per_len * len_q
+        k_start += k_per_len * len_k
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
@@ -194,9 +196,10 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -205,8 +208,9 @@ def _dq_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
-        if ALIGN_END:
-            q_start += len_k - len_q
+        # per_len: block offsets that scale with each sequence's length (see positions.py).
+        q_start += q_per_len * len_q
+        k_start += k_per_len * len_k
         hk = h // GROUP
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -313,13 +317,12 @@ def attention_backward(
     b = problem.bounds
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
-        IS_VARLEN=vl, ALIGN_END=problem.align_end, HAS_LEFT=b.left is not None,
+        IS_VARLEN=vl, HAS_LEFT=b.left is not None,
         HAS_RIGHT=b.right is not None, ACCUMULATE=accumulate, DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     scalars = (
         problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, problem.softmax_scale * LOG2E,
-        problem.q_positions.start, problem.q_positions.stride,
-        problem.k_positions.start, problem.k_positions.stride, b.left or 0, b.right or 0,
+        *problem.position_args(), b.left or 0, b.right or 0,
     )  # fmt: skip
     qkv_strides = (
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),

@@ -62,9 +62,10 @@ def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, qk_scale, q_start, q_stride, k_start, k_stride, win_left, win_right,
+    seqlen_q, seqlen_k, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN_END: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -73,8 +74,9 @@ def _fwd_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
-        if ALIGN_END:
-            q_start += len_k - len_q
+        # per_len: block offsets that scale with each sequence's length (see positions.py).
+        q_start += q_per_len * len_q
+        k_start += k_per_len * len_k
         hk = h // GROUP
         q_base = Q + pb * stride_qb + h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qs
         k_base = K + pb * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks
@@ -171,11 +173,10 @@ def attention_forward(
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         *lse_strides(lse, vl),
         problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale * LOG2E,
-        problem.q_positions.start, problem.q_positions.stride,
-        problem.k_positions.start, problem.k_positions.stride,
+        *problem.position_args(),
         b.left or 0, b.right or 0,
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=vl, ALIGN_END=problem.align_end,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=vl,
         HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -1,8 +1,11 @@
 """Token positions and the attention mask they imply.
 
 Every kernel call sees a block of queries and a block of keys. Each block knows where its
-tokens sit in the full sequence as an affine map ``position(i) = start + stride * i``: a
-contiguous shard has stride 1, a stripe shard (token t on rank t mod W) has stride W.
+tokens sit in the full sequence as an affine map ``position(i) = start + per_len * n + stride * i``
+where n is the block's length (per sequence in varlen calls): a contiguous shard has stride 1,
+a stripe shard (token t on rank t mod W) has stride W, and ``per_len`` places blocks whose
+offset scales with their length, such as chunk c of every packed document (per_len = c) or
+flash-attn's bottom-right alignment (per_len = -1 on both sides).
 
 A key at position ``pk`` is visible to a query at position ``pq`` when
 
@@ -21,23 +24,35 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class TokenPositions:
-    """Global positions of a block's tokens: ``start + stride * i`` for local index ``i``."""
+    """Global positions of a block's tokens: ``start + per_len * n + stride * i`` for local index
+    ``i`` of a block (sequence) of length ``n``."""
 
     start: int = 0
     stride: int = 1
+    per_len: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.start, int) or not isinstance(self.stride, int):
-            raise TypeError(f"TokenPositions needs int start and stride, got {self.start!r}, {self.stride!r}")
+        if not all(isinstance(x, int) for x in (self.start, self.stride, self.per_len)):
+            raise TypeError(
+                f"TokenPositions needs int start and stride (and per_len), got "
+                f"{self.start!r}, {self.stride!r}, {self.per_len!r}"
+            )
         if self.stride < 1:
             raise ValueError(f"TokenPositions.stride must be >= 1, got {self.stride}")
 
+    def resolved(self, n: int) -> TokenPositions:
+        """The same positions for a block of length ``n``, with ``per_len`` folded into start."""
+        return TokenPositions(self.start + self.per_len * n, self.stride)
+
     def at(self, i: int) -> int:
+        """Position of local index ``i`` (``per_len`` must be resolved first)."""
+        if self.per_len:
+            raise ValueError("TokenPositions.at needs resolved positions: call .resolved(n) first")
         return self.start + self.stride * i
 
     def shifted(self, n: int) -> TokenPositions:
-        """Positions of the sub-block that starts at local index ``n``."""
-        return TokenPositions(self.start + self.stride * n, self.stride)
+        """Positions of the sub-block that starts at local index ``n`` (resolved positions)."""
+        return TokenPositions(self.at(n), self.stride)
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ def block_visibility(
     """Classify a (query block, key block) pair under ``bounds`` with exact integer math."""
     if n_q == 0 or n_k == 0:
         return Visibility.NONE
+    q_pos, k_pos = q_pos.resolved(n_q), k_pos.resolved(n_k)
     q_lo, q_hi = q_pos.start, q_pos.at(n_q - 1)
     k_lo, k_hi = k_pos.start, k_pos.at(n_k - 1)
     # Some pair visible: the extreme keys are within reach of the extreme queries...

@@ -41,10 +41,10 @@ class AttentionProblem:
     def group(self) -> int:
         return self.heads_q // self.heads_k
 
-    @property
-    def align_end(self) -> bool:
-        """Varlen: each sequence's queries align to the end of its keys (flash-attn convention)."""
-        return self.varlen
+    def position_args(self) -> tuple[int, int, int, int, int, int]:
+        """(q start, q stride, k start, k stride, q per_len, k per_len) as the kernels take them."""
+        qp, kp = self.q_positions, self.k_positions
+        return qp.start, qp.stride, kp.start, kp.stride, qp.per_len, kp.per_len
 
     def lse_shape(self, total_q: int) -> tuple[int, ...]:
         if self.varlen:
@@ -164,7 +164,10 @@ def build_problem(
                     f"{name} must be an int >= the longest sequence ({max(actual)}), got {given!r}"
                 )
         batch, seqlen_q, seqlen_k = cu_q.numel() - 1, max_seqlen_q, max_seqlen_k
-        q_positions = q_positions or TokenPositions(0, 1)  # shifted per sequence in the kernel
+        # Each sequence's queries align to the end of its keys (flash-attn's convention): both
+        # sides count back from their own sequence's length.
+        q_positions = q_positions or TokenPositions(0, 1, per_len=-1)
+        k_positions = k_positions or TokenPositions(0, 1, per_len=-1)
     else:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q batch {q.shape[0]} differs from k/v batch {k.shape[0]}")

@@ -10,7 +10,10 @@ the share of time left to exposed communication (1 - time of the same ring sched
 transfers removed / ring time) and peak memory per GPU; then the same for
 torch.distributed.tensor.experimental.context_parallel with SDPA's cuDNN and flash backends.
 Times are medians over --iters runs, max over ranks. bf16, B=1, causal unless --no-causal.
---modes adds Ulysses and hybrid (sp_attn_func) columns to the same run.
+--modes adds Ulysses and hybrid (sp_attn_func) columns to the same run. --docs N packs N equal
+documents into each sequence (attention stays inside each; FLOPs count only that work, and the
+efficiency baseline is the single-GPU varlen kernel on documents of the same length); PyTorch's
+context_parallel has no packed mode, so its columns are skipped then.
 """
 
 from __future__ import annotations
@@ -30,8 +33,7 @@ import torch.nn.functional as F
 import ringflash
 from ringflash.comm import PendingExchange, RingComm
 from ringflash.kernels import build_problem
-from ringflash.ring import ring_backward, ring_forward
-from ringflash.schedule import ring_schedule
+from ringflash.ring import ring_backward, ring_forward, ring_plan
 
 
 class _NoTransferComm(RingComm):
@@ -69,29 +71,38 @@ def peak_gib(fn: Callable[[], object]) -> float:
     return m.item()
 
 
+def doc_lengths(args, S: int) -> list[int]:
+    return [S // args.docs] * args.docs
+
+
+def cu_seqlens(args, S: int) -> list[int] | None:
+    """Cumulative lengths of --docs equal documents, or None for one sequence."""
+    return None if args.docs == 1 else [S // args.docs * i for i in range(args.docs + 1)]
+
+
 def bench_ringflash(args, S: int, flops: float) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     n = S // world
     mk = lambda h: torch.randn(1, n, h, args.head_dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    causal = not args.no_causal
+    kw = dict(causal=not args.no_causal, layout=args.layout, cu_seqlens=cu_seqlens(args, S))
 
     def fwd():
         with torch.no_grad():
-            ringflash.ring_flash_attn_func(q, k, v, causal=causal, layout=args.layout)
+            ringflash.ring_flash_attn_func(q, k, v, **kw)
 
     def fwd_bwd():
-        out = ringflash.ring_flash_attn_func(*leaves, causal=causal, layout=args.layout)
+        out = ringflash.ring_flash_attn_func(*leaves, **kw)
         torch.autograd.grad(out, leaves, dout)
 
-    base = build_problem(q, k, v, None, causal, (-1, -1))
-    sched = ring_schedule(args.layout, rank, world, n, base.bounds)
+    base = build_problem(q, k, v, None, kw["causal"], (-1, -1))
     local = _NoTransferComm()
+    plan = ring_plan(base, args.layout, local, tuple(doc_lengths(args, S)), args.docs > 1, q.device)
 
     def compute_only():
-        out, lse = ring_forward(q, k, v, base, sched, local)
-        ring_backward(dout, q, k, v, out, lse, base, sched, local)
+        out, lse = ring_forward(q, k, v, plan, local)
+        ring_backward(dout, q, k, v, out, lse, base, plan, local)
 
     r = {"fwd": flops / world / timed(fwd, args.iters) / 1e12}
     t_ring = timed(fwd_bwd, args.iters)
@@ -106,8 +117,9 @@ def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
     world = dist.get_world_size()
     sp_mode, _, u = mode.partition(":")
     kw = dict(
-        causal=not args.no_causal, layout=args.layout, sp_mode=sp_mode, ulysses_size=int(u) if u else None
-    )
+        causal=not args.no_causal, layout=args.layout, sp_mode=sp_mode, ulysses_size=int(u) if u else None,
+        cu_seqlens=cu_seqlens(args, S),
+    )  # fmt: skip
     mk = lambda h: torch.randn(1, S // world, h, args.head_dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -126,18 +138,24 @@ def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
 
 
 def single_gpu_fwd_bwd_tflops(args, S: int) -> float:
-    s = min(S, 65536)
-    mk = lambda h: torch.randn(
-        1, s, h, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True
-    )  # noqa: E731
+    """This kernel on one GPU: min(S, 64K) tokens, or (--docs) as many whole documents as fit
+    in 64K tokens through the varlen kernel."""
+    length = min(S, 65536) if args.docs == 1 else S // args.docs
+    s = length * max(1, 65536 // length) if args.docs > 1 else length
+    mk = lambda h: torch.randn(s, h, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
     dout = torch.randn_like(q)
     causal = not args.no_causal
+    cu = torch.arange(0, s + 1, length, device="cuda", dtype=torch.int32)
 
     def fwd_bwd():
-        torch.autograd.grad(ringflash.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+        if args.docs == 1:
+            out = ringflash.flash_attn_func(q[None], k[None], v[None], causal=causal)[0]
+        else:
+            out = ringflash.flash_attn_varlen_func(q, k, v, cu, cu, length, length, causal=causal)
+        torch.autograd.grad(out, (q, k, v), dout)
 
-    flops = 4 * s * s * args.heads * args.head_dim * (0.5 if causal else 1.0)
+    flops = 4 * s * length * args.heads * args.head_dim * (0.5 if causal else 1.0)
     return 3.5 * flops / timed(fwd_bwd, args.iters) / 1e12
 
 
@@ -193,10 +211,13 @@ def main() -> None:
     p.add_argument("--baselines", nargs="*", default=["cudnn", "flash"], choices=["cudnn", "flash"])
     p.add_argument("--modes", nargs="*", default=[], help='extra ringflash modes: "ulysses", "hybrid:U"')
     p.add_argument("--cp-rotate", default="allgather", choices=["allgather", "alltoall"])
+    p.add_argument("--docs", type=int, default=1, help="pack this many equal documents per sequence")
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--plot", help="write a PNG of per-GPU fwd+bwd TFLOP/s against sequence length")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
+    if args.docs > 1:
+        args.baselines = []  # context_parallel cannot keep attention inside packed documents
     if not torch.cuda.is_available():
         sys.exit("bench_ring.py needs CUDA GPUs (one per rank); try launch/demo.py on a CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -207,7 +228,8 @@ def main() -> None:
 
     rows = []
     for S in args.seqlens:
-        flops = 4 * S * S * args.heads * args.head_dim * (1.0 if args.no_causal else 0.5)
+        # Attention FLOPs inside each document: docs x 4 * L^2 * H * D (half when causal).
+        flops = 4 * S * (S // args.docs) * args.heads * args.head_dim * (1.0 if args.no_causal else 0.5)
         row: dict = {"S": S}
         runs = [("ringflash", lambda S=S, f=flops: bench_ringflash(args, S, f))]
         for m in args.modes:
@@ -231,7 +253,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"\n{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, {datetime.date.today()}, "
-            f"B=1, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, layout {args.layout}, "
+            f"B=1, {args.docs} document(s), heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+            f"layout {args.layout}, "
             f"causal={not args.no_causal}, bf16; per-GPU TFLOP/s fwd / fwd+bwd, median of {args.iters}"
         )
         cols = ["S", "ringflash", "eff", "exposed comm", "peak GiB"]

@@ -1,7 +1,8 @@
 """ringflash: exact attention over sequences too long for one GPU.
 
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAttention-2 with LSE).
-Sequence parallel: ``ring_flash_attn_func`` (ring), ``ulysses_attn_func`` (all-to-all over
+Sequence parallel: ``ring_flash_attn_func`` (ring; ``ring_flash_attn_varlen_func`` for packed
+documents), ``ulysses_attn_func`` (all-to-all over
 heads) and ``sp_attn_func`` (one entry point for ring / ulysses / hybrid) over a process group,
 with ``shard_sequence`` / ``gather_sequence`` to move between full sequences and shards.
 Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
@@ -14,7 +15,7 @@ from .kernels import flash_attn_func, flash_attn_varlen_func
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .merge import merge_partial
 from .modules import ReferenceDecoder, SequenceParallelAttention
-from .ring import ring_flash_attn_func
+from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
 from .sharding import gather_sequence, shard_sequence
 from .ulysses import SP_MODES, sp_attn_func, ulysses_attn_func
 
@@ -33,6 +34,7 @@ __all__ = [
     "merge_partial",
     "reduce_gradients",
     "ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_groups",
     "shard_batch",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import resolve_group
+from .comm import RingComm, resolve_group
+from .layouts import shard_multiple
+from .mesh import check_ulysses_size
 from .sharding import shard_sequence
 
 
@@ -16,6 +20,7 @@ def shard_batch(
     layout: str = "zigzag",
     ulysses_size: int = 1,
     ignore_index: int = -100,
+    pad_token_id: int = 0,
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of a causal-LM batch.
 
@@ -24,9 +29,18 @@ def shard_batch(
     accepted: pad-free batches). Labels are shifted *before* sharding, so the target of the last
     token of one shard (the first token of the next) is not lost.
 
+    Packed sequences: where ``position_ids`` restart inside a row (e.g. transformers'
+    DataCollatorWithFlattening), each run of increasing positions is a document. All documents
+    of all rows become one packed row; each is padded at its end (``pad_token_id``, no target,
+    positions continuing) to a multiple of what the layout needs and split on its own, its last
+    token gets no target, and the result has a ``cu_seqlens`` entry (int32, on the CPU) to pass
+    to ``sp_attn_func`` / ``SequenceParallelAttention`` / the Hugging Face integration
+    (``cu_seq_lens_q=``), which keep attention inside each document.
+
     Returns ``input_ids``, ``position_ids`` (rotary positions follow their tokens) and
     ``target_ids`` (already shifted; ``ignore_index`` after each sequence's last token), each
-    (batch, seqlen / W) in the layout ``sp_attn_func`` expects. Pass ``target_ids`` to
+    (batch, seqlen / W) in the layout ``sp_attn_func`` expects ((1, padded total / W) when
+    packed), plus ``cu_seqlens`` when packed. Pass ``target_ids`` to
     ``sequence_parallel_cross_entropy``, not to a model that shifts labels itself.
     """
     if "input_ids" not in batch:
@@ -43,15 +57,49 @@ def shard_batch(
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     if labels.shape != ids.shape or positions.shape != ids.shape:
         raise ValueError("labels and position_ids must have the shape of input_ids")
-    if bool((positions[:, 1:] <= positions[:, :-1]).any()):
-        raise ValueError(
-            "position_ids restart inside a row (packed sequences): ring attention over packed "
-            "sequences is not supported yet; use one sequence per row"
-        )
-    targets = torch.full_like(labels, ignore_index)
-    targets[:, :-1] = labels[:, 1:]
-    shard = lambda t: shard_sequence(t, group, dim=1, layout=layout, ulysses_size=ulysses_size)  # noqa: E731
-    return {"input_ids": shard(ids), "position_ids": shard(positions), "target_ids": shard(targets)}
+    shard = lambda t, cu=None: shard_sequence(t, group, 1, layout, ulysses_size, cu)  # noqa: E731
+    restarts = positions[:, 1:] <= positions[:, :-1]
+    if not bool(restarts.any()):
+        targets = torch.full_like(labels, ignore_index)
+        targets[:, :-1] = labels[:, 1:]
+        return {"input_ids": shard(ids), "position_ids": shard(positions), "target_ids": shard(targets)}
+    world = RingComm(group).world_size
+    ulysses_size = check_ulysses_size(ulysses_size, world)
+    multiple = shard_multiple(layout, world // ulysses_size) * ulysses_size
+    packed = _pack_documents(ids, labels, positions, restarts, multiple, ignore_index, pad_token_id)
+    cu = packed.pop("cu_seqlens")
+    return {name: shard(t, cu) for name, t in packed.items()} | {"cu_seqlens": cu}
+
+
+def _pack_documents(
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    restarts: torch.Tensor,
+    multiple: int,
+    ignore_index: int,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """One row of documents, each shifted within itself and padded to ``multiple`` tokens."""
+    parts: dict[str, list[torch.Tensor]] = {"input_ids": [], "position_ids": [], "target_ids": []}
+    lens = []
+    for row in range(ids.shape[0]):
+        cuts = [0, *(restarts[row].nonzero().flatten() + 1).tolist(), ids.shape[1]]
+        for a, b in zip(cuts, cuts[1:]):
+            n = b - a
+            pad = -n % multiple
+            target = torch.full((n + pad,), ignore_index, dtype=labels.dtype, device=labels.device)
+            target[: n - 1] = labels[row, a + 1 : b]
+            last = positions[row, b - 1]
+            parts["input_ids"].append(torch.cat([ids[row, a:b], ids.new_full((pad,), pad_token_id)]))
+            parts["position_ids"].append(
+                torch.cat([positions[row, a:b], last + 1 + torch.arange(pad, device=positions.device)])
+            )
+            parts["target_ids"].append(target)
+            lens.append(n + pad)
+    packed = {name: torch.cat(ts)[None] for name, ts in parts.items()}
+    packed["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    return packed
 
 
 class _SumOverGroup(torch.autograd.Function):

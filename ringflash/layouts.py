@@ -12,6 +12,8 @@ segment) pairs to compute, and with which mask, follows from the positions alone
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +25,15 @@ LAYOUTS = ("contiguous", "zigzag", "stripe")
 
 @dataclass(frozen=True)
 class Segment:
-    """Local tokens [local_start, local_start + length) sit at global ``positions``."""
+    """Local tokens [local_start, local_start + length): the same chunk of every document, at
+    document-relative ``positions`` (``per_len`` scales with each document's chunk length).
+    ``seq_lens`` is each document's chunk length (they sum to ``length``); an unpacked sequence
+    is a single document."""
 
     local_start: int
     length: int
     positions: TokenPositions
+    seq_lens: tuple[int, ...]
 
 
 def check_layout(layout: object) -> str:
@@ -37,7 +43,7 @@ def check_layout(layout: object) -> str:
 
 
 def shard_multiple(layout: str, world_size: int) -> int:
-    """The full sequence length must be a multiple of this."""
+    """The full sequence length (each packed document's length) must be a multiple of this."""
     return 2 * world_size if check_layout(layout) == "zigzag" else world_size
 
 
@@ -53,24 +59,69 @@ def check_total_length(layout: str, total: int, world_size: int, what: str = "se
     return total // world_size
 
 
-def segments(layout: str, rank: int, world_size: int, local_len: int) -> list[Segment]:
-    """The segments of rank ``rank``'s local tokens under ``layout``."""
+def document_lengths(
+    cu_seqlens: torch.Tensor | Sequence[int], total: int, layout: str, ring_size: int
+) -> tuple[int, ...]:
+    """Validated document lengths of a packed sequence of ``total`` tokens.
+
+    cu_seqlens: cumulative lengths (0, L_0, L_0 + L_1, ..., total) of the documents of the *full*
+    sequence, as an int tensor (CPU avoids a device sync) or a sequence of ints. Each document
+    is split by ``layout`` over the ``ring_size`` ring ranks on its own, so each length must be
+    a positive multiple of the layout's ``shard_multiple``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
+        bounds = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens
+    ):
+        bounds = list(cu_seqlens)
+    else:
+        raise TypeError(
+            f"cu_seqlens must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
+        )
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the full sequence length {total}, got {bounds}")
+    lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    m = shard_multiple(layout, ring_size)
+    bad = [(i, n) for i, n in enumerate(lens) if n <= 0 or n % m]
+    if bad:
+        i, n = bad[0]
+        raise ValueError(
+            f"packed document {i} has length {n}: with layout {layout!r} over {ring_size} ring ranks "
+            f"every document must be a positive multiple of {m}; pad each document (shard_batch does)"
+        )
+    return lens
+
+
+def segments(layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...]) -> list[Segment]:
+    """The segments of rank ``rank``'s local tokens under ``layout``, for a full sequence made of
+    documents of lengths ``doc_lens`` (one document: an unpacked sequence), each split on its
+    own. Packed local order: chunk c of every document, then (zigzag) the mirrored chunk."""
     check_layout(layout)
-    if layout == "contiguous":
-        return [Segment(0, local_len, TokenPositions(rank * local_len, 1))]
     if layout == "stripe":
-        return [Segment(0, local_len, TokenPositions(rank, world_size))]
-    if local_len % 2:
-        raise ValueError(f"zigzag needs an even local sequence length, got {local_len}")
-    c = local_len // 2
+        return [Segment(0, sum(doc_lens) // world_size, TokenPositions(rank, world_size),
+                        tuple(n // world_size for n in doc_lens))]  # fmt: skip
+    if layout == "contiguous" or world_size == 1:
+        lens = tuple(n // world_size for n in doc_lens)
+        return [Segment(0, sum(lens), TokenPositions(0, 1, per_len=rank), lens)]
+    lens = tuple(n // (2 * world_size) for n in doc_lens)
+    c = sum(lens)
     return [
-        Segment(0, c, TokenPositions(rank * c, 1)),
-        Segment(c, c, TokenPositions((2 * world_size - 1 - rank) * c, 1)),
+        Segment(0, c, TokenPositions(0, 1, per_len=rank), lens),
+        Segment(c, c, TokenPositions(0, 1, per_len=2 * world_size - 1 - rank), lens),
     ]
 
 
 def layout_indices(
-    layout: str, rank: int, world_size: int, total: int, ulysses_size: int = 1
+    layout: str,
+    rank: int,
+    world_size: int,
+    total: int,
+    ulysses_size: int = 1,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Global positions (int64, in local order) of rank ``rank``'s tokens.
 
@@ -78,11 +129,17 @@ def layout_indices(
     split by ``layout`` over the W/U ring groups, and each ring shard is then cut into U
     contiguous pieces, one per rank of the Ulysses group (ranks g*U .. g*U+U-1). After the
     Ulysses all-to-all, a group thus holds its ring shard in the ring's own local order.
+    With ``cu_seqlens`` (packed documents, see ``document_lengths``) each document is split on
+    its own.
     """
     if world_size % ulysses_size:
         raise ValueError(f"ulysses_size {ulysses_size} must divide the group size {world_size}")
     ring_size = world_size // ulysses_size
-    check_total_length(layout, total, ring_size)
+    if cu_seqlens is None:
+        check_total_length(layout, total, ring_size)
+        doc_lens: tuple[int, ...] = (total,)
+    else:
+        doc_lens = document_lengths(cu_seqlens, total, layout, ring_size)
     ring_len = total // ring_size
     if ring_len % ulysses_size:
         raise ValueError(
@@ -90,10 +147,12 @@ def layout_indices(
             f"it must be a multiple of {shard_multiple(layout, ring_size) * ulysses_size}"
         )
     ring_rank, piece = divmod(rank, ulysses_size)
-    parts = [
-        s.positions.start + s.positions.stride * torch.arange(s.length)
-        for s in segments(layout, ring_rank, ring_size, ring_len)
-    ]
+    starts = [0, *itertools.accumulate(doc_lens)]
+    parts = []
+    for seg in segments(layout, ring_rank, ring_size, doc_lens):
+        for doc_start, n in zip(starts, seg.seq_lens):
+            pos = seg.positions.resolved(n)
+            parts.append(doc_start + pos.start + pos.stride * torch.arange(n))
     n = ring_len // ulysses_size
     return torch.cat(parts)[piece * n : (piece + 1) * n]
 

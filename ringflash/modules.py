@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import flash_attn_func
+from .kernels import flash_attn_func, flash_attn_varlen_func
 from .ulysses import sp_attn_func
 
 
@@ -15,7 +17,8 @@ class SequenceParallelAttention(nn.Module):
     """Drop-in attention core: (q, k, v) shards (batch, local_seqlen, heads, head_dim) -> output.
 
     With ``group=None`` and no initialized torch.distributed it is single-device attention, so
-    the same model runs with and without sequence parallelism.
+    the same model runs with and without sequence parallelism. ``forward(..., cu_seqlens=...)``
+    keeps attention inside packed documents (batch 1; ``shard_batch``'s ``cu_seqlens``).
     """
 
     def __init__(
@@ -32,13 +35,43 @@ class SequenceParallelAttention(nn.Module):
         self.causal, self.window_size, self.softmax_scale = causal, window_size, softmax_scale
         self.group, self.layout, self.sp_mode, self.ulysses_size = group, layout, sp_mode, ulysses_size
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.group is None and not (dist.is_available() and dist.is_initialized()):
-            return flash_attn_func(q, k, v, self.softmax_scale, self.causal, self.window_size)
-        return sp_attn_func(
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return sequence_parallel_attention(
             q, k, v, self.softmax_scale, self.causal, self.window_size, self.group,
-            self.layout, self.sp_mode, self.ulysses_size,
+            self.layout, self.sp_mode, self.ulysses_size, cu_seqlens,
         )  # fmt: skip
+
+
+def sequence_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    group: dist.ProcessGroup | None,
+    layout: str,
+    sp_mode: str,
+    ulysses_size: int | None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+) -> torch.Tensor:
+    """``sp_attn_func`` over ``group``, or single-device attention (dense, or varlen over packed
+    documents) when there is no group and torch.distributed is not initialized. Shapes as in
+    ``sp_attn_func``: (batch, local_seqlen, heads, head_dim)."""
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        return sp_attn_func(
+            q, k, v, softmax_scale, causal, window_size, group, layout, sp_mode, ulysses_size,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+    if cu_seqlens is None:
+        return flash_attn_func(q, k, v, softmax_scale, causal, window_size)
+    if q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int32).to(q.device)
+    n = int((cu[1:] - cu[:-1]).max())
+    return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, n, n, softmax_scale, causal, window_size)[None]
 
 
 def _rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -62,11 +95,14 @@ class DecoderBlock(nn.Module):
         self.down = nn.Linear(4 * dim, dim, bias=False)
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
-        attn = self.attention(_rotary(q, positions), _rotary(k, positions), v.contiguous())
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # custom attention may lack it
+        attn = self.attention(_rotary(q, positions), _rotary(k, positions), v.contiguous(), **packed)
         x = x + self.out(attn.reshape(b, s, -1))
         gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -75,8 +111,9 @@ class DecoderBlock(nn.Module):
 class ReferenceDecoder(nn.Module):
     """A small Llama-style causal LM (RMSNorm, rotary, GQA, SwiGLU) for demos and tests.
 
-    forward(input_ids (B, S_local), position_ids (B, S_local)) -> logits (B, S_local, vocab);
-    every attention layer is ``attention`` (default: causal ``SequenceParallelAttention``).
+    forward(input_ids (B, S_local), position_ids (B, S_local), cu_seqlens=None) -> logits
+    (B, S_local, vocab); every attention layer is ``attention`` (default: causal
+    ``SequenceParallelAttention``); ``cu_seqlens``: packed documents, as ``shard_batch`` gives.
     """
 
     def __init__(
@@ -89,8 +126,10 @@ class ReferenceDecoder(nn.Module):
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.embed(input_ids)
         for block in self.blocks:
-            x = block(x, position_ids)
+            x = block(x, position_ids, cu_seqlens)
         return self.head(self.norm(x))

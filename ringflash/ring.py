@@ -10,7 +10,9 @@ issued before step i's kernels, so it overlaps them. Buffers are allocated once 
 
 from __future__ import annotations
 
-from dataclasses import replace
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,43 +27,54 @@ from .kernels import (
     attention_forward,
     build_problem,
 )
-from .layouts import check_layout, check_total_length
+from .layouts import check_layout, check_total_length, document_lengths, segments
 from .merge import merge_partial
-from .schedule import BlockTask, RingSchedule, ring_schedule
+from .schedule import BlockTask, ring_schedule
 
 _UNMASKED = MaskBounds(None, None)
 
 
-def _task_problem(base: AttentionProblem, task: BlockTask) -> AttentionProblem:
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel launch of a ring step: index tuples of its q rows, k rows and LSE rows in the
+    local (batch, seqlen, ...) tensors, the query slice for the merge, and its problem."""
+
+    q_index: tuple
+    k_index: tuple
+    lse_index: tuple
+    q_slice: slice
+    problem: AttentionProblem
+
+
+def _kernel_call(base: AttentionProblem, task: BlockTask, cu_local: torch.Tensor | None) -> KernelCall:
+    qs = slice(task.q_start, task.q_start + task.q_len)
+    ks = slice(task.k_start, task.k_start + task.k_len)
     if task.masked:
-        return replace(
-            base, max_seqlen_q=task.q_len, max_seqlen_k=task.k_len,
-            q_positions=task.q_positions, k_positions=task.k_positions,
-        )  # fmt: skip
-    return replace(
-        base, max_seqlen_q=task.q_len, max_seqlen_k=task.k_len, bounds=_UNMASKED,
-        q_positions=TokenPositions(), k_positions=TokenPositions(),
-    )  # fmt: skip
+        problem = replace(base, q_positions=task.q_positions, k_positions=task.k_positions)
+    else:
+        problem = replace(base, bounds=_UNMASKED, q_positions=TokenPositions(), k_positions=TokenPositions())
+    if task.seq_lens is None:
+        problem = replace(problem, max_seqlen_q=task.q_len, max_seqlen_k=task.k_len)
+        return KernelCall((slice(None), qs), (slice(None), ks), (slice(None), slice(None), qs), qs, problem)
+    # Packed documents: a varlen call over the (len, heads, dim) tokens of the single row.
+    longest = max(task.seq_lens)
+    problem = replace(problem, batch=len(task.seq_lens), max_seqlen_q=longest, max_seqlen_k=longest,
+                      cu_seqlens_q=cu_local, cu_seqlens_k=cu_local)  # fmt: skip
+    return KernelCall((0, qs), (0, ks), (0, slice(None), qs), qs, problem)
 
 
-def _receive_buffers(k: torch.Tensor, v: torch.Tensor, schedule: RingSchedule):
+RingPlan = tuple[tuple[KernelCall, ...], ...]  # plan[i]: the kernel calls of ring step i
+
+
+def _receive_buffers(k: torch.Tensor, v: torch.Tensor, plan: RingPlan):
     """Two K/V receive buffers (double buffering), or none when the ring never moves."""
-    if schedule.n_steps == 1:
+    if len(plan) == 1:
         return None
     return [torch.empty_like(k), torch.empty_like(v)], [torch.empty_like(k), torch.empty_like(v)]
 
 
-def _slices(task: BlockTask) -> tuple[slice, slice]:
-    return slice(task.q_start, task.q_start + task.q_len), slice(task.k_start, task.k_start + task.k_len)
-
-
 def ring_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    base: AttentionProblem,
-    schedule: RingSchedule,
-    comm: RingComm,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, comm: RingComm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward for local shards q (B, n, Hq, D), k/v (B, n, Hk, D); returns (out, lse (B, Hq, n))."""
     b, n, hq, d = q.shape
@@ -69,17 +82,17 @@ def ring_forward(
     acc_lse = torch.full((b, hq, n), float("-inf"), device=q.device, dtype=torch.float32)
     blk_out = torch.empty_like(acc_out)
     blk_lse = torch.empty_like(acc_lse)
-    bufs = _receive_buffers(k, v, schedule)
+    bufs = _receive_buffers(k, v, plan)
     kv = [k, v]
-    for i, tasks in enumerate(schedule.steps):
-        pending = comm.exchange(kv, bufs[i % 2]) if i + 1 < schedule.n_steps else None
-        for task in tasks:
-            qs, ks = _slices(task)
-            o, lse = attention_forward(
-                q[:, qs], kv[0][:, ks], kv[1][:, ks], _task_problem(base, task),
-                out=blk_out[:, qs], lse=blk_lse[:, :, qs],
+    for i, calls in enumerate(plan):
+        pending = comm.exchange(kv, bufs[i % 2]) if i + 1 < len(plan) else None
+        for c in calls:
+            attention_forward(
+                q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
+                out=blk_out[c.q_index], lse=blk_lse[c.lse_index],
             )  # fmt: skip
-            merge_partial(acc_out[:, qs], acc_lse[:, :, qs], o, lse)
+            qs = c.q_slice
+            merge_partial(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
         if pending is not None:
             pending.wait()
             kv = bufs[i % 2]
@@ -94,27 +107,28 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     base: AttentionProblem,
-    schedule: RingSchedule,
+    plan: RingPlan,
     comm: RingComm,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ring backward from the final (out, lse); returns (dq, dk, dv) in the inputs' dtypes."""
+    """Ring backward from the final (out, lse); returns (dq, dk, dv) in the inputs' dtypes.
+    ``base``: the dense problem of the whole local shard (for delta)."""
     delta = attention_delta(out, dout, base)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     f32 = dict(device=k.device, dtype=torch.float32)
     scratch = [torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)]
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
-    bufs = _receive_buffers(k, v, schedule)
+    bufs = _receive_buffers(k, v, plan)
     kv = [k, v]
-    last = schedule.n_steps - 1
+    last = len(plan) - 1
     grads_pending = None
-    for i, tasks in enumerate(schedule.steps):
+    for i, calls in enumerate(plan):
         kv_pending = comm.exchange(kv, bufs[i % 2]) if i < last else None
-        calls = [(*_slices(t), _task_problem(base, t)) for t in tasks]
 
-        def launch(qs, ks, problem, kv=kv, **which):
+        def launch(c: KernelCall, kv=kv, **which):
+            qi, ki = c.q_index, c.k_index
             attention_backward(
-                dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], lse[:, :, qs], delta[:, :, qs], problem,
-                dq=dq[:, qs], dk=scratch[0][:, ks], dv=scratch[1][:, ks], accumulate=True, **which,
+                dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem,
+                dq=dq[qi], dk=scratch[0][ki], dv=scratch[1][ki], accumulate=True, **which,
             )  # fmt: skip
 
         # dK/dV first, so their transfer overlaps this step's dQ kernels (after the last step
@@ -123,7 +137,7 @@ def ring_backward(
             for g in scratch:
                 g.zero_()
             for call in calls:
-                launch(*call, compute_dq=False)
+                launch(call, compute_dq=False)
         acc = travel[i % 2]  # this shard's dK/dV so far, received from the previous rank
         if grads_pending is None:
             for a, s in zip(acc, scratch):
@@ -136,21 +150,21 @@ def ring_backward(
         # Pass the accumulator on; after the last step it goes straight home, `last` ranks back.
         grads_pending = comm.exchange(acc, travel[(i + 1) % 2], offset=1 if i < last else -last)
         for call in calls:
-            launch(*call, compute_dkdv=False)
+            launch(call, compute_dkdv=False)
         if kv_pending is not None:
             kv_pending.wait()
             kv = bufs[i % 2]
     grads_pending.wait()
-    dk, dv = travel[schedule.n_steps % 2]
+    dk, dv = travel[len(plan) % 2]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, base: AttentionProblem, schedule: RingSchedule, comm: RingComm):
-        out, lse = ring_forward(q, k, v, base, schedule, comm)
+    def forward(ctx, q, k, v, base: AttentionProblem, plan: RingPlan, comm: RingComm):
+        out, lse = ring_forward(q, k, v, plan, comm)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (base, schedule, comm)
+        ctx.args = (base, plan, comm)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -172,6 +186,7 @@ def ring_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across ``group``, differentiable.
 
@@ -183,6 +198,10 @@ def ring_flash_attn_func(
         group: the sequence-parallel process group (default: the world).
         layout: "zigzag" (balanced causal work), "stripe" or "contiguous".
         return_lse: also return the float32 LSE (batch, heads_q, local_seqlen).
+        cu_seqlens: packed documents (batch must be 1): int cumulative lengths (0, ..., total)
+            of the documents of the *full* sequence, the same on every rank; attention stays
+            inside each document, and each is split by ``layout`` on its own (shard with
+            ``shard_sequence(..., cu_seqlens=...)``). A CPU tensor or a list avoids a device sync.
 
     Returns:
         out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; and
@@ -196,9 +215,69 @@ def ring_flash_attn_func(
             "ring attention needs q and k/v shards of the same local length, "
             f"got {q.shape[1]} and {k.shape[1]}"
         )
-    local_len = q.shape[1]
-    check_total_length(layout, local_len * comm.world_size, comm.world_size, "full sequence length")
-    schedule = ring_schedule(layout, comm.rank, comm.world_size, local_len, base.bounds)
+    total = q.shape[1] * comm.world_size
+    if cu_seqlens is None:
+        check_total_length(layout, total, comm.world_size, "full sequence length")
+        doc_lens = (total,)
+    else:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        doc_lens = document_lengths(cu_seqlens, total, layout, comm.world_size)
+    plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
     k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
-    out, lse = _RingFlashAttention.apply(q, k, v, base, schedule, comm)
+    out, lse = _RingFlashAttention.apply(q, k, v, base, plan, comm)
     return (out, lse) if return_lse else out
+
+
+def ring_plan(
+    base: AttentionProblem,
+    layout: str,
+    comm: RingComm,
+    doc_lens: tuple[int, ...],
+    varlen: bool,
+    device: torch.device,
+) -> RingPlan:
+    """The kernel calls of every ring step for this rank (``ring_forward``/``ring_backward``
+    take it): ``doc_lens`` of the full sequence, varlen calls when ``varlen`` (packed)."""
+    schedule = ring_schedule(layout, comm.rank, comm.world_size, doc_lens, base.bounds, varlen)
+    cu_local = None
+    if varlen:  # every packed segment holds the same chunk length of each document
+        seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
+        cu_local = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
+        cu_local = cu_local.to(device)
+    return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
+
+
+def ring_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention over packed documents, in flash-attn's varlen layout.
+
+    Args:
+        q: this rank's tokens (local_tokens, heads_q, head_dim), as
+            ``shard_sequence(x, dim=0, layout=layout, cu_seqlens=cu_seqlens)`` cuts them.
+        k, v: (local_tokens, heads_k, head_dim).
+        cu_seqlens: int cumulative lengths (0, ..., total) of the documents of the full packed
+            sequence, the same on every rank; each document a multiple of 2W (zigzag) or W.
+        Other arguments as in ``ring_flash_attn_func``.
+
+    Returns:
+        out (local_tokens, heads_q, head_dim), and if ``return_lse`` the float32 LSE
+        (heads_q, local_tokens). Attention never crosses a document boundary.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
+    out, lse = ring_flash_attn_func(
+        q[None], k[None], v[None], softmax_scale, causal, window_size, group, layout, True, cu_seqlens
+    )
+    return (out[0], lse[0]) if return_lse else out[0]

@@ -5,11 +5,14 @@ key segment) pair of the two shards is classified from its global positions as s
 (no mask) or partial (masked). Full pairs that tile a larger rectangle are coalesced into one
 call, so e.g. zigzag's off-diagonal steps are a single unmasked call. The ring runs only as
 many steps as some rank still has visible keys for: a short sliding window stops it early.
+Packed documents: a segment holds the same chunk of every document, and a pair is one varlen
+call over all documents; it is skipped only if no document sees anything, and unmasked only if
+every document sees everything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .kernels import MaskBounds, TokenPositions, Visibility, block_visibility
@@ -19,7 +22,8 @@ from .layouts import Segment, segments
 @dataclass(frozen=True)
 class BlockTask:
     """Queries [q_start, q_start+q_len) of the local shard against keys [k_start, k_start+k_len)
-    of the visiting shard; positions are given only when the pair needs a mask."""
+    of the visiting shard; positions are given only when the pair needs a mask. ``seq_lens``:
+    for packed documents, each document's length on both sides (a varlen call)."""
 
     q_start: int
     q_len: int
@@ -27,6 +31,7 @@ class BlockTask:
     k_len: int
     q_positions: TokenPositions | None = None
     k_positions: TokenPositions | None = None
+    seq_lens: tuple[int, ...] | None = None
 
     @property
     def masked(self) -> bool:
@@ -42,20 +47,31 @@ class RingSchedule:
         return len(self.steps)
 
 
-def block_tasks(q_segs: list[Segment], k_segs: list[Segment], bounds: MaskBounds) -> tuple[BlockTask, ...]:
+def _pair_visibility(qs: Segment, ks: Segment, bounds: MaskBounds) -> Visibility:
+    """One class for a segment pair over all its documents."""
+    seen = {
+        block_visibility(qs.positions, nq, ks.positions, nk, bounds)
+        for nq, nk in zip(qs.seq_lens, ks.seq_lens)
+    }
+    return seen.pop() if len(seen) == 1 else Visibility.PARTIAL
+
+
+def block_tasks(
+    q_segs: list[Segment], k_segs: list[Segment], bounds: MaskBounds, varlen: bool = False
+) -> tuple[BlockTask, ...]:
     tasks = []
     for qs in q_segs:
         for ks in k_segs:
-            vis = block_visibility(qs.positions, qs.length, ks.positions, ks.length, bounds)
-            if vis is Visibility.FULL:
-                tasks.append(BlockTask(qs.local_start, qs.length, ks.local_start, ks.length))
-            elif vis is Visibility.PARTIAL:
-                tasks.append(
-                    BlockTask(
-                        qs.local_start, qs.length, ks.local_start, ks.length, qs.positions, ks.positions
-                    )
-                )
-    return _coalesce(tasks)
+            vis = _pair_visibility(qs, ks, bounds)
+            if vis is Visibility.NONE:
+                continue
+            task = BlockTask(qs.local_start, qs.length, ks.local_start, ks.length,
+                             seq_lens=qs.seq_lens if varlen else None)  # fmt: skip
+            if vis is Visibility.PARTIAL:
+                task = replace(task, q_positions=qs.positions, k_positions=ks.positions)
+            tasks.append(task)
+    # Packed chunks of one document are not adjacent in the shard: no coalescing.
+    return tuple(tasks) if varlen else _coalesce(tasks)
 
 
 def _coalesce(tasks: list[BlockTask]) -> tuple[BlockTask, ...]:
@@ -83,13 +99,16 @@ def _coalesce(tasks: list[BlockTask]) -> tuple[BlockTask, ...]:
 
 @lru_cache(maxsize=256)
 def ring_schedule(
-    layout: str, rank: int, world_size: int, local_len: int, bounds: MaskBounds
+    layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...], bounds: MaskBounds, varlen: bool
 ) -> RingSchedule:
-    """The tasks of every ring step for ``rank``; the same step count on every rank of the ring."""
-    segs = [segments(layout, r, world_size, local_len) for r in range(world_size)]
+    """The tasks of every ring step for ``rank``; the same step count on every rank of the ring.
+
+    doc_lens: lengths of the full sequence's documents (one for an unpacked sequence); varlen:
+    make varlen tasks over the documents (packed inputs)."""
+    segs = [segments(layout, r, world_size, doc_lens) for r in range(world_size)]
+    pairs = lambda r, i: block_tasks(segs[r], segs[(r - i) % world_size], bounds, varlen)  # noqa: E731
     n_steps = 1
     for i in range(world_size):
-        if any(block_tasks(segs[r], segs[(r - i) % world_size], bounds) for r in range(world_size)):
+        if any(pairs(r, i) for r in range(world_size)):
             n_steps = i + 1
-    steps = tuple(block_tasks(segs[rank], segs[(rank - i) % world_size], bounds) for i in range(n_steps))
-    return RingSchedule(steps)
+    return RingSchedule(tuple(pairs(rank, i) for i in range(n_steps)))

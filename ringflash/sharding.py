@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,7 @@ def shard_sequence(
     dim: int = 1,
     layout: str = "zigzag",
     ulysses_size: int = 1,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """This rank's shard of a full-sequence tensor.
 
@@ -30,11 +33,15 @@ def shard_sequence(
     or (batch, seqlen) token ids). Returns the tokens this rank holds under ``layout``, in the
     local order ``ring_flash_attn_func`` expects: (..., seqlen / W, ...). For Ulysses or hybrid
     parallelism pass the Ulysses group size (``sp_attn_func``'s U; W for pure Ulysses).
+    Packed documents: ``cu_seqlens`` (cumulative document lengths of the full sequence) splits
+    each document on its own, as ``ring_flash_attn_func(..., cu_seqlens=...)`` expects.
     Differentiable. Raises ValueError if seqlen does not split evenly (zigzag: multiple of 2W).
     """
     dim = _check_dim(x, dim)
     comm = RingComm(group)
-    idx = layout_indices(check_layout(layout), comm.rank, comm.world_size, x.shape[dim], ulysses_size)
+    idx = layout_indices(
+        check_layout(layout), comm.rank, comm.world_size, x.shape[dim], ulysses_size, cu_seqlens
+    )
     return x.index_select(dim, idx.to(x.device))
 
 
@@ -44,6 +51,7 @@ def gather_sequence(
     dim: int = 1,
     layout: str = "zigzag",
     ulysses_size: int = 1,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The full sequence on every rank, from each rank's shard (inverse of ``shard_sequence``).
 
@@ -57,6 +65,6 @@ def gather_sequence(
     total = x.shape[dim] * comm.world_size
     full = torch.empty((*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device)
     for r, part in enumerate(parts):
-        idx = layout_indices(layout, r, comm.world_size, total, ulysses_size).to(x.device)
+        idx = layout_indices(layout, r, comm.world_size, total, ulysses_size, cu_seqlens).to(x.device)
         full.index_copy_(dim, idx, part)
     return full

@@ -9,12 +9,15 @@ The token layout is ``layouts.layout_indices(layout, rank, W, S, ulysses_size)``
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from .comm import all_to_all, resolve_group
-from .kernels import check_window, flash_attn_func
-from .layouts import check_layout
+from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
+from .layouts import check_layout, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_flash_attn_func
 
@@ -61,7 +64,20 @@ def _lse_to_seq(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group).squeeze(-1).transpose(1, 2)
 
 
-def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, layout, softmax_scale, causal, window_size):
+def _single_rank_attention(q, k, v, softmax_scale, causal, window_size, doc_lens):
+    """Attention over a whole sequence held by one rank (pure Ulysses): dense, or varlen over
+    packed documents (with one ring rank every layout is the natural token order)."""
+    if doc_lens is None:
+        return flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_lse=True)
+    cu = torch.tensor([0, *itertools.accumulate(doc_lens)], dtype=torch.int32, device=q.device)
+    n = max(doc_lens)
+    out, lse = flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, n, n, softmax_scale, causal, window_size, return_lse=True
+    )
+    return out[None], lse[None]
+
+
+def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, layout, softmax_scale, causal, window_size, cu_seqlens):
     u = mesh.ulysses_size
     kv_heads = _kv_heads_for(q.shape[2], k.shape[2], u)
     if kv_heads != k.shape[2]:
@@ -69,11 +85,15 @@ def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, layout, softmax_scale, causa
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group)
     if mesh.ring_size == 1:
-        out, lse = flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_lse=True)
+        doc_lens = None
+        if cu_seqlens is not None:
+            doc_lens = document_lengths(cu_seqlens, q.shape[1], layout, 1)
+        out, lse = _single_rank_attention(q, k, v, softmax_scale, causal, window_size, doc_lens)
     else:
         out, lse = ring_flash_attn_func(
-            q, k, v, softmax_scale, causal, window_size, group=mesh.ring_group, layout=layout, return_lse=True
-        )
+            q, k, v, softmax_scale, causal, window_size, group=mesh.ring_group, layout=layout,
+            return_lse=True, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
     return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse.detach(), mesh.ulysses_group)
 
 
@@ -89,6 +109,7 @@ def sp_attn_func(
     sp_mode: str = "ring",
     ulysses_size: int | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across ``group``, in any sequence-parallel mode.
 
@@ -103,6 +124,8 @@ def sp_attn_func(
             (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across).
         ulysses_size: the Ulysses group size U for "hybrid".
         return_lse: also return the float32 LSE (batch, heads_q, local_seqlen).
+        cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
+            ``ring_flash_attn_func``; shard with ``shard_sequence(..., ulysses_size=U, cu_seqlens=...)``.
 
     Returns:
         out (batch, local_seqlen, heads_q, head_dim) in q's dtype (and the LSE).
@@ -110,7 +133,9 @@ def sp_attn_func(
     if sp_mode not in SP_MODES:
         raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
     if sp_mode == "ring":
-        return ring_flash_attn_func(q, k, v, softmax_scale, causal, window_size, group, layout, return_lse)
+        return ring_flash_attn_func(
+            q, k, v, softmax_scale, causal, window_size, group, layout, return_lse, cu_seqlens
+        )
     group = resolve_group(group)
     world = dist.get_world_size(group)
     if sp_mode == "ulysses":
@@ -123,7 +148,9 @@ def sp_attn_func(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, local_seqlen, heads, head_dim)")
-    out, lse = _mesh_attention(q, k, v, mesh, layout, softmax_scale, causal, window_size)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    out, lse = _mesh_attention(q, k, v, mesh, layout, softmax_scale, causal, window_size, cu_seqlens)
     return (out, lse) if return_lse else out
 
 

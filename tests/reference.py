@@ -44,6 +44,15 @@ def reference_attention(
     return out, lse
 
 
+def reference_attention_packed(q, k, v, cu_seqlens, **kw):
+    """``reference_attention`` on each packed document [cu[i], cu[i+1]) of dim 1 on its own,
+    concatenated back: (out (B, S, H, D), lse (B, H, S))."""
+    parts = [
+        reference_attention(*(t[:, a:b] for t in (q, k, v)), **kw) for a, b in zip(cu_seqlens, cu_seqlens[1:])
+    ]
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| over finite expected entries; inf if actual has NaN.
     Meaningless where the exact answer is ~0 (e.g. dq of a query that sees one key): test

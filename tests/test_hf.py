@@ -66,6 +66,44 @@ def test_hf_model_sequence_parallel_step(rank_pool, model_type, layout, world):
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
+DOCS = (11, 23, 14)  # one packed row of SEQ tokens
+
+
+def _hf_packed_step():
+    import ringflash.integrations.hf as rf_hf
+
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    model = _model("llama", rf_hf.enable(group=groups.sp_group)).to(worker_device())
+    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
+    batch = {"input_ids": _ids()[:1], "position_ids": positions}
+    shard = shard_batch({k: v.to(worker_device()) for k, v in batch.items()}, groups.sp_group)
+    logits = model(
+        input_ids=shard["input_ids"], position_ids=shard["position_ids"], cu_seq_lens_q=shard["cu_seqlens"],
+        use_cache=False,
+    ).logits  # fmt: skip
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_hf_packed_sequences(rank_pool):
+    """A packed row through a Llama model equals eager attention on each document alone."""
+    results = rank_pool(2).run(_hf_packed_step)
+    model = _model("llama", "eager")
+    total = 0.0
+    for ids in _ids()[0].split(list(DOCS)):
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        total = total + F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+    loss = total / (SEQ - len(DOCS))
+    loss.backward()
+    for rank, (sp_loss, grads) in enumerate(results):
+        assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
+        for n, p in model.named_parameters():
+            err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
+            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+
+
 def test_hf_rejects_unsupported_features():
     import ringflash.integrations.hf as rf_hf
 

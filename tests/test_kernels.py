@@ -46,6 +46,7 @@ def _inputs(b, sq, sk, h, hk, d, dtype, device, seed=0):
 
 
 def _positions(p: TokenPositions, n: int) -> torch.Tensor:
+    p = p.resolved(n)
     return p.start + p.stride * torch.arange(n)
 
 
@@ -430,6 +431,56 @@ def _random_position_cases(n, seed=1234):
 def test_random_positions_match_reference(device, q_pos, k_pos, sq, sk, causal, window):
     q, k, v, dout = _inputs(1, sq, sk, 2, 1, 16, torch.float32, device, seed=sq * 41 + sk)
     check_positions(q, k, v, dout, q_pos, k_pos, causal, window, scale=0.35)
+
+
+# Packed documents in a ring: every document contributes chunk a of its queries and chunk b of
+# its keys, so each sequence's offsets scale with its own length (per_len).
+PER_LEN_CASES = [  # (q positions, k positions, causal, window)
+    (TokenPositions(0, 1, per_len=3), TokenPositions(0, 1, per_len=3), True, FULL),  # diagonal chunk
+    (TokenPositions(0, 1, per_len=5), TokenPositions(0, 1, per_len=2), True, FULL),  # earlier chunk
+    (TokenPositions(0, 1, per_len=1), TokenPositions(0, 1, per_len=0), True, (6, -1)),  # window reaching back
+    (TokenPositions(2, 4), TokenPositions(1, 4), True, FULL),  # stripe: no per-sequence shift
+    (TokenPositions(0, 1, per_len=-1), TokenPositions(0, 1, per_len=-1), True, (3, 2)),  # bottom-right
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=str)
+@pytest.mark.parametrize(("q_pos", "k_pos", "causal", "window"), PER_LEN_CASES)
+def test_varlen_per_sequence_positions(device, dtype, q_pos, k_pos, causal, window):
+    """Explicit positions in a varlen call are relative to each sequence, and per_len scales
+    with that sequence's length: each sequence equals its own reference at resolved positions."""
+    lens = [8, 19, 1, 32, 5]
+    g = torch.Generator().manual_seed(41)
+    q, k, v, dout = (_randn(g, (sum(lens), h, 16), dtype, device) for h in (4, 2, 2, 4))
+    cu = _cu(lens, device)
+    prob = build_problem(q, k, v, None, causal, window, q_positions=q_pos, k_positions=k_pos,
+                         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=32, max_seqlen_k=32)  # fmt: skip
+    out, lse = attention_forward(q, k, v, prob)
+    grads = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, prob), prob)
+    for i, n in enumerate(lens):
+        s = slice(cu[i].item(), cu[i + 1].item())
+        args = [t[s][None] for t in (q, k, v, dout)]
+        ref_out, ref_lse, ref_grads = _low_level_reference(*args, q_pos, k_pos, causal, window)
+        got = (out[s][None], lse[:, s][None], *(t[s][None] for t in grads))
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, (ref_out, ref_lse, *ref_grads)):
+            assert_close(f"seq {i} (len {n}) {name}", a, e, TOLERANCE[dtype])
+
+
+def test_per_len_equals_resolved_start(device):
+    """Dense calls: per_len is the block's length times a factor, folded into start."""
+    q, k, v, dout = _inputs(2, 21, 21, 2, 1, 16, torch.float32, device, seed=43)
+    results = []
+    for q_pos, k_pos in (
+        (TokenPositions(0, 1, per_len=2), TokenPositions(5, 1, per_len=1)),
+        (TokenPositions(42, 1), TokenPositions(26, 1)),
+    ):
+        prob = build_problem(q, k, v, None, True, (30, -1), q_positions=q_pos, k_positions=k_pos)
+        out, lse = attention_forward(q, k, v, prob)
+        results.append(
+            (out, lse, *attention_backward(dout, q, k, v, lse, attention_delta(out, dout, prob), prob))
+        )
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=str)

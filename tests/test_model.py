@@ -73,6 +73,69 @@ def test_sequence_parallel_step_matches_single_process(rank_pool, world, sp_size
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
+DOCS = [(10, 22), (13, 19)]  # packed rows: documents' lengths (each row sums to SEQ)
+
+
+def _packed_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+    return {"input_ids": torch.randint(0, VOCAB, (len(DOCS), SEQ), generator=g), "position_ids": positions}
+
+
+def _sp_step_packed(layout: str, sp_mode: str):
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    ulysses = groups.sp_size if sp_mode == "ulysses" else 1
+    attn = SequenceParallelAttention(group=groups.sp_group, layout=layout, sp_mode=sp_mode)
+    model = _model(2, attn).to(worker_device())
+    batch = {k: v.to(worker_device()) for k, v in _packed_batch().items()}
+    shard = shard_batch(batch, groups.sp_group, layout=layout, ulysses_size=ulysses)
+    logits = model(shard["input_ids"], shard["position_ids"], shard["cu_seqlens"])
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("world", "layout", "sp_mode"), [(2, "zigzag", "ring"), (4, "stripe", "ring"),
+                                                          (2, "zigzag", "ulysses")])  # fmt: skip
+def test_packed_sequences_match_separate_documents(rank_pool, world, layout, sp_mode):
+    """Packed rows (position_ids restarting) train exactly like each document on its own."""
+    results = rank_pool(world).run(_sp_step_packed, layout, sp_mode)
+    model = _model(2)
+    batch = _packed_batch()
+    total, count = 0.0, 0
+    for row, lens in enumerate(DOCS):
+        for ids in batch["input_ids"][row].split(list(lens)):
+            logits = model(ids[None], torch.arange(len(ids))[None])[0]
+            total = total + F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+            count += len(ids) - 1
+    loss = total / count
+    loss.backward()
+    for rank, (sp_loss, grads) in enumerate(results):
+        assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
+        for n, p in model.named_parameters():
+            err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
+            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+
+
+def _shard_packed():
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    return shard_batch({"input_ids": torch.arange(12)[None], "position_ids": positions}, pad_token_id=99)
+
+
+def test_shard_batch_packs_documents(rank_pool):
+    """Documents of 5 and 7 tokens, zigzag over 2 ranks: each padded to 8 and cut into 4 chunks of
+    2; rank 0 holds chunks 0 and 3 of each document, rank 1 chunks 1 and 2."""
+    shards = rank_pool(2).run(_shard_packed)
+    assert all(s["cu_seqlens"].tolist() == [0, 8, 16] for s in shards)
+    assert shards[0]["input_ids"].tolist() == [[0, 1, 5, 6, 99, 99, 11, 99]]
+    assert shards[0]["target_ids"].tolist() == [[1, 2, 6, 7, -100, -100, -100, -100]]
+    assert shards[0]["position_ids"].tolist() == [[0, 1, 0, 1, 6, 7, 6, 7]]
+    assert shards[1]["input_ids"].tolist() == [[2, 3, 7, 8, 4, 99, 9, 10]]
+    assert shards[1]["target_ids"].tolist() == [[3, 4, 8, 9, -100, -100, 10, 11]]
+    assert shards[1]["position_ids"].tolist() == [[2, 3, 2, 3, 4, 5, 4, 5]]
+
+
 def _shard_one():
     return shard_batch({"input_ids": torch.arange(16).view(1, 16)}, layout="zigzag")
 
@@ -90,8 +153,8 @@ def _bad_batches():
     return errors_of(
         {
             "pad": lambda: shard_batch({"input_ids": ones, "attention_mask": torch.tensor([[1] * 7 + [0]])}),
-            "packed": lambda: shard_batch(
-                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2])}
+            "packed_ulysses": lambda: shard_batch(
+                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2])}, ulysses_size=3
             ),
             "rank": lambda: shard_batch({"input_ids": torch.ones(8, dtype=torch.long)}),
             "odd": lambda: shard_batch({"input_ids": torch.ones(1, 6, dtype=torch.long)}),
@@ -103,7 +166,7 @@ def _bad_batches():
 def test_bad_batches_and_groups(rank_pool):
     errors = rank_pool(2).run(_bad_batches)[0]
     assert "padding is not supported" in errors["pad"]
-    assert "packed sequences" in errors["packed"]
+    assert "ulysses_size 3 must divide the sequence-parallel group size 2" in errors["packed_ulysses"]
     assert "(batch, seqlen)" in errors["rank"]
     assert "multiple of 4" in errors["odd"]
     assert "sp_size must be a positive int dividing the world size 2" in errors["groups"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import errors_of, worker_device
-from reference import TOLERANCE, reference_attention, rel_err
+from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
 from ringflash.layouts import layout_indices
@@ -27,6 +28,15 @@ class Case:
     head_dim: int = 16
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    docs: tuple[int, ...] | None = None  # packed documents' lengths (batch 1, seqlen = their sum)
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        return None if self.docs is None else [0, *itertools.accumulate(self.docs)]
+
+
+def packed(world: int, layout: str, docs: tuple[int, ...], **kw) -> Case:
+    return Case(world, layout, seqlen=sum(docs), docs=docs, **kw)
 
 
 def _full_inputs(case: Case):
@@ -43,35 +53,44 @@ def _full_inputs(case: Case):
 def _run_ring(case: Case):
     """On every rank: shard the full inputs, ring forward + backward, return local results."""
     full = [t.to(worker_device()) for t in _full_inputs(case)]
-    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout) for t in full)
+    cu = case.cu_seqlens
+    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout, cu_seqlens=cu) for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = ringflash.ring_flash_attn_func(
-        q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, return_lse=True
-    )
+        q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, return_lse=True,
+        cu_seqlens=cu,
+    )  # fmt: skip
     out.backward(dout)
     return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
 
 
-def _assemble(parts, layout: str, world: int, total: int, dim: int):
+def _assemble(parts, case: Case, dim: int):
     shape = list(parts[0].shape)
-    shape[dim] = total
+    shape[dim] = case.seqlen
     full = torch.empty(shape, dtype=parts[0].dtype)
     for r, p in enumerate(parts):
-        full.index_copy_(dim, layout_indices(layout, r, world, total), p)
+        full.index_copy_(dim, layout_indices(case.layout, r, case.world, case.seqlen, 1, case.cu_seqlens), p)
     return full
+
+
+def _reference(case: Case, q, k, v):
+    """Float64 attention over the full sequence, or over each packed document on its own."""
+    if case.docs is None:
+        return reference_attention(q, k, v, causal=case.causal, window_size=case.window)
+    return reference_attention_packed(q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window)
 
 
 def check_ring(rank_pool, case: Case) -> None:
     results = rank_pool(case.world).run(_run_ring, case)
     q, k, v, dout = (t.double().requires_grad_() for t in _full_inputs(case))
-    ref_out, ref_lse = reference_attention(q, k, v, causal=case.causal, window_size=case.window)
+    ref_out, ref_lse = _reference(case, q, k, v)
     ref_out.backward(dout)
     names = ("out", "lse", "dq", "dk", "dv")
     expected = (ref_out, ref_lse, q.grad, k.grad, v.grad)
     tol = TOLERANCE[case.dtype]
     for i, (name, exp) in enumerate(zip(names, expected)):
         dim = 2 if name == "lse" else 1
-        got = _assemble([r[i] for r in results], case.layout, case.world, case.seqlen, dim)
+        got = _assemble([r[i] for r in results], case, dim)
         assert got.dtype == (torch.float32 if name == "lse" else case.dtype), name
         err = rel_err(got, exp)
         assert err < tol, f"{case}: {name} rel err {err:.2e} >= {tol:.0e}"
@@ -98,11 +117,54 @@ def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
     )
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_packed_documents(rank_pool, world, layout, causal):
+    """Packed documents: attention stays inside each one; lengths vary from 1 to 4 chunks."""
+    m = 2 * world if layout == "zigzag" else world
+    check_ring(rank_pool, packed(world, layout, (3 * m, m, 4 * m, 2 * m), causal=causal, seed=world))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize(("causal", "window"), [(True, (5, -1)), (False, (6, 2))])
+def test_ring_packed_sliding_window_gqa_fp16(rank_pool, layout, causal, window):
+    case = packed(4, layout, (16, 8, 40), causal=causal, window=window, heads=4, kv_heads=2,
+                  dtype=torch.float16, seed=9)  # fmt: skip
+    check_ring(rank_pool, case)
+
+
+def _packed_varlen_api(layout: str):
+    """ring_flash_attn_varlen_func (flash-attn's 3-D layout) equals the 4-D call with cu_seqlens."""
+    cu = torch.tensor([0, 8, 32, 40], dtype=torch.int32)  # a CPU tensor: no device sync
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randn(40, h, 16, generator=g).to(worker_device()) for h in (4, 2, 2)]
+    q, k, v = (ringflash.shard_sequence(t, dim=0, layout=layout, cu_seqlens=cu) for t in full)
+    out, lse = ringflash.ring_flash_attn_varlen_func(q, k, v, cu, causal=True, layout=layout, return_lse=True)
+    out4, lse4 = ringflash.ring_flash_attn_func(
+        q[None], k[None], v[None], causal=True, layout=layout, return_lse=True, cu_seqlens=cu.tolist()
+    )
+    return out.shape, lse.shape, torch.equal(out, out4[0]) and torch.equal(lse, lse4[0])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+def test_ring_varlen_api(rank_pool, layout):
+    for out_shape, lse_shape, same in rank_pool(2).run(_packed_varlen_api, layout):
+        assert out_shape == (20, 4, 16) and lse_shape == (4, 20) and same
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("layout", ["zigzag", "stripe", "contiguous"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
     case = Case(world, layout, True, seqlen=4096, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    check_ring(rank_pool, case)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+def test_ring_packed_bf16_real_size_on_gpus(rank_pool, layout):
+    case = packed(2, layout, (1024, 2048, 512, 512), heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     check_ring(rank_pool, case)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from distributed import errors_of, worker_device
-from reference import TOLERANCE, reference_attention, rel_err
+from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
 from ringflash.layouts import layout_indices
@@ -24,17 +24,22 @@ class Case:
     seqlen: int = 32
     head_dim: int = 16
     dtype: torch.dtype = torch.float32
+    cu_seqlens: tuple[int, ...] | None = None  # packed documents (batch 1)
 
 
 def _full(case: Case):
     g = torch.Generator().manual_seed(1)
-    mk = lambda h: torch.randn(2, case.seqlen, h, case.head_dim, generator=g).to(case.dtype)  # noqa: E731
+    b = 2 if case.cu_seqlens is None else 1
+    mk = lambda h: torch.randn(b, case.seqlen, h, case.head_dim, generator=g).to(case.dtype)  # noqa: E731
     return mk(case.heads), mk(case.kv_heads), mk(case.kv_heads), mk(case.heads)
 
 
 def _run(case: Case):
     full = [t.to(worker_device()) for t in _full(case)]
-    q, k, v, dout = (ringflash.shard_sequence(t, layout=case.layout, ulysses_size=case.ulysses) for t in full)
+    q, k, v, dout = (
+        ringflash.shard_sequence(t, layout=case.layout, ulysses_size=case.ulysses, cu_seqlens=case.cu_seqlens)
+        for t in full
+    )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     mode = {1: "ring", case.world: "ulysses"}.get(case.ulysses, "hybrid")
     out, lse = ringflash.sp_attn_func(
@@ -46,31 +51,46 @@ def _run(case: Case):
         sp_mode=mode,
         ulysses_size=case.ulysses,
         return_lse=True,
+        cu_seqlens=case.cu_seqlens,
     )
     out.backward(dout)
     return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
+
+
+def check_sp(rank_pool, case: Case, names=("out", "lse", "dq", "dk", "dv")) -> None:
+    results = rank_pool(case.world).run(_run, case)
+    q, k, v, dout = (t.double().requires_grad_() for t in _full(case))
+    if case.cu_seqlens is None:
+        ref_out, ref_lse = reference_attention(q, k, v, causal=case.causal)
+    else:
+        ref_out, ref_lse = reference_attention_packed(q, k, v, case.cu_seqlens, causal=case.causal)
+    ref_out.backward(dout)
+    expected = dict(zip(("out", "lse", "dq", "dk", "dv"), (ref_out, ref_lse, q.grad, k.grad, v.grad)))
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        if name not in names:
+            continue
+        exp = expected[name]
+        dim = 2 if name == "lse" else 1
+        got = torch.empty(exp.shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            idx = layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses, case.cu_seqlens)
+            got.index_copy_(dim, idx, res[i])
+        err = rel_err(got, exp)
+        assert err < TOLERANCE[case.dtype], f"{case}: {name} rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("ulysses", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_ulysses_and_hybrid_match_full_attention(rank_pool, ulysses, causal, kv_heads):
-    case = Case(4, ulysses, causal, kv_heads)
-    results = rank_pool(case.world).run(_run, case)
-    q, k, v, dout = (t.double().requires_grad_() for t in _full(case))
-    ref_out, ref_lse = reference_attention(q, k, v, causal=case.causal)
-    ref_out.backward(dout)
-    for i, (name, exp) in enumerate(
-        zip(("out", "lse", "dq", "dk", "dv"), (ref_out, ref_lse, q.grad, k.grad, v.grad))
-    ):
-        dim = 2 if name == "lse" else 1
-        got = torch.empty(exp.shape, dtype=results[0][i].dtype)
-        for r, res in enumerate(results):
-            got.index_copy_(
-                dim, layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses), res[i]
-            )
-        err = rel_err(got, exp)
-        assert err < TOLERANCE[case.dtype], f"{case}: {name} rel err {err:.2e}"
+    check_sp(rank_pool, Case(4, ulysses, causal, kv_heads))
+
+
+@pytest.mark.parametrize("ulysses", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+def test_packed_documents_in_every_mode(rank_pool, ulysses, layout):
+    """Documents of 8, 24 and 16 tokens over 4 ranks as ring (U=1), hybrid 2x2 and Ulysses 4x1."""
+    check_sp(rank_pool, Case(4, ulysses, True, 2, layout, seqlen=48, cu_seqlens=(0, 8, 32, 48)))
 
 
 def _bad_calls():
@@ -107,12 +127,4 @@ def test_hybrid_layout_indices_cover_sequence():
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])
 def test_ulysses_bf16_real_size_on_gpus(rank_pool, kv_heads):
     case = Case(2, 2, True, kv_heads, heads=8, seqlen=4096, head_dim=128, dtype=torch.bfloat16)
-    results = rank_pool(case.world).run(_run, case)
-    q, k, v, dout = (t.double().requires_grad_() for t in _full(case))
-    ref_out, _ = reference_attention(q, k, v, causal=True)
-    ref_out.backward(dout)
-    for i, exp in ((0, ref_out), (2, q.grad), (3, k.grad), (4, v.grad)):
-        got = torch.empty(exp.shape, dtype=results[0][i].dtype)
-        for r, res in enumerate(results):
-            got.index_copy_(1, layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses), res[i])
-        assert rel_err(got, exp) < TOLERANCE[torch.bfloat16]
+    check_sp(rank_pool, case, names=("out", "dq", "dk", "dv"))

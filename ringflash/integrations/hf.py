@@ -7,6 +7,9 @@
     logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False).logits
     loss = ringflash.sequence_parallel_cross_entropy(logits, shard["target_ids"], sp_group)
 
+Packed documents (position_ids restarting inside a row): pass ``cu_seq_lens_q=shard["cu_seqlens"]``
+to the model as well; attention then stays inside each document.
+
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. transformers
 builds no mask for an implementation it has no mask function for, so no S x S mask is made.
 The name avoids "flash": transformers treats any implementation whose name contains it as
@@ -17,8 +20,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..kernels import flash_attn_func
-from ..ulysses import sp_attn_func
+from ..modules import sequence_parallel_attention
 
 NAME = "sequence_parallel"
 
@@ -56,9 +58,13 @@ def enable(
             (sliding_window - 1, -1) if sliding_window else (-1, -1)
         )  # HF: the last `sliding_window` keys
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        if group is None and not (dist.is_available() and dist.is_initialized()):
-            return flash_attn_func(q, k, v, scaling, causal, window), None
-        return sp_attn_func(q, k, v, scaling, causal, window, group, layout, sp_mode, ulysses_size), None
+        # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
+        # under transformers' own keyword.
+        cu_seqlens = kw.get("cu_seq_lens_q")
+        out = sequence_parallel_attention(
+            q, k, v, scaling, causal, window, group, layout, sp_mode, ulysses_size, cu_seqlens
+        )
+        return out, None
 
     AttentionInterface.register(NAME, attention)
     return NAME
