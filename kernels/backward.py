@@ -96,7 +96,7 @@ def _dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -108,9 +108,10 @@ def _dkdv_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < len_k:
-        # per_len: block offsets that scale with each sequence's length (see positions.py).
-        q_start += q_per_len * len_q
-        k_start += k_per_len * len_k
+        # per_len: block offsets that scale with each sequence's length (see positions.py). New
+        # names, not reassigned arguments: Triton specializes an argument equal to 1 as a constant.
+        q_start = q_start0 + q_per_len * len_q
+        k_start = k_start0 + k_per_len * len_k
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
@@ -196,7 +197,7 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -208,9 +209,10 @@ def _dq_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
-        # per_len: block offsets that scale with each sequence's length (see positions.py).
-        q_start += q_per_len * len_q
-        k_start += k_per_len * len_k
+        # per_len: block offsets that scale with each sequence's length (see positions.py). New
+        # names, not reassigned arguments: Triton specializes an argument equal to 1 as a constant.
+        q_start = q_start0 + q_per_len * len_q
+        k_start = k_start0 + k_per_len * len_k
         hk = h // GROUP
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)

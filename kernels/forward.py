@@ -62,7 +62,7 @@ def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, qk_scale, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len,
+    seqlen_q, seqlen_k, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -74,9 +74,10 @@ def _fwd_kernel(
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
-        # per_len: block offsets that scale with each sequence's length (see positions.py).
-        q_start += q_per_len * len_q
-        k_start += k_per_len * len_k
+        # per_len: block offsets that scale with each sequence's length (see positions.py). New
+        # names, not reassigned arguments: Triton specializes an argument equal to 1 as a constant.
+        q_start = q_start0 + q_per_len * len_q
+        k_start = k_start0 + k_per_len * len_k
         hk = h // GROUP
         q_base = Q + pb * stride_qb + h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qs
         k_base = K + pb * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks

@@ -104,13 +104,13 @@ def test_hf_packed_sequences(rank_pool):
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
-def test_hf_rejects_unsupported_features():
+def test_hf_rejects_unsupported_features(device):
     import ringflash.integrations.hf as rf_hf
 
-    model = _model("llama", rf_hf.enable())  # no process group: single-device ringflash attention
-    ids = _ids()
+    model = _model("llama", rf_hf.enable()).to(device)  # no process group: single-device ringflash
+    ids = _ids().to(device)
     ours = model(input_ids=ids, use_cache=False).logits
-    ref = _model("llama", "eager")(input_ids=ids, use_cache=False).logits
+    ref = _model("llama", "eager").to(device)(input_ids=ids, use_cache=False).logits
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
     with pytest.raises(ValueError, match="attention weights"):
         model(input_ids=ids, use_cache=False, output_attentions=True)

@@ -50,14 +50,16 @@ def _sp_step(sp_size: int, layout: str, kv_heads: int, sp_mode: str):
         (2, 2, "zigzag", 2, "ulysses"),
     ],
 )
-def test_sequence_parallel_step_matches_single_process(rank_pool, world, sp_size, layout, kv_heads, sp_mode):
+def test_sequence_parallel_step_matches_single_process(
+    rank_pool, device, world, sp_size, layout, kv_heads, sp_mode
+):
     results = rank_pool(world).run(_sp_step, sp_size, layout, kv_heads, sp_mode)
     dp_size = world // sp_size
     ref_grads: dict[str, torch.Tensor] = {}
     for replica in range(dp_size):
-        model = _model(kv_heads)  # no process group: single-device attention on the full sequence
-        ids = _batch(replica)["input_ids"]
-        logits = model(ids, torch.arange(SEQ).expand_as(ids))
+        model = _model(kv_heads).to(device)  # no process group: single-device attention
+        ids = _batch(replica)["input_ids"].to(device)
+        logits = model(ids, torch.arange(SEQ, device=device).expand_as(ids))
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         loss.backward()
         for rank in range(replica * sp_size, (replica + 1) * sp_size):
@@ -66,7 +68,7 @@ def test_sequence_parallel_step_matches_single_process(rank_pool, world, sp_size
                 results[rank][0],
             )
         for n, p in model.named_parameters():
-            ref_grads[n] = ref_grads.get(n, 0) + p.grad / dp_size
+            ref_grads[n] = ref_grads.get(n, 0) + p.grad.cpu() / dp_size
     for rank, (_, grads) in enumerate(results):
         for n, g in grads.items():
             err = ((g - ref_grads[n]).norm() / ref_grads[n].norm()).item()
@@ -98,15 +100,15 @@ def _sp_step_packed(layout: str, sp_mode: str):
 
 @pytest.mark.parametrize(("world", "layout", "sp_mode"), [(2, "zigzag", "ring"), (4, "stripe", "ring"),
                                                           (2, "zigzag", "ulysses")])  # fmt: skip
-def test_packed_sequences_match_separate_documents(rank_pool, world, layout, sp_mode):
+def test_packed_sequences_match_separate_documents(rank_pool, device, world, layout, sp_mode):
     """Packed rows (position_ids restarting) train exactly like each document on its own."""
     results = rank_pool(world).run(_sp_step_packed, layout, sp_mode)
-    model = _model(2)
-    batch = _packed_batch()
+    model = _model(2).to(device)
+    batch = {k: v.to(device) for k, v in _packed_batch().items()}
     total, count = 0.0, 0
     for row, lens in enumerate(DOCS):
         for ids in batch["input_ids"][row].split(list(lens)):
-            logits = model(ids[None], torch.arange(len(ids))[None])[0]
+            logits = model(ids[None], torch.arange(len(ids), device=device)[None])[0]
             total = total + F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
             count += len(ids) - 1
     loss = total / count
@@ -114,7 +116,7 @@ def test_packed_sequences_match_separate_documents(rank_pool, world, layout, sp_
     for rank, (sp_loss, grads) in enumerate(results):
         assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
         for n, p in model.named_parameters():
-            err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
+            err = ((grads[n] - p.grad.cpu()).norm() / p.grad.norm()).item()
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
