@@ -2,17 +2,20 @@
 
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAttention-2 with LSE).
 Sequence parallel: ``ring_flash_attn_func`` (ring; ``ring_flash_attn_varlen_func`` for packed
-documents), ``ulysses_attn_func`` (all-to-all over
-heads) and ``sp_attn_func`` (one entry point for ring / ulysses / hybrid) over a process group,
-with ``shard_sequence`` / ``gather_sequence`` to move between full sequences and shards.
+documents), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
+for ring / ulysses / hybrid) over a process group, with ``shard_sequence`` / ``gather_sequence``
+to move between full sequences and shards.
 Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
-``sequence_parallel_cross_entropy``, ``reduce_gradients``, ``SequenceParallelAttention``.
+``sequence_parallel_cross_entropy`` (and its chunked form, which never makes all logits),
+``reduce_gradients``, ``SequenceParallelAttention``; ``integrations.hf`` and
+``integrations.deepspeed``.
 """
 
-from .batch import sequence_parallel_cross_entropy, shard_batch
+from .batch import shard_batch
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .kernels import flash_attn_func, flash_attn_varlen_func
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
+from .loss import sequence_parallel_chunked_cross_entropy, sequence_parallel_cross_entropy
 from .merge import merge_partial
 from .modules import ReferenceDecoder, SequenceParallelAttention
 from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
@@ -35,6 +38,7 @@ __all__ = [
     "reduce_gradients",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",
+    "sequence_parallel_chunked_cross_entropy",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_groups",
     "shard_batch",

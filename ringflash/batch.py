@@ -1,4 +1,4 @@
-"""Sharding a causal-LM batch over a sequence-parallel group, and the loss over all its tokens."""
+"""Sharding a causal-LM batch over a sequence-parallel group (packed documents included)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import itertools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .comm import RingComm, resolve_group
+from .comm import RingComm
 from .layouts import shard_multiple
 from .mesh import check_ulysses_size
 from .sharding import shard_sequence
@@ -100,43 +99,3 @@ def _pack_documents(
     packed = {name: torch.cat(ts)[None] for name, ts in parts.items()}
     packed["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     return packed
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: the sum over the group; backward: identity. Every rank computes the same global
-    loss and back-propagates it, so each rank's local term receives exactly its own gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def sequence_parallel_cross_entropy(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """Mean cross-entropy over every target token of the sequence-parallel group.
-
-    logits: (batch, local_seqlen, vocab); target_ids: (batch, local_seqlen) from
-    ``shard_batch``. Token-count weighted across ranks, so a sharded run reports the same
-    number as a single-device run; the same value on every rank. After ``backward``, sum the
-    parameter gradients over the group (``groups.reduce_gradients``).
-    """
-    group = resolve_group(group)
-    local = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        target_ids.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    count = (target_ids != ignore_index).sum().to(torch.float32)
-    dist.all_reduce(count, group=group)
-    return _SumOverGroup.apply(local, group) / count.clamp_min(1.0)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import errors_of, worker_device
 
-from ringflash.batch import sequence_parallel_cross_entropy, shard_batch
+from ringflash.batch import shard_batch
 from ringflash.groups import reduce_gradients, sequence_parallel_groups
+from ringflash.loss import sequence_parallel_cross_entropy
 from ringflash.modules import ReferenceDecoder, SequenceParallelAttention
 
 VOCAB, DIM, LAYERS, HEADS, SEQ = 64, 32, 2, 4, 32
