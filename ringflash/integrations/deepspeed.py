@@ -1,8 +1,9 @@
 """DeepSpeed: data-parallel x sequence-parallel training with ringflash attention.
 
     import ringflash, ringflash.integrations.deepspeed as rf_ds
+    groups = ringflash.sequence_parallel_groups(4)          # D x 4 ranks; cached, initialize reuses it
+    model = ...                                             # attention on groups.sp_group (hf.enable)
     engine, optimizer, _, scheduler = rf_ds.initialize(model, "ds_config.json", sp_size=4, optimizer=opt)
-    groups = engine.mpu.groups                              # ringflash.ParallelGroups, D x 4 ranks
     shard = ringflash.shard_batch(batch, groups.sp_group)   # the same batch on the 4 ranks of a group
     logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
     loss = ringflash.sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
