@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import flash_attn_func, flash_attn_varlen_func
-from .ulysses import sp_attn_func
+from .layouts import document_lengths
+from .ulysses import sp_attn_func, whole_sequence_attention
 
 
 class SequenceParallelAttention(nn.Module):
@@ -65,13 +65,12 @@ def sequence_parallel_attention(
             q, k, v, softmax_scale, causal, window_size, group, layout, sp_mode, ulysses_size,
             cu_seqlens=cu_seqlens,
         )  # fmt: skip
-    if cu_seqlens is None:
-        return flash_attn_func(q, k, v, softmax_scale, causal, window_size)
-    if q.shape[0] != 1:
-        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int32).to(q.device)
-    n = int((cu[1:] - cu[:-1]).max())
-    return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, n, n, softmax_scale, causal, window_size)[None]
+    doc_lens = None
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        doc_lens = document_lengths(cu_seqlens, q.shape[1], "contiguous", 1)  # any lengths on one device
+    return whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_lens)[0]
 
 
 def _rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

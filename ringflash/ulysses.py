@@ -64,9 +64,10 @@ def _lse_to_seq(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group).squeeze(-1).transpose(1, 2)
 
 
-def _single_rank_attention(q, k, v, softmax_scale, causal, window_size, doc_lens):
-    """Attention over a whole sequence held by one rank (pure Ulysses): dense, or varlen over
-    packed documents (with one ring rank every layout is the natural token order)."""
+def whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_lens):
+    """(out, lse) of attention over a whole sequence held by one rank, (batch, seqlen, heads,
+    head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1; with one
+    ring rank every layout is the natural token order)."""
     if doc_lens is None:
         return flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_lse=True)
     cu = torch.tensor([0, *itertools.accumulate(doc_lens)], dtype=torch.int32, device=q.device)
@@ -88,7 +89,7 @@ def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, layout, softmax_scale, causa
         doc_lens = None
         if cu_seqlens is not None:
             doc_lens = document_lengths(cu_seqlens, q.shape[1], layout, 1)
-        out, lse = _single_rank_attention(q, k, v, softmax_scale, causal, window_size, doc_lens)
+        out, lse = whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_lens)
     else:
         out, lse = ring_flash_attn_func(
             q, k, v, softmax_scale, causal, window_size, group=mesh.ring_group, layout=layout,

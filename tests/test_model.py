@@ -11,6 +11,7 @@ from distributed import errors_of, worker_device
 
 from ringflash.batch import shard_batch
 from ringflash.groups import reduce_gradients, sequence_parallel_groups
+from ringflash.kernels import flash_attn_func
 from ringflash.loss import sequence_parallel_cross_entropy
 from ringflash.modules import ReferenceDecoder, SequenceParallelAttention
 
@@ -119,6 +120,20 @@ def test_packed_sequences_match_separate_documents(rank_pool, device, world, lay
         for n, p in model.named_parameters():
             err = ((grads[n] - p.grad.cpu()).norm() / p.grad.norm()).item()
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+
+
+def test_single_device_packed_attention(device):
+    """Without a process group, cu_seqlens keeps attention inside each document (any lengths)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 23, h, 16, generator=g).to(device) for h in (4, 2, 2))
+    got = SequenceParallelAttention()(q, k, v, cu_seqlens=torch.tensor([0, 5, 6, 23], dtype=torch.int32))
+    want = torch.cat(
+        [flash_attn_func(*(t[:, a:b] for t in (q, k, v)), causal=True) for a, b in ((0, 5), (5, 6), (6, 23))],
+        1,
+    )
+    assert torch.allclose(got, want, atol=1e-6)
+    whole = SequenceParallelAttention()(q, k, v)
+    assert not torch.allclose(got[:, 5:], whole[:, 5:], atol=1e-3)  # the documents do matter
 
 
 def _shard_packed():
