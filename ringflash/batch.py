@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .layouts import shard_multiple
+from .layouts import cumulative_lengths, shard_multiple
 from .mesh import check_ulysses_size
 from .sharding import shard_sequence
 
@@ -97,5 +95,5 @@ def _pack_documents(
             parts["target_ids"].append(target)
             lens.append(n + pad)
     packed = {name: torch.cat(ts)[None] for name, ts in parts.items()}
-    packed["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    packed["cu_seqlens"] = cumulative_lengths(lens)
     return packed

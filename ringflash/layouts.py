@@ -96,6 +96,11 @@ def document_lengths(
     return lens
 
 
+def cumulative_lengths(lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 (0, l0, l0 + l1, ..., sum) of ``lens``: the inverse of ``document_lengths``."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
 def segments(layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...]) -> list[Segment]:
     """The segments of rank ``rank``'s local tokens under ``layout``, for a full sequence made of
     documents of lengths ``doc_lens`` (one document: an unpacked sequence), each split on its

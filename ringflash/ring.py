@@ -10,7 +10,6 @@ issued before step i's kernels, so it overlaps them. Buffers are allocated once 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -27,7 +26,7 @@ from .kernels import (
     attention_forward,
     build_problem,
 )
-from .layouts import check_layout, check_total_length, document_lengths, segments
+from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
 from .merge import merge_partial
 from .schedule import BlockTask, ring_schedule
 
@@ -243,8 +242,7 @@ def ring_plan(
     cu_local = None
     if varlen:  # every packed segment holds the same chunk length of each document
         seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
-        cu_local = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
-        cu_local = cu_local.to(device)
+        cu_local = cumulative_lengths(seq_lens).to(device)
     return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
 
 

@@ -42,10 +42,6 @@ class BlockTask:
 class RingSchedule:
     steps: tuple[tuple[BlockTask, ...], ...]  # steps[i]: tasks against the shard of rank (r - i) % W
 
-    @property
-    def n_steps(self) -> int:
-        return len(self.steps)
-
 
 def _pair_visibility(qs: Segment, ks: Segment, bounds: MaskBounds) -> Visibility:
     """One class for a segment pair over all its documents."""

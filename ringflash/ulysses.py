@@ -9,7 +9,6 @@ The token layout is ``layouts.layout_indices(layout, rank, W, S, ulysses_size)``
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from .comm import all_to_all, resolve_group
 from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
-from .layouts import check_layout, document_lengths
+from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_flash_attn_func
 
@@ -70,7 +69,7 @@ def whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_le
     ring rank every layout is the natural token order)."""
     if doc_lens is None:
         return flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_lse=True)
-    cu = torch.tensor([0, *itertools.accumulate(doc_lens)], dtype=torch.int32, device=q.device)
+    cu = cumulative_lengths(doc_lens, q.device)
     n = max(doc_lens)
     out, lse = flash_attn_varlen_func(
         q[0], k[0], v[0], cu, cu, n, n, softmax_scale, causal, window_size, return_lse=True
