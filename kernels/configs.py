@@ -1,9 +1,9 @@
 """Tile sizes and launch parameters for the attention kernels.
 
-Chosen by head dimension (and causality, where the sweep disagreed) from
-``launch/tune_attention.py`` sweeps on an H200 (docs/performance.md) rather than
-``triton.autotune``: the backward kernels accumulate into caller buffers, which an autotuner's
-repeated launches would corrupt, and a fixed table keeps launches deterministic.
+Chosen by head dimension from ``launch/tune_attention.py`` sweeps on an H200
+(docs/performance.md) rather than ``triton.autotune``: the backward kernels accumulate into
+caller buffers, which an autotuner's repeated launches would corrupt, and a fixed table keeps
+launches deterministic.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _shrink_for_fp32(cfg: TileConfig, head_dim: int) -> TileConfig:
     return TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 64), 4, 2)
 
 
-def forward_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
+def forward_config(head_dim: int, fp32: bool = False) -> TileConfig:
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
@@ -52,12 +52,15 @@ def forward_config(head_dim: int, causal: bool = False, fp32: bool = False) -> T
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_kv_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
+def backward_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
     """dK/dV kernel: block_n keys stay resident, block_m query rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG
     if head_dim <= 64:
-        cfg = TileConfig(64, 128, 4, 2) if causal else TileConfig(64, 64, 4, 3)
+        # Not (64, 128, 4, 2), an earlier sweep's causal pick: four warps holding two 128x64
+        # float32 accumulators spill registers; it ran at 70-120 TFLOP/s in every shape probed
+        # on 2026-11-23 (MHA and GQA, 16K-64K tokens), this one at 461-496 (docs/performance.md).
+        cfg = TileConfig(64, 64, 4, 3)
     elif head_dim <= 128:
         cfg = TileConfig(64, 128, 8, 3)
     else:
@@ -65,7 +68,7 @@ def backward_kv_config(head_dim: int, causal: bool = False, fp32: bool = False) 
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_q_config(head_dim: int, causal: bool = False, fp32: bool = False) -> TileConfig:
+def backward_q_config(head_dim: int, fp32: bool = False) -> TileConfig:
     """dQ kernel: block_m queries stay resident, block_n key rows stream past."""
     if INTERPRET:
         return _INTERPRET_CONFIG

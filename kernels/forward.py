@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, forward_config
-from .problem import AttentionProblem
+from .problem import AttentionProblem, check_row_offsets
 from .tiling import seq_bounds, visibility_mask, visible_tiles
 
 LOG2E = 1.4426950408889634
@@ -157,9 +157,10 @@ def attention_forward(
     """
     if out is None:
         out = torch.empty_like(q)
+    check_row_offsets(problem.max_seqlen_q, out=out)
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
-    cfg = forward_config(problem.head_dim, problem.bounds.right is not None, q.dtype == torch.float32)
+    cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)

@@ -70,6 +70,23 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     return t
 
 
+def check_row_offsets(seqlen: int, **tensors: torch.Tensor | None) -> None:
+    """The kernels address a sequence's rows with 32-bit offsets from its (batch, head) base, so
+    (seqlen - 1) x token stride + head_dim must stay below 2^31 elements for every tensor
+    (e.g. more than 524288 tokens of 32 heads x 128 in the (batch, seqlen, heads, head_dim)
+    layout)."""
+    for name, t in tensors.items():
+        if t is None or seqlen == 0:
+            continue
+        if (seqlen - 1) * t.stride(-3) + t.shape[-1] > 2**31 - 1:
+            raise ValueError(
+                f"{name}: {seqlen} tokens at a token stride of {t.stride(-3)} elements exceed the "
+                "kernels' 32-bit row offsets (2^31 elements per batch entry and head); shard the "
+                "sequence over more ranks, or pass a (batch, heads, seqlen, head_dim) tensor "
+                "transposed to (batch, seqlen, heads, head_dim), whose token stride is head_dim"
+            )
+
+
 def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -175,6 +192,8 @@ def build_problem(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         q_positions = q_positions or TokenPositions(seqlen_k - seqlen_q, 1)
     k_positions = k_positions or TokenPositions(0, 1)
+    check_row_offsets(seqlen_q, q=q)
+    check_row_offsets(seqlen_k, k=k, v=v)
     return AttentionProblem(
         batch=batch,
         heads_q=heads_q,

@@ -87,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16)")
     p.add_argument("--json", default=None, help="write summary + per-step history here")
     p.add_argument("--plot", default=None, help="write a loss-curve PNG here (needs matplotlib)")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="profile one extra step after the last (not timed) and print its top GPU kernels",
+    )  # fmt: skip
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p.parse_args(argv)
 
@@ -205,7 +209,11 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         flush=True,
     )
     tokens_per_step = args.seq_len * dp_size * accum
-    for step in range(start, args.steps):
+    profiler = None
+    for step in range(start, args.steps + int(args.profile)):
+        if step == args.steps:  # the extra --profile step: not saved, not in the throughput
+            profiler = torch.profiler.profile(activities=profile_activities())
+            profiler.start()
         if ON_GPU:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -241,6 +249,10 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
             "recall_acc": stats[2].item() / stats[3].item() if stats[3] > 0 else None,
             "grad_norm": _float_or_none(engine.get_global_grad_norm()),
         }  # fmt: skip
+        if profiler is not None:
+            profiler.stop()
+            say(kernel_table(profiler, elapsed), flush=True)
+            break
         history.append(rec)
         tps = tokens_per_step / elapsed
         recall_txt = (
@@ -260,6 +272,24 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     return summarize(
         args, engine, world, sp, tokens_per_step, counts, flops, history[start:], history
     ), history
+
+
+def profile_activities() -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts + [torch.profiler.ProfilerActivity.CUDA] if ON_GPU else acts
+
+
+def kernel_table(profiler, step_s: float, rows: int = 14) -> str:
+    """This rank's device time per kernel over the profiled step, largest first, as text.
+    Kernel names are cut to 70 characters; the share is of the step's wall time."""
+    events = [e for e in profiler.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    lines = [f"profile: step {step_s * 1e3:.0f} ms wall, {total:.0f} ms device time in kernels (rank 0)"]
+    for e in events[:rows]:
+        ms = e.self_device_time_total / 1e3
+        lines.append(f"  {ms:9.1f} ms {100 * ms / (step_s * 1e3):5.1f}%  x{e.count:<6d} {e.key[:70]}")
+    return "\n".join(lines)
 
 
 def _float_or_none(x) -> float | None:

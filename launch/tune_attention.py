@@ -2,6 +2,7 @@
 
     python launch/tune_attention.py                 # head_dim 64 and 128, causal and not, S=16K
     python launch/tune_attention.py --head-dims 256 --seqlen 8192
+    python launch/tune_attention.py --head-dims 64 --heads 16 --kv-heads 4 --causal yes --kernels bwd_kv
 
 The winners go into kernels/configs.py by hand (with the numbers in docs/performance.md), so
 that launches stay deterministic and free of autotuning passes.
@@ -41,9 +42,10 @@ def bench(fn) -> float:
         return float("inf")
 
 
-def sweep_case(d: int, causal: bool, seqlen: int, heads: int) -> dict:
+def sweep_case(d: int, causal: bool, seqlen: int, heads: int, kv_heads: int, kernels: list[str]) -> dict:
     b = max(1, 65536 // seqlen)
-    q, k, v, do = (torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, do = (torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, seqlen, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     prob = build_problem(q, k, v, None, causal, (-1, -1))
     flops = 4 * b * heads * seqlen**2 * d * (0.5 if causal else 1.0)
     out, lse = attention_forward(q, k, v, prob)
@@ -52,25 +54,35 @@ def sweep_case(d: int, causal: bool, seqlen: int, heads: int) -> dict:
     def fwd():
         attention_forward(q, k, v, prob)
 
-    def bwd():
-        attention_backward(do, q, k, v, lse, delta, prob)
+    # Each backward kernel alone; TFLOP/s count the matrix products it runs (dK/dV: 4 per tile
+    # pair, dQ: 3, the forward's 2 being 1.0x), so the three columns compare kernel speeds.
+    def bwd_kv():
+        attention_backward(do, q, k, v, lse, delta, prob, compute_dq=False)
+
+    def bwd_q():
+        attention_backward(do, q, k, v, lse, delta, prob, compute_dkdv=False)
 
     results = {}
     for name, module, attr, cands, fn, mult in (
         ("fwd", forward, "forward_config", FWD, fwd, 1.0),
-        ("bwd_kv", backward, "backward_kv_config", BWD_KV, bwd, 2.5),
-        ("bwd_q", backward, "backward_q_config", BWD_Q, bwd, 2.5),
+        ("bwd_kv", backward, "backward_kv_config", BWD_KV, bwd_kv, 2.0),
+        ("bwd_q", backward, "backward_q_config", BWD_Q, bwd_q, 1.5),
     ):
+        if name not in kernels:
+            continue
         original = getattr(module, attr)
         timings = []
         for c in cands:
-            setattr(module, attr, lambda _d, _causal=False, _fp32=False, c=c: TileConfig(*c))
+            setattr(module, attr, lambda _d, _fp32=False, c=c: TileConfig(*c))
             timings.append((bench(fn), c))
         setattr(module, attr, original)
         ms, best = min(timings)
         results[name] = best
         top = ", ".join(f"{c}:{flops * mult / t / 1e9:.0f}" for t, c in sorted(timings)[:4])
-        print(f"D={d} causal={causal} {name}: best {best} {flops * mult / ms / 1e9:.0f} TFLOP/s | {top}")
+        print(
+            f"D={d} causal={causal} heads {heads}/{kv_heads} {name}: "
+            f"best {best} {flops * mult / ms / 1e9:.0f} TFLOP/s | {top}"
+        )
     return results
 
 
@@ -79,11 +91,20 @@ def main() -> None:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: key/value heads (default: --heads)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument(
+        "--kernels", nargs="+", default=["fwd", "bwd_kv", "bwd_q"], choices=["fwd", "bwd_kv", "bwd_q"]
+    )
     args = p.parse_args()
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv_heads})")
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
     for d in args.head_dims:
-        for causal in (False, True):
-            print(f"RESULT D={d} causal={causal} {sweep_case(d, causal, args.seqlen, args.heads)}")
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
+            best = sweep_case(d, causal, args.seqlen, args.heads, kv_heads, args.kernels)
+            print(f"RESULT D={d} causal={causal} heads {args.heads}/{kv_heads} {best}")
 
 
 if __name__ == "__main__":

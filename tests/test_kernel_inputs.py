@@ -212,6 +212,21 @@ def test_backward_buffer_checks(device):
         attention_backward(q, q, k, v, lse, delta.transpose(1, 2).contiguous().transpose(1, 2), prob)
 
 
+def test_rows_beyond_32_bit_offsets_are_rejected():
+    """Meta tensors: shapes and strides without memory. 524289 tokens of 32 heads x 128 in the
+    (batch, seqlen, heads, head_dim) layout reach past 2^31 elements; one token fewer does not."""
+    q = torch.empty(1, 524289, 32, 128, device="meta", dtype=torch.float16)
+    kv = torch.empty(1, 524289, 8, 128, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"q: 524289 tokens at a token stride of 4096 .* 32-bit"):
+        ringflash.flash_attn_func(q, kv, kv)
+    build_problem(q[:, :-1], kv[:, :-1], kv[:, :-1], None, True, (-1, -1))
+    # Head-major storage seen as (batch, seqlen, heads, head_dim): token stride head_dim, fine.
+    heads_major = torch.empty(1, 32, 524289, 128, device="meta", dtype=torch.float16).transpose(1, 2)
+    prob = build_problem(heads_major, kv, kv, None, True, (-1, -1))
+    with pytest.raises(ValueError, match="dout: 524289 tokens"):
+        attention_backward(q, heads_major, kv, kv, None, None, prob)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

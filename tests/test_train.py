@@ -52,14 +52,14 @@ def test_token_files(tmp_path):
         TokenFile(str(tmp_path / "t.txt"), 64, vocab=97, seed=0)
 
 
-def _train(tmp_path, *args: str) -> tuple[dict, dict]:
+def _train(tmp_path, *args: str) -> tuple[dict, dict, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     out = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
     cmd += ["launch/train.py", "--model", "tiny", "--seq-len", "64", "--json", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON summary
-    return summary, json.loads(out.read_text())
+    return summary, json.loads(out.read_text()), proc.stdout
 
 
 def test_train_saves_resumes_and_summarizes(tmp_path):
@@ -67,12 +67,14 @@ def test_train_saves_resumes_and_summarizes(tmp_path):
     pytest.importorskip("transformers")
     ck = tmp_path / "ck"
     common = ["--dtype", "fp32", "--optimizer", "sgd", "--lr", "1", "--grad-clip", "0", "--save-dir", str(ck)]
-    summary, full = _train(tmp_path, "--steps", "3", "--save-every", "2", *common)
+    summary, full, _ = _train(tmp_path, "--steps", "3", "--save-every", "2", *common)
     assert summary["summary"] == "train" and summary["sp_size"] == 2 and summary["steps_run"] == 3
     for key in ("tokens_per_s_per_gpu", "mfu", "peak_mem_gib", "final_recall_acc", "params"):
         assert key in summary
     (ck / "latest").write_text("step2")  # resume from step 2, not from the final save
-    resumed, part = _train(tmp_path, "--steps", "3", "--resume", str(ck), *common)
+    # --profile runs one more step, kept out of the history and the throughput.
+    resumed, part, stdout = _train(tmp_path, "--steps", "3", "--resume", str(ck), "--profile", *common)
+    assert "profile: step" in stdout
     assert resumed["steps_run"] == 1 and len(part["history"]) == 3
     assert part["history"][:2] == full["history"][:2]  # carried in the checkpoint
     got, want = part["history"][2]["loss"], full["history"][2]["loss"]
