@@ -11,8 +11,10 @@
 #      data, attention, loss) and gradient norm (the reduction's scale) must agree to bf16
 #      accuracy, and the step-2 loss (AdamW's first update follows the gradient's signs)
 #   d  longest sequence: 1B at 256K (and 512K with LONG=1), one step each
-#   e  synthetic recall, small model: 400 steps at 2K tokens (8 sequences per step), then 40
-#      steps at 64K resumed from that checkpoint; loss curve PNG (if matplotlib is there)
+#   e  synthetic recall, small model, a length curriculum with 8 sequences per step: 600 steps at
+#      256 tokens, 150 at 2K, then 40 at 64K (4 per step), each resumed from the last checkpoint;
+#      loss curve PNG (if matplotlib is there). Starting at 2K did not learn in 400 steps on
+#      2xH200 (2026-11-23); at 256 tokens the model learns, and the skill carries to 1K (CPU)
 # The machine lacks DeepSpeed and some of its pure-python deps: they come from .whl/ (pass
 # carry [".whl"] to the device tool). Every run has its own time limit, and BUDGET (seconds,
 # default 560) caps the whole call: runs that no longer fit are skipped, never cut mid-way.
@@ -75,8 +77,10 @@ for stage in $STAGES; do
   e)
     ck=/tmp/recall_ck; rm -rf $ck
     recall="--model small --sp-size 2 --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --save-dir $ck"
-    run e_recall_2k 170 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 400 --json "$OUT/e_recall_2k.json"
-    run e_recall_64k 120 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 440 --resume $ck \
+    run e_recall_256 170 $T2 $recall --seq-len 256 --grad-accum 8 --steps 600 --json "$OUT/e_recall_256.json"
+    run e_recall_2k 100 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 750 --resume $ck \
+      --json "$OUT/e_recall_2k.json"
+    run e_recall_64k 120 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 790 --resume $ck \
       --json "$OUT/e_recall_64k.json" --plot "$OUT/recall_loss.png" ;;
   *) echo "unknown stage $stage (a b c d e)" ;;
   esac

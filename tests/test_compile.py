@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget
 from ringflash.kernels.backward import _dkdv_kernel, _dq_kernel
 from ringflash.kernels.forward import _fwd_kernel
 
-POSITION_ARGS = ("q_start0", "q_stride", "k_start0", "k_stride", "q_per_len", "k_per_len")
+# Integer arguments that can arrive as 1 (positions of a stripe, a one-token sequence).
+ONES = ("q_start0", "q_stride", "k_start0", "k_stride", "q_per_len", "k_per_len", "seqlen_q", "seqlen_k")
 FP32_ARGS = {"qk_scale", "softmax_scale", "LSE", "DELTA"}
 
 
@@ -45,7 +46,7 @@ def compile_kernel(kernel, ones, **constexprs):
 
 # Dense unmasked, and varlen with window bounds: each with and without the specializations.
 KERNELS = (_fwd_kernel, _dkdv_kernel, _dq_kernel)
-for kernel, ones, varlen in itertools.product(KERNELS, ((), POSITION_ARGS), (False, True)):
+for kernel, ones, varlen in itertools.product(KERNELS, ((), ONES), (False, True)):
     window = varlen
     compile_kernel(
         kernel, ones, GROUP=2, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_VARLEN=varlen,
