@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepSpeed + ringflash training session on a 2-GPU machine, run through the device tool (never CI):
-#   bash launch/gpu_train.sh              # every stage: a b c d e (~8 min on 2x H200)
+#   bash launch/gpu_train.sh              # every stage: a b c d e (~10 min on 2x H200)
 #   bash launch/gpu_train.sh a b c        # some stages (e.g. two calls: "a b c", then "d e")
 #   LONG=1 bash launch/gpu_train.sh d     # the length probe also tries 512K (~2 more minutes)
 # Stages:
@@ -77,7 +77,7 @@ for stage in $STAGES; do
   e)
     ck=/tmp/recall_ck; rm -rf $ck
     recall="--model small --sp-size 2 --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --save-dir $ck"
-    run e_recall_256 170 $T2 $recall --seq-len 256 --grad-accum 8 --steps 600 --json "$OUT/e_recall_256.json"
+    run e_recall_256 240 $T2 $recall --seq-len 256 --grad-accum 8 --steps 600 --json "$OUT/e_recall_256.json"
     run e_recall_2k 100 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 750 --resume $ck \
       --json "$OUT/e_recall_2k.json"
     run e_recall_64k 120 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 790 --resume $ck \
