@@ -18,8 +18,8 @@ import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import LOG2E, as_4d, dot_precision, lse_strides
-from .problem import AttentionProblem, check_row_offsets
-from .tiling import seq_bounds, visibility_mask, visible_tiles
+from .problem import AttentionProblem, check_token_stride, wide_offsets
+from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
 
 
 @triton.jit
@@ -37,16 +37,19 @@ def _delta_kernel(
     row_ok = offs_m < len_q
     mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q0 + offs_m).to(tl.int64)
+    h64 = h.to(tl.int64)
     o = tl.load(
-        O + pb * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0
+        O + pb * stride_ob + h64 * stride_oh + rows[:, None] * stride_os + offs_d[None, :],
+        mask=mask,
+        other=0.0,
     )
     do = tl.load(
-        DO + pb * stride_db + h * stride_dh + rows[:, None] * stride_ds + offs_d[None, :],
+        DO + pb * stride_db + h64 * stride_dh + rows[:, None] * stride_ds + offs_d[None, :],
         mask=mask,
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pb * stride_lb + h * stride_lh + rows, delta, mask=row_ok)
+    tl.store(DELTA + pb * stride_lb + h64 * stride_lh + rows, delta, mask=row_ok)
 
 
 @triton.jit
@@ -62,6 +65,7 @@ def _dkdv_tiles(
     stride_lh, lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
     """Add the query tiles in [lo, hi) of every query head of the GQA group (the *_base pointers
     are at its first head) to dk/dv, last tile first. One flat loop, tile-major and head-minor:
@@ -79,14 +83,14 @@ def _dkdv_tiles(
     for it in range(0, n_tiles * GROUP):
         tile = n_tiles - 1 - it // GROUP
         g = zero64 + it % GROUP
-        rows = lo + tile * BLOCK_M + offs_m
+        m0 = lo + tile * BLOCK_M
+        rows = m0 + offs_m
         io_mask = d_ok
         row_mask = rows < len_q
         if MASKED:
             io_mask = io_mask & row_mask[:, None]
-        q = tl.load(
-            q_base + g * stride_qh + rows[:, None] * stride_qs + offs_d[None, :], mask=io_mask, other=0.0
-        )
+        q_rows = row_pointers(q_base + g * stride_qh, m0, offs_m, stride_qs, WIDE)
+        q = tl.load(q_rows + offs_d[None, :], mask=io_mask, other=0.0)
         lse2 = tl.load(lse_base + g * stride_lh + rows, mask=row_mask, other=0.0) * 1.4426950408889634
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
@@ -96,9 +100,8 @@ def _dkdv_tiles(
                 key_pos, q_start + q_stride * rows, rows, len_q, win_right, win_left, HAS_RIGHT, HAS_LEFT
             )
             p_t = tl.where(vis, p_t, 0.0)
-        do = tl.load(
-            do_base + g * stride_dh + rows[:, None] * stride_ds + offs_d[None, :], mask=io_mask, other=0.0
-        )
+        do_rows = row_pointers(do_base + g * stride_dh, m0, offs_m, stride_ds, WIDE)
+        do = tl.load(do_rows + offs_d[None, :], mask=io_mask, other=0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(delta_base + g * stride_lh + rows, mask=row_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -118,6 +121,7 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -133,13 +137,14 @@ def _dkdv_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
         krow = (k0 + offs_n).to(tl.int64)
+        hk64 = hk.to(tl.int64)  # new name: see the per_len note
         k = tl.load(
-            K + pb * stride_kb + hk * stride_kh + krow[:, None] * stride_ks + offs_d[None, :],
+            K + pb * stride_kb + hk64 * stride_kh + krow[:, None] * stride_ks + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
         )
         v = tl.load(
-            V + pb * stride_vb + hk * stride_vh + krow[:, None] * stride_vs + offs_d[None, :],
+            V + pb * stride_vb + hk64 * stride_vh + krow[:, None] * stride_vs + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
         )
@@ -152,7 +157,7 @@ def _dkdv_kernel(
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        h0 = (hk * GROUP).to(tl.int64)
+        h0 = hk64 * GROUP
         q_base = Q + pb * stride_qb + h0 * stride_qh + q0.to(tl.int64) * stride_qs
         do_base = DO + pb * stride_db + h0 * stride_dh + q0.to(tl.int64) * stride_ds
         lse_base = LSE + pb * stride_lb + h0 * stride_lh + q0
@@ -161,21 +166,21 @@ def _dkdv_kernel(
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, full_end, end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, full_start, full_end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            False, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, start, full_start, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk = dk * softmax_scale
-        dk_ptrs = DK + pb * stride_dkb + hk * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
-        dv_ptrs = DV + pb * stride_dvb + hk * stride_dvh + krow[:, None] * stride_dvs + offs_d[None, :]
+        dk_ptrs = DK + pb * stride_dkb + hk64 * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
+        dv_ptrs = DV + pb * stride_dvb + hk64 * stride_dvh + krow[:, None] * stride_dvs + offs_d[None, :]
         _store_grad(dk_ptrs, dk, kv_mask, ACCUMULATE)
         _store_grad(dv_ptrs, dv, kv_mask, ACCUMULATE)
 
@@ -186,6 +191,7 @@ def _dq_tiles(
     lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -195,8 +201,12 @@ def _dq_tiles(
         kv_mask = d_ok
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < len_k)
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            row_pointers(k_base, start_n, offs_n, stride_ks, WIDE) + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            row_pointers(v_base, start_n, offs_n, stride_vs, WIDE) + offs_d[None, :], mask=kv_mask, other=0.0
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
@@ -219,6 +229,7 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -230,28 +241,28 @@ def _dq_kernel(
         # names, not reassigned arguments: Triton specializes an argument equal to 1 as a constant.
         q_start = q_start0 + q_per_len * len_q
         k_start = k_start0 + k_per_len * len_k
-        hk = h // GROUP
+        h64 = h.to(tl.int64)
+        hk = h64 // GROUP
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         row_ok = offs_m < len_q
         io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
         qrow = (q0 + offs_m).to(tl.int64)
         q = tl.load(
-            Q + pb * stride_qb + h * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :],
+            Q + pb * stride_qb + h64 * stride_qh + qrow[:, None] * stride_qs + offs_d[None, :],
             mask=io_mask,
             other=0.0,
         )
         do = tl.load(
-            DO + pb * stride_db + h * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :],
+            DO + pb * stride_db + h64 * stride_dh + qrow[:, None] * stride_ds + offs_d[None, :],
             mask=io_mask,
             other=0.0,
         )
-        lse2 = (
-            tl.load(LSE + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
-        )
-        delta = tl.load(DELTA + pb * stride_lb + h * stride_lh + qrow, mask=row_ok, other=0.0)
-        k_base = K + pb.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks
-        v_base = V + pb.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vs
+        lse2 = tl.load(LSE + pb * stride_lb + h64 * stride_lh + qrow, mask=row_ok, other=0.0)
+        lse2 = lse2 * 1.4426950408889634
+        delta = tl.load(DELTA + pb * stride_lb + h64 * stride_lh + qrow, mask=row_ok, other=0.0)
+        k_base = K + pb * stride_kb + hk * stride_kh + k0.to(tl.int64) * stride_ks
+        v_base = V + pb * stride_vb + hk * stride_vh + k0.to(tl.int64) * stride_vs
         row_pos = q_start + q_stride * offs_m
         row_lo = q_start + q_stride * m0
         row_hi = q_start + q_stride * (tl.minimum(m0 + BLOCK_M, len_q) - 1)
@@ -262,20 +273,20 @@ def _dq_kernel(
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, full_start, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_start, full_end, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_end, end, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dq = dq * softmax_scale
-        dq_ptrs = DQ + pb * stride_dqb + h * stride_dqh + qrow[:, None] * stride_dqs + offs_d[None, :]
+        dq_ptrs = DQ + pb * stride_dqb + h64 * stride_dqh + qrow[:, None] * stride_dqs + offs_d[None, :]
         _store_grad(dq_ptrs, dq, io_mask, ACCUMULATE)
 
 
@@ -324,8 +335,7 @@ def attention_backward(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    check_row_offsets(problem.max_seqlen_q, dout=dout, dq=dq)
-    check_row_offsets(problem.max_seqlen_k, dk=dk, dv=dv)
+    check_token_stride(dout=dout, dq=dq, dk=dk, dv=dv)
     if lse.stride() != delta.stride():
         raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
     vl = problem.varlen
@@ -340,6 +350,8 @@ def attention_backward(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         IS_VARLEN=vl, HAS_LEFT=b.left is not None,
         HAS_RIGHT=b.right is not None, ACCUMULATE=accumulate, DOT_PRECISION=dot_precision(q.dtype),
+        WIDE=wide_offsets(problem.max_seqlen_q, q, dout, dq)
+        or wide_offsets(problem.max_seqlen_k, k, v, dk, dv),
     )  # fmt: skip
     scalars = (
         problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, problem.softmax_scale * LOG2E,

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_TILE_ROWS = 128  # no block_m/block_n below is larger (problem.check_token_stride relies on it)
 
 
 @dataclass(frozen=True)

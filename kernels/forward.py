@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, forward_config
-from .problem import AttentionProblem, check_row_offsets
-from .tiling import seq_bounds, visibility_mask, visible_tiles
+from .problem import AttentionProblem, check_token_stride, wide_offsets
+from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -25,6 +25,7 @@ def _fwd_tiles(
     lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -34,7 +35,8 @@ def _fwd_tiles(
         kv_mask = d_ok
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < len_k)
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_rows = row_pointers(k_base, start_n, offs_n, stride_ks, WIDE)
+        k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             col_pos = k_start + k_stride * cols
@@ -50,7 +52,8 @@ def _fwd_tiles(
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_rows = row_pointers(v_base, start_n, offs_n, stride_vs, WIDE)
+        v = tl.load(v_rows + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -66,7 +69,7 @@ def _fwd_kernel(
     win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,11 +85,14 @@ def _fwd_kernel(
         q_base = Q + pb * stride_qb + h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qs
         k_base = K + pb * stride_kb + hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_ks
         v_base = V + pb * stride_vb + hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vs
-        offs_m = m0 + tl.arange(0, BLOCK_M)
+        tile_m = tl.arange(0, BLOCK_M)
+        offs_m = m0 + tile_m
         offs_d = tl.arange(0, BLOCK_D)
         row_ok = offs_m < len_q
         io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=io_mask, other=0.0)
+        q = tl.load(
+            row_pointers(q_base, m0, tile_m, stride_qs, WIDE) + offs_d[None, :], mask=io_mask, other=0.0
+        )
         row_pos = q_start + q_stride * offs_m
         row_lo = q_start + q_stride * m0
         row_hi = q_start + q_stride * (tl.minimum(m0 + BLOCK_M, len_q) - 1)
@@ -99,17 +105,17 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, full_start, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_start, full_end, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_end, end, row_pos,
             k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         # Rows that saw no key: output 0 and LSE -inf, never NaN.
         seen = l_i > 0.0
@@ -118,9 +124,8 @@ def _fwd_kernel(
         # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         o_base = O + pb * stride_ob + h.to(tl.int64) * stride_oh + q0.to(tl.int64) * stride_os
-        tl.store(
-            o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask
-        )
+        o_rows = row_pointers(o_base, m0, tile_m, stride_os, WIDE)
+        tl.store(o_rows + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
         lse_base = LSE + pb * stride_lb + h.to(tl.int64) * stride_lh + q0
         tl.store(lse_base + offs_m, lse, mask=row_ok)
 
@@ -157,7 +162,7 @@ def attention_forward(
     """
     if out is None:
         out = torch.empty_like(q)
-    check_row_offsets(problem.max_seqlen_q, out=out)
+    check_token_stride(out=out)
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
@@ -180,6 +185,7 @@ def attention_forward(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=vl,
         HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None, DOT_PRECISION=dot_precision(q.dtype),
+        WIDE=wide_offsets(problem.max_seqlen_q, q, out) or wide_offsets(problem.max_seqlen_k, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse

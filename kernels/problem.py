@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import INTERPRET
+from .configs import INTERPRET, MAX_TILE_ROWS
 from .positions import MaskBounds, TokenPositions
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,21 +70,24 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     return t
 
 
-def check_row_offsets(seqlen: int, **tensors: torch.Tensor | None) -> None:
-    """The kernels address a sequence's rows with 32-bit offsets from its (batch, head) base, so
-    (seqlen - 1) x token stride + head_dim must stay below 2^31 elements for every tensor
-    (e.g. more than 524288 tokens of 32 heads x 128 in the (batch, seqlen, heads, head_dim)
-    layout)."""
+def check_token_stride(**tensors: torch.Tensor | None) -> None:
+    """The kernels address a tile's first row with a 64-bit offset and the rows inside it with
+    32-bit ones, so a token stride times the largest tile (``MAX_TILE_ROWS``) must stay below
+    2^31 elements: below 16M elements per token, far beyond any (heads x head_dim)."""
     for name, t in tensors.items():
-        if t is None or seqlen == 0:
-            continue
-        if (seqlen - 1) * t.stride(-3) + t.shape[-1] > 2**31 - 1:
+        if t is not None and MAX_TILE_ROWS * t.stride(-3) + t.shape[-1] > 2**31 - 1:
             raise ValueError(
-                f"{name}: {seqlen} tokens at a token stride of {t.stride(-3)} elements exceed the "
-                "kernels' 32-bit row offsets (2^31 elements per batch entry and head); shard the "
-                "sequence over more ranks, or pass a (batch, heads, seqlen, head_dim) tensor "
-                "transposed to (batch, seqlen, heads, head_dim), whose token stride is head_dim"
+                f"{name}: a token stride of {t.stride(-3)} elements is too large for the kernels' "
+                f"32-bit offsets inside a tile (at most {(2**31 - 1 - t.shape[-1]) // MAX_TILE_ROWS}); "
+                "pass a contiguous tensor"
             )
+
+
+def wide_offsets(seqlen: int, *tensors: torch.Tensor) -> bool:
+    """Whether a sequence's last row lies 2^31 or more elements past its first in one of the
+    tensors, e.g. past 524288 tokens of 32 heads x 128 in the (batch, seqlen, heads, head_dim)
+    layout. The kernels then compile a variant with 64-bit tile offsets (``tiling.row_pointers``)."""
+    return seqlen > 0 and any((seqlen - 1) * t.stride(-3) + t.shape[-1] > 2**31 - 1 for t in tensors)
 
 
 def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:
@@ -192,8 +195,7 @@ def build_problem(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         q_positions = q_positions or TokenPositions(seqlen_k - seqlen_q, 1)
     k_positions = k_positions or TokenPositions(0, 1)
-    check_row_offsets(seqlen_q, q=q)
-    check_row_offsets(seqlen_k, k=k, v=v)
+    check_token_stride(q=q, k=k, v=v)
     return AttentionProblem(
         batch=batch,
         heads_q=heads_q,

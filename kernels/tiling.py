@@ -81,6 +81,21 @@ def visibility_mask(
 
 
 @triton.jit
+def row_pointers(base, first, rows, stride, WIDE: tl.constexpr):
+    """[len(rows), 1] pointers to rows ``first + rows`` of ``base`` at a row stride.
+
+    WIDE (for sequences that reach 2^31 elements from their start; ``problem.wide_offsets``)
+    moves the base to the tile's first row with a 64-bit offset, rows inside the tile in 32
+    bits. Otherwise all offsets are 32-bit: on an H200 the WIDE form in every loop made the
+    kernels 5-10% slower (docs/performance.md), so it is compiled only for inputs that need it.
+    """
+    if WIDE:
+        return base + tl.cast(first, tl.int64) * stride + rows[:, None] * stride
+    else:
+        return base + (first + rows)[:, None] * stride
+
+
+@triton.jit
 def seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """(q offset, q length, k offset, k length, int64 batch index for pointers) of sequence b.
 

@@ -44,13 +44,15 @@ def compile_kernel(kernel, ones, **constexprs):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 
 
-# Dense unmasked, and varlen with window bounds: each with and without the specializations.
+# Dense unmasked, and varlen with window bounds and 64-bit tile offsets: each with and without
+# the specializations.
 KERNELS = (_fwd_kernel, _dkdv_kernel, _dq_kernel)
 for kernel, ones, varlen in itertools.product(KERNELS, ((), ONES), (False, True)):
     window = varlen
     compile_kernel(
         kernel, ones, GROUP=2, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_VARLEN=varlen,
         HAS_LEFT=window, HAS_RIGHT=window, DOT_PRECISION="tf32", ACCUMULATE=varlen,
+        WIDE=varlen,
     )
 print("compiled")
 """

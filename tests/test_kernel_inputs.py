@@ -9,6 +9,7 @@ import torch
 
 import ringflash
 from ringflash.kernels import attention_backward, attention_delta, attention_forward, build_problem
+from ringflash.kernels.configs import MAX_TILE_ROWS
 
 
 def _qkv(device, b=1, s=8, h=2, hk=2, d=16, dtype=torch.float32):
@@ -212,19 +213,22 @@ def test_backward_buffer_checks(device):
         attention_backward(q, q, k, v, lse, delta.transpose(1, 2).contiguous().transpose(1, 2), prob)
 
 
-def test_rows_beyond_32_bit_offsets_are_rejected():
-    """Meta tensors: shapes and strides without memory. 524289 tokens of 32 heads x 128 in the
-    (batch, seqlen, heads, head_dim) layout reach past 2^31 elements; one token fewer does not."""
-    q = torch.empty(1, 524289, 32, 128, device="meta", dtype=torch.float16)
-    kv = torch.empty(1, 524289, 8, 128, device="meta", dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"q: 524289 tokens at a token stride of 4096 .* 32-bit"):
-        ringflash.flash_attn_func(q, kv, kv)
-    build_problem(q[:, :-1], kv[:, :-1], kv[:, :-1], None, True, (-1, -1))
-    # Head-major storage seen as (batch, seqlen, heads, head_dim): token stride head_dim, fine.
-    heads_major = torch.empty(1, 32, 524289, 128, device="meta", dtype=torch.float16).transpose(1, 2)
-    prob = build_problem(heads_major, kv, kv, None, True, (-1, -1))
-    with pytest.raises(ValueError, match="dout: 524289 tokens"):
-        attention_backward(q, heads_major, kv, kv, None, None, prob)
+def test_token_strides_past_the_tile_limit_are_rejected():
+    """Meta tensors: shapes and strides without memory. Long sequences are fine (tiles start at
+    64-bit offsets; tests/test_kernels.py runs one past 2^31 elements); a token stride at which
+    the rows inside one tile pass 2^31 elements is refused, naming the tensor."""
+    q = torch.empty(1, 1 << 20, 32, 128, device="meta", dtype=torch.float16)
+    kv = torch.empty(1, 1 << 20, 8, 128, device="meta", dtype=torch.float16)
+    build_problem(q, kv, kv, None, True, (-1, -1))
+    limit = (2**31 - 1 - 128) // MAX_TILE_ROWS
+
+    def strided(token_stride):
+        flat = torch.empty(4 * token_stride, device="meta", dtype=torch.float16)
+        return flat.as_strided((1, 4, 1, 128), (4 * token_stride, token_stride, 128, 1))
+
+    build_problem(q[:, :4, :1], strided(limit), strided(limit), None, True, (-1, -1))
+    with pytest.raises(ValueError, match=rf"k: a token stride of {limit + 1} elements is too large"):
+        build_problem(q[:, :4, :1], strided(limit + 1), strided(limit), None, True, (-1, -1))
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from ringflash.kernels import (
     attention_forward,
     build_problem,
 )
+from ringflash.kernels.configs import MAX_TILE_ROWS
 from ringflash.kernels.tiling import visible_tiles
 
 HALF_AND_FULL = [torch.float32, torch.float16]
@@ -259,6 +260,43 @@ def test_dout_with_strided_last_dim(device):
     _, _, ref_grads = _reference_grads(q, k, v, dout, causal=True)
     for name, got, exp in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(name, got, exp, 1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_offsets_past_2_to_the_31_elements(device, causal):
+    """Every tensor a view whose rows lie past 2^31 elements from its start (the largest token
+    stride check_token_stride allows, 200 tokens): 32-bit row offsets would wrap and read or
+    write the wrong rows. One shared, mostly untouched storage (6.7 GB of fp16, virtual on the
+    CPU) holds the eight tensors side by side in each token's row."""
+    s, h, hk, d = 200, 2, 1, 64
+    stride = (2**31 - 1 - d) // MAX_TILE_ROWS
+    assert (s - 1) * stride > 2**31
+    storage = torch.empty(s * stride, dtype=torch.float16, device=device)
+    col = 0
+
+    def view(heads):
+        nonlocal col
+        t = storage.as_strided((1, s, heads, d), (s * stride, stride, d, 1), col)
+        col += heads * d
+        return t
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    views = dict(zip(names, (view(n) for n in (h, hk, hk, h, h, h, hk, hk))))
+    q, k, v, dout = _inputs(1, s, s, h, hk, d, torch.float16, device, seed=31)
+    for name, t in zip(names, (q, k, v, dout)):
+        views[name].copy_(t)
+    prob = build_problem(views["q"], views["k"], views["v"], None, causal, FULL)
+    out, lse = attention_forward(views["q"], views["k"], views["v"], prob, out=views["out"])
+    delta = attention_delta(out, views["dout"], prob)
+    grads = attention_backward(
+        views["dout"], views["q"], views["k"], views["v"], lse, delta, prob,
+        dq=views["dq"], dk=views["dk"], dv=views["dv"],
+    )  # fmt: skip
+    assert out.data_ptr() == views["out"].data_ptr() and grads[1].data_ptr() == views["dk"].data_ptr()
+    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, dout, causal=causal)
+    expected = (ref_out, ref_lse, *ref_grads)
+    for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
+        assert_close(name, got, exp, TOLERANCE[torch.float16])
 
 
 def test_return_lse_false_and_determinism(device):
