@@ -14,7 +14,9 @@ answers' loss and accuracy are reported separately ("recall"). Learnability, che
 with a 2-layer model (hidden 128) at 256 tokens trained on the answers only (``--loss-on
 answer``): keys=1, key_vocab=64 goes from chance to 100% accuracy between steps 250 and 300 at
 8 sequences per step; it did not learn at 1 sequence per step in 600 steps, nor with loss on
-all tokens in 400; keys=8 (key_vocab 32) did not learn in 2000 single-sequence steps.
+all tokens in 400; keys=8 (key_vocab 32) did not learn in 2000 single-sequence steps. Gradient
+clipping at 1.0 (the DeepSpeed configs' setting) kept the ``small`` model at chance for 300-600
+steps (CPU and GPU); pass ``--grad-clip 0``.
 
 Token file (``--data PATH``): a flat array of token ids, either ``.npy`` (any integer dtype,
 ``numpy.save``) or raw little-endian ``.bin`` (dtype given by ``--data-dtype``, default
