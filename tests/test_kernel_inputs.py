@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ringflash
-from ringflash.kernels import attention_backward, attention_delta, attention_forward, build_problem
+from ringflash.kernels import attention_backward, attention_delta, attention_forward, build_problem, configs
 from ringflash.kernels.configs import MAX_TILE_ROWS
 
 
@@ -229,6 +229,16 @@ def test_token_strides_past_the_tile_limit_are_rejected():
     build_problem(q[:, :4, :1], strided(limit), strided(limit), None, True, (-1, -1))
     with pytest.raises(ValueError, match=rf"k: a token stride of {limit + 1} elements is too large"):
         build_problem(q[:, :4, :1], strided(limit + 1), strided(limit), None, True, (-1, -1))
+
+
+def test_no_tile_exceeds_max_tile_rows(monkeypatch):
+    """check_token_stride's bound holds only if no GPU tile config has more rows than this."""
+    monkeypatch.setattr(configs, "INTERPRET", False)  # the GPU table, not the interpreter's tile
+    for fn in (configs.forward_config, configs.backward_kv_config, configs.backward_q_config):
+        for head_dim in (8, 64, 65, 128, 129, 256):
+            for fp32 in (False, True):
+                cfg = fn(head_dim, fp32)
+                assert max(cfg.block_m, cfg.block_n) <= MAX_TILE_ROWS, (fn.__name__, head_dim, cfg)
 
 
 @pytest.mark.parametrize(
