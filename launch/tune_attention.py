@@ -7,7 +7,8 @@
 The winners go into kernels/configs.py by hand (with the numbers in docs/performance.md), so
 that launches stay deterministic and free of autotuning passes. Sweep the shapes you train
 (GQA, long sequences) as well as the default: a dK/dV tile picked at 16K tokens with 16 MHA
-heads ran 2-6x slower with GQA at 64K (docs/performance.md, 2026-11-23).
+heads ran 2-6x slower with GQA at 64K (docs/performance.md, 2026-11-23). Candidates that spill
+registers or overflow shared memory can be found without a GPU: launch/kernel_report.py.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from ringflash.kernels import (
 from ringflash.kernels.configs import TileConfig
 
 FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4),
-       (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]  # fmt: skip
+       (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (128, 32, 8, 2)]  # fmt: skip
 BWD_KV = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 2), (64, 64, 4, 3),
-          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2)]  # fmt: skip
+          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2), (32, 32, 4, 1)]  # fmt: skip
 BWD_Q = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
          (64, 128, 4, 2), (64, 32, 4, 3)]  # fmt: skip
 

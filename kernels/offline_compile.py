@@ -1,0 +1,107 @@
+"""Compile the attention kernels for a GPU that is not here, and read what they use of it.
+
+Triton ships ptxas, so a CPU machine can build the kernels for Hopper (sm_90) exactly as a
+GPU launch would, and see:
+- shared memory per program (Triton's allocation; a launch above the chip's limit fails only
+  on the GPU, with "out of resource: shared memory");
+- registers per thread and bytes spilled to local memory (``ptxas -v``). Spills in a hot loop
+  cost speed: on 2026-11-23 the head_dim-128 dK/dV kernel spilled 1.5-1.8 KB per thread
+  while the forward spilled none (docs/performance.md).
+
+Import this in a process without TRITON_INTERPRET=1: under the interpreter ``triton.jit``
+returns interpreted functions, which cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from .backward import _dkdv_kernel, _dq_kernel
+from .configs import TileConfig, backward_kv_config, backward_q_config, block_d, forward_config
+from .forward import _fwd_kernel
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = {90: 232448}  # bytes per program (H100/H200: 227 KiB)
+_FP32_ARGS = {"qk_scale", "softmax_scale", "LSE", "DELTA"}
+KERNELS = {"forward": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    registers: int  # per thread
+    spill_bytes: int  # spill stores per thread
+    shared_bytes: int  # per program
+
+
+def compile_kernel(
+    kernel: triton.JITFunction,
+    constexprs: dict,
+    ones: tuple[str, ...] = (),
+    dtype: str = "bf16",
+    num_warps: int = 4,
+    num_stages: int = 2,
+    target: GPUTarget = HOPPER,
+):
+    """Compile ``kernel`` for ``target``. Tensor arguments are ``dtype`` (float32 for the LSE,
+    delta and scales); integer arguments named in ``ones`` are specialized to the constant 1,
+    as Triton does at launch when such an argument equals 1."""
+    sig, consts = {}, {}
+    for name, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            consts[name] = constexprs[name]
+        elif name in ones:
+            sig[name], consts[name] = "constexpr", 1
+        elif name.startswith("CU_"):
+            sig[name] = "*i32"
+        elif name[0].isupper():
+            sig[name] = "*fp32" if name in _FP32_ARGS else f"*{dtype}"
+        else:
+            sig[name] = "fp32" if name in _FP32_ARGS else "i32"
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _ptxas() -> str:
+    import triton.backends.nvidia as nvidia
+
+    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    return os.environ.get("TRITON_PTXAS_PATH") or bundled
+
+
+def resource_usage(compiled, target: GPUTarget = HOPPER) -> ResourceUsage:
+    """Registers and spills from ``ptxas -v`` on the kernel's PTX (sm_90a, as Triton builds
+    for Hopper), shared memory from Triton's metadata."""
+    arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run(
+            [_ptxas(), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    registers = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", run.stderr)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v output: {run.stderr[-500:]}")
+    return ResourceUsage(int(registers.group(1)), int(spills.group(1)), compiled.metadata.shared)
+
+
+def table_launch(name: str, head_dim: int, causal: bool, fp32: bool = False, group: int = 1):
+    """(kernel, constexprs, TileConfig) of a dense launch with the ``configs`` table's tiles, as
+    ``attention_forward``/``attention_backward`` make it."""
+    config_of = {"forward": forward_config, "dkdv": backward_kv_config, "dq": backward_q_config}[name]
+    cfg: TileConfig = config_of(head_dim, fp32)
+    constexprs = dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal,
+        DOT_PRECISION="ieee" if fp32 else "tf32", ACCUMULATE=False, WIDE=False,
+    )  # fmt: skip
+    return KERNELS[name], constexprs, cfg
