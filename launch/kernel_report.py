@@ -41,7 +41,7 @@ def main() -> None:
             p.error(f"--tiles takes M,N,WARPS,STAGES (four integers), got {args.tiles}")
     limit = oc.SHARED_MEMORY_LIMIT[90]
     print(f"sm_90, {'fp32' if args.fp32 else 'bf16'}, causal={args.causal}, GQA group {args.gqa_group}")
-    print("| kernel | head_dim | block_m, block_n, warps, stages | registers | spill bytes | shared KB |")
+    print("| kernel | head_dim | block_m, block_n, warps, stages | registers | spill bytes | shared KiB |")
     print("|---|---|---|---|---|---|")
     for name in args.kernels:
         for head_dim in args.head_dims:
@@ -55,7 +55,7 @@ def main() -> None:
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
                 use = oc.resource_usage(compiled)
-                fits = "" if use.shared_bytes <= limit else f" (over the {limit // 1024} KB limit)"
+                fits = "" if use.shared_bytes <= limit else f" (over the {limit // 1024} KiB limit)"
                 tile = f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
                 print(
                     f"| {name} | {head_dim} | {tile} | {use.registers} | {use.spill_bytes} | "

@@ -5,6 +5,7 @@ The CPU tests run the kernels under the Triton interpreter, which never speciali
 that is correct there can still fail to compile on a GPU (e.g. reassigning an argument that
 arrived as the constant 1). Compiling for a GPU target needs no GPU: Triton ships ptxas. The
 check runs in a subprocess because the test session imports the kernels in interpreter mode.
+The same build also gives each tile config's shared memory, checked against the chip's limit.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ print("compiled")
 
 # Every bf16/fp16 GPU tile config of the table, as launched, must fit in an H100/H200's shared
 # memory: otherwise only a GPU launch would tell. (The fp32 tiles compile to FMA code, up to 76 s
-# each here; all 9 fit, 148 KB at most, checked on 2026-11-23 with table_launch(fp32=True).)
+# each here; all 9 fit, 145 KiB at most, checked on 2026-11-23 with table_launch(fp32=True).)
 _TABLE = r"""
 from ringflash.kernels.offline_compile import (
     SHARED_MEMORY_LIMIT, compile_kernel, resource_usage, table_launch,
