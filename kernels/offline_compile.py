@@ -5,8 +5,8 @@ GPU launch would, and see:
 - shared memory per program (Triton's allocation; a launch above the chip's limit fails only
   on the GPU, with "out of resource: shared memory");
 - registers per thread and bytes spilled to local memory (``ptxas -v``). Spills in a hot loop
-  cost speed: on 2026-11-23 the head_dim-128 dK/dV kernel spilled 1.5-1.8 KB per thread
-  while the forward spilled none (docs/performance.md).
+  cost speed: on 2026-11-23 the head_dim-128 dK/dV kernel spilled 1.5-1.8 KB per thread,
+  the forward 0-12 bytes (docs/performance.md).
 
 Import this in a process without TRITON_INTERPRET=1: under the interpreter ``triton.jit``
 returns interpreted functions, which cannot be compiled.
@@ -48,7 +48,7 @@ def compile_kernel(
     num_warps: int = 4,
     num_stages: int = 2,
     target: GPUTarget = HOPPER,
-):
+) -> triton.compiler.CompiledKernel:
     """Compile ``kernel`` for ``target``. Tensor arguments are ``dtype`` (float32 for the LSE,
     delta and scales); integer arguments named in ``ones`` are specialized to the constant 1,
     as Triton does at launch when such an argument equals 1."""
@@ -75,7 +75,7 @@ def _ptxas() -> str:
     return os.environ.get("TRITON_PTXAS_PATH") or bundled
 
 
-def resource_usage(compiled, target: GPUTarget = HOPPER) -> ResourceUsage:
+def resource_usage(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> ResourceUsage:
     """Registers and spills from ``ptxas -v`` on the kernel's PTX (sm_90a, as Triton builds
     for Hopper), shared memory from Triton's metadata."""
     arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
@@ -94,7 +94,9 @@ def resource_usage(compiled, target: GPUTarget = HOPPER) -> ResourceUsage:
     return ResourceUsage(int(registers.group(1)), int(spills.group(1)), compiled.metadata.shared)
 
 
-def table_launch(name: str, head_dim: int, causal: bool, fp32: bool = False, group: int = 1):
+def table_launch(
+    name: str, head_dim: int, causal: bool, fp32: bool = False, group: int = 1
+) -> tuple[triton.JITFunction, dict, TileConfig]:
     """(kernel, constexprs, TileConfig) of a dense launch with the ``configs`` table's tiles, as
     ``attention_forward``/``attention_backward`` make it."""
     config_of = {"forward": forward_config, "dkdv": backward_kv_config, "dq": backward_q_config}[name]

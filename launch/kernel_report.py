@@ -33,12 +33,23 @@ def main() -> None:
     from ringflash.kernels import offline_compile as oc
     from ringflash.kernels.configs import TileConfig
 
+    bad_dims = [d for d in args.head_dims if not (0 < d <= 256 and d % 8 == 0)]
+    if bad_dims:
+        p.error(f"--head-dims must be multiples of 8 up to 256 (what the kernels take), got {bad_dims}")
+    if args.gqa_group < 1:
+        p.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
     tiles = None
     if args.tiles:
         try:
             tiles = [TileConfig(*(int(x) for x in t.split(","))) for t in args.tiles]
         except (TypeError, ValueError):
             p.error(f"--tiles takes M,N,WARPS,STAGES (four integers), got {args.tiles}")
+        for t in tiles:
+            pow2 = all(x > 0 and x & (x - 1) == 0 for x in (t.block_m, t.block_n, t.num_warps))
+            if not (pow2 and min(t.block_m, t.block_n) >= 16 and t.num_stages >= 1):
+                p.error(
+                    f"--tiles: blocks must be powers of two >= 16, warps a power of two, stages >= 1; got {t}"
+                )
     limit = oc.SHARED_MEMORY_LIMIT[90]
     print(f"sm_90, {'fp32' if args.fp32 else 'bf16'}, causal={args.causal}, GQA group {args.gqa_group}")
     print("| kernel | head_dim | block_m, block_n, warps, stages | registers | spill bytes | shared KiB |")
