@@ -71,9 +71,10 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
 
 
 def check_token_stride(**tensors: torch.Tensor | None) -> None:
-    """The kernels address a tile's first row with a 64-bit offset and the rows inside it with
-    32-bit ones, so a token stride times the largest tile (``MAX_TILE_ROWS``) must stay below
-    2^31 elements: below 16M elements per token, far beyond any (heads x head_dim)."""
+    """Rows inside a tile are addressed with 32-bit offsets from the tile's first row (whose own
+    offset is 64-bit where a sequence needs it, see ``wide_offsets``), so a token stride times
+    the largest tile (``MAX_TILE_ROWS``) must stay below 2^31 elements: below 16M elements per
+    token, far beyond any (heads x head_dim)."""
     for name, t in tensors.items():
         if t is not None and MAX_TILE_ROWS * t.stride(-3) + t.shape[-1] > 2**31 - 1:
             raise ValueError(
@@ -102,6 +103,12 @@ def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, 
     if any(w < -1 for w in window_size):
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
     return causal, (int(window_size[0]), int(window_size[1]))
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The head dimensions the kernels take: multiples of 8 (16-byte rows) up to MAX_HEAD_DIM."""
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}")
 
 
 def resolve_scale(softmax_scale: object, head_dim: int) -> float:
@@ -155,8 +162,7 @@ def build_problem(
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"k head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
-    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}")
+    check_head_dim(head_dim)
     heads_q, heads_k = q.shape[-2], k.shape[-2]
     if heads_q % heads_k != 0:
         raise ValueError(f"q heads ({heads_q}) must be divisible by k/v heads ({heads_k}) for GQA/MQA")

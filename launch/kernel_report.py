@@ -32,10 +32,13 @@ def main() -> None:
         sys.exit("kernel_report compiles for a GPU: unset TRITON_INTERPRET")
     from ringflash.kernels import offline_compile as oc
     from ringflash.kernels.configs import TileConfig
+    from ringflash.kernels.problem import check_head_dim
 
-    bad_dims = [d for d in args.head_dims if not (0 < d <= 256 and d % 8 == 0)]
-    if bad_dims:
-        p.error(f"--head-dims must be multiples of 8 up to 256 (what the kernels take), got {bad_dims}")
+    for head_dim in args.head_dims:
+        try:
+            check_head_dim(head_dim)
+        except ValueError as e:
+            p.error(f"--head-dims: {e}")
     if args.gqa_group < 1:
         p.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
     tiles = None
