@@ -16,8 +16,9 @@
 #      loss curve PNG (if matplotlib is there); gradient clipping off, seed 1. With the configs'
 #      clipping at 1.0 the recall was not learned (GPU, SP=1 and 2; CPU through train.py). Without
 #      it, learning at 256 tokens is slow and depends on the seed (2026-11-23, 1 GPU, 1200 steps):
-#      seed 1 reached 0.58 accuracy per 100 steps, seed 0 0.15-0.17 (bf16, fp32); the 600-step
-#      stage of the first version got to 0.11 at SP=2 and lost it at 2K. Not yet run in this form
+#      seed 1 reached 0.58 accuracy per 100 steps, seed 0 0.15-0.17 (bf16, fp32). This form
+#      (2026-11-23, 2x H200, 497 s): last-20-step accuracy 0.54 at 256, 0.51 at 2K, 0.36 at 64K
+#      (chance 1/64); docs/performance.md and docs/recall_64k_2xh200.png
 # The machine lacks DeepSpeed and some of its pure-python deps: they come from .whl/ (pass
 # carry [".whl"] to the device tool). Every run has its own time limit, and BUDGET (seconds,
 # default 560) caps the whole call: runs that no longer fit are skipped, never cut mid-way.
@@ -81,9 +82,10 @@ for stage in $STAGES; do
     ck=/tmp/recall_ck; rm -rf $ck
     # No gradient clipping: at the configs' 1.0 the recall was not learned (CPU and GPU, 2026-11-23).
     recall="--model small --sp-size 2 --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --grad-clip 0 --seed 1"
+    # --save-every: a run cut by its time limit still hands its last checkpoint to the next length.
     recall="$recall --save-dir $ck"
-    run e_recall_256 380 $T2 $recall --seq-len 256 --grad-accum 8 --steps 1100 --json "$OUT/e_recall_256.json"
-    run e_recall_2k 90 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 1250 --resume $ck \
+    run e_recall_256 380 $T2 $recall --seq-len 256 --grad-accum 8 --steps 1100 --save-every 100 --json "$OUT/e_recall_256.json"
+    run e_recall_2k 90 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 1250 --save-every 50 --resume $ck \
       --json "$OUT/e_recall_2k.json"
     run e_recall_64k 90 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 1290 --resume $ck \
       --json "$OUT/e_recall_64k.json" --plot "$OUT/recall_loss.png" ;;

@@ -41,18 +41,10 @@ def main() -> None:
             p.error(f"--head-dims: {e}")
     if args.gqa_group < 1:
         p.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
-    tiles = None
-    if args.tiles:
-        try:
-            tiles = [TileConfig(*(int(x) for x in t.split(","))) for t in args.tiles]
-        except (TypeError, ValueError):
-            p.error(f"--tiles takes M,N,WARPS,STAGES (four integers), got {args.tiles}")
-        for t in tiles:
-            pow2 = all(x > 0 and x & (x - 1) == 0 for x in (t.block_m, t.block_n, t.num_warps))
-            if not (pow2 and min(t.block_m, t.block_n) >= 16 and t.num_stages >= 1):
-                p.error(
-                    f"--tiles: blocks must be powers of two >= 16, warps a power of two, stages >= 1; got {t}"
-                )
+    try:
+        tiles = [TileConfig.parse(t) for t in args.tiles] if args.tiles else None
+    except ValueError as e:
+        p.error(f"--tiles: {e}")
     limit = oc.SHARED_MEMORY_LIMIT[90]
     print(f"sm_90, {'fp32' if args.fp32 else 'bf16'}, causal={args.causal}, GQA group {args.gqa_group}")
     print("| kernel | head_dim | block_m, block_n, warps, stages | registers | spill bytes | shared KiB |")

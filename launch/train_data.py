@@ -19,6 +19,8 @@ clipping at 1.0 (the DeepSpeed configs' setting) kept the ``small`` model at cha
 steps (CPU and GPU); pass ``--grad-clip 0``. Even then the ``small`` model learns slowly at 256
 tokens and how fast depends on the seed (one H200, 1200 steps, 2026-11-23): accuracy per 100 steps
 reached 0.58 with ``--seed 1`` and 0.15-0.17 with seed 0 (bf16, and fp32 over 1146 steps).
+With seed 1, 1100 steps at 256 tokens, 150 at 2K and 40 at 64K (SP=2, 2x H200,
+``launch/gpu_train.sh e``) the last 20 steps at 64K answered 36% correctly (chance 1/64).
 
 Token file (``--data PATH``): a flat array of token ids, either ``.npy`` (any integer dtype,
 ``numpy.save``) or raw little-endian ``.bin`` (dtype given by ``--data-dtype``, default

@@ -3,18 +3,21 @@
     python launch/tune_attention.py                 # head_dim 64 and 128, causal and not, S=16K
     python launch/tune_attention.py --head-dims 256 --seqlen 8192
     python launch/tune_attention.py --head-dims 64 --heads 16 --kv-heads 4 --causal yes --kernels bwd_kv
+    python launch/tune_attention.py --head-dims 256 --kernels bwd_kv --tiles 32,64,4,1 64,64,8,2
 
 The winners go into kernels/configs.py by hand (with the numbers in docs/performance.md), so
 that launches stay deterministic and free of autotuning passes. Sweep the shapes you train
 (GQA, long sequences) as well as the default: a dK/dV tile picked at 16K tokens with 16 MHA
-heads ran 2-6x slower with GQA at 64K (docs/performance.md, 2026-11-23). Candidates that spill
-registers or overflow shared memory can be found without a GPU: launch/kernel_report.py.
+heads ran 2-6x slower with GQA at 64K (docs/performance.md, 2026-11-23). Candidates that
+overflow shared memory can be dropped without a GPU (launch/kernel_report.py); its register and
+spill counts do not predict speed on their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import astuple
 
 import torch
 import triton
@@ -32,7 +35,7 @@ from ringflash.kernels.configs import TileConfig
 FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4),
        (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (128, 32, 8, 2)]  # fmt: skip
 BWD_KV = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 2), (64, 64, 4, 3),
-          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2), (32, 32, 4, 1)]  # fmt: skip
+          (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2), (32, 32, 4, 1), (64, 64, 8, 2)]  # fmt: skip
 BWD_Q = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
          (64, 128, 4, 2), (64, 32, 4, 3)]  # fmt: skip
 
@@ -45,7 +48,9 @@ def bench(fn) -> float:
         return float("inf")
 
 
-def sweep_case(d: int, causal: bool, seqlen: int, heads: int, kv_heads: int, kernels: list[str]) -> dict:
+def sweep_case(
+    d: int, causal: bool, seqlen: int, heads: int, kv_heads: int, kernels: list[str], tiles: list | None
+) -> dict:
     b = max(1, 65536 // seqlen)
     q, do = (torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(b, seqlen, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -75,9 +80,9 @@ def sweep_case(d: int, causal: bool, seqlen: int, heads: int, kv_heads: int, ker
             continue
         original = getattr(module, attr)
         timings = []
-        for c in cands:
-            setattr(module, attr, lambda _d, _fp32=False, c=c: TileConfig(*c))
-            timings.append((bench(fn), c))
+        for c in tiles or [TileConfig(*c) for c in cands]:
+            setattr(module, attr, lambda _d, _fp32=False, c=c: c)
+            timings.append((bench(fn), astuple(c)))
         setattr(module, attr, original)
         ms, best = min(timings)
         results[name] = best
@@ -99,14 +104,22 @@ def main() -> None:
     p.add_argument(
         "--kernels", nargs="+", default=["fwd", "bwd_kv", "bwd_q"], choices=["fwd", "bwd_kv", "bwd_q"]
     )
+    p.add_argument(
+        "--tiles", nargs="+", default=None, metavar="M,N,WARPS,STAGES",
+        help="candidates to time instead of the built-in lists, for every kernel in --kernels",
+    )  # fmt: skip
     args = p.parse_args()
+    try:
+        tiles = [TileConfig.parse(t) for t in args.tiles] if args.tiles else None
+    except ValueError as e:
+        p.error(f"--tiles: {e}")
     kv_heads = args.kv_heads or args.heads
     if args.heads % kv_heads:
         raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv_heads})")
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
     for d in args.head_dims:
         for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
-            best = sweep_case(d, causal, args.seqlen, args.heads, kv_heads, args.kernels)
+            best = sweep_case(d, causal, args.seqlen, args.heads, kv_heads, args.kernels, tiles)
             print(f"RESULT D={d} causal={causal} heads {args.heads}/{kv_heads} {best}")
 
 

@@ -75,3 +75,12 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path):
     out = _compile_in_subprocess(_TABLE, tmp_path)
     assert out.strip().endswith("fits")
     assert len(out.strip().splitlines()) == 3 * 3 + 1  # every (kernel, head_dim) ran
+
+
+def test_tile_config_parse():
+    from ringflash.kernels.configs import TileConfig
+
+    assert TileConfig.parse("64,128,8,3") == TileConfig(64, 128, 8, 3)
+    for bad in ("64,64,8", "64,64,8,2,3", "a,64,8,2", "48,64,8,2", "64,8,4,2", "64,64,6,2", "64,64,8,0"):
+        with pytest.raises(ValueError):
+            TileConfig.parse(bad)
