@@ -49,7 +49,13 @@ def bench(fn) -> float:
 
 
 def sweep_case(
-    d: int, causal: bool, seqlen: int, heads: int, kv_heads: int, kernels: list[str], tiles: list | None
+    d: int,
+    causal: bool,
+    seqlen: int,
+    heads: int,
+    kv_heads: int,
+    kernels: list[str],
+    tiles: list[TileConfig] | None,
 ) -> dict:
     b = max(1, 65536 // seqlen)
     q, do = (torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
