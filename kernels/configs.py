@@ -27,13 +27,13 @@ class TileConfig:
         """``"64,128,8,3"`` (block_m, block_n, num_warps, num_stages), the launch scripts' form.
         Raises ValueError unless the blocks are powers of two >= 16 (``tl.dot``'s minimum), the
         warps a power of two and the stages >= 1."""
-        fields = text.split(",")
         try:
-            cfg = cls(*(int(x) for x in fields)) if len(fields) == 4 else None
+            values = [int(f) for f in text.split(",")]
         except ValueError:
-            cfg = None
-        if cfg is None:
+            values = []
+        if len(values) != 4:
             raise ValueError(f"expected M,N,WARPS,STAGES (four integers), got {text!r}")
+        cfg = cls(*values)
         pow2 = all(x > 0 and x & (x - 1) == 0 for x in (cfg.block_m, cfg.block_n, cfg.num_warps))
         if not (pow2 and min(cfg.block_m, cfg.block_n) >= 16 and cfg.num_stages >= 1):
             raise ValueError(

@@ -82,8 +82,8 @@ for stage in $STAGES; do
     ck=/tmp/recall_ck; rm -rf $ck
     # No gradient clipping: at the configs' 1.0 the recall was not learned (CPU and GPU, 2026-11-23).
     recall="--model small --sp-size 2 --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --grad-clip 0 --seed 1"
-    # --save-every: a run cut by its time limit still hands its last checkpoint to the next length.
     recall="$recall --save-dir $ck"
+    # --save-every: a run cut by its time limit still hands its last checkpoint to the next length.
     run e_recall_256 380 $T2 $recall --seq-len 256 --grad-accum 8 --steps 1100 --save-every 100 --json "$OUT/e_recall_256.json"
     run e_recall_2k 90 $T2 $recall --seq-len 2048 --grad-accum 8 --steps 1250 --save-every 50 --resume $ck \
       --json "$OUT/e_recall_2k.json"
