@@ -4,7 +4,7 @@ Forward: at each step every rank sends the K/V shard it holds to the next rank w
 runs its queries against that shard, and folds the partial (out, LSE) into a float32
 accumulator with ``merge_partial``. Backward: K/V travel the ring again; each rank adds its
 dK/dV contribution for the visiting shard to a float32 accumulator that travels with it and
-arrives back at the shard's owner after the last step. The transfer of step i+1's data is
+arrives back at the shard's owner, which adds its own contribution last. The transfer of step i+1's data is
 issued before step i's kernels, so it overlaps them. Buffers are allocated once per call.
 """
 
@@ -110,48 +110,56 @@ def ring_backward(
     comm: RingComm,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring backward from the final (out, lse); returns (dq, dk, dv) in the inputs' dtypes.
-    ``base``: the dense problem of the whole local shard (for delta)."""
+    ``base``: the dense problem of the whole local shard (for delta).
+
+    Each shard's float32 dK/dV accumulator starts on the next rank and visits the others; its
+    owner adds its own contribution last, after the accumulator's trip home. That saves one
+    accumulator transfer per call against starting at home (1 of 2 on two ranks).
+    """
     delta = attention_delta(out, dout, base)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     f32 = dict(device=k.device, dtype=torch.float32)
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
+
+    def launch(c: KernelCall, kv, acc, **which):  # a dQ-only launch leaves ``acc`` untouched
+        qi, ki = c.q_index, c.k_index
+        attention_backward(
+            dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem,
+            dq=dq[qi], dk=acc[0][ki], dv=acc[1][ki], accumulate=True, **which,
+        )  # fmt: skip
+
+    own, last = plan[0], len(plan) - 1
     bufs = _receive_buffers(k, v, plan)
-    kv = [k, v]
-    last = len(plan) - 1
+    kv_pending = comm.exchange([k, v], bufs[1]) if last > 0 else None
+    for call in own:  # overlaps the first K/V transfer; the own dK/dV waits for the trip home
+        launch(call, [k, v], travel[0], compute_dkdv=False)
     grads_pending = None
-    for i, calls in enumerate(plan):
-        kv_pending = comm.exchange(kv, bufs[i % 2]) if i < last else None
-        # The dK/dV kernels add straight into the accumulator that arrived from the previous
-        # rank rather than into scratch buffers added to it later: two float32 K/V-sized buffers
-        # less (peak 14.5 -> 12.5 GiB at 128K on 2 H200s), same speed (the saved passes over
-        # them went into waiting for this transfer; docs/performance.md, 2026-11-23).
+    for i in range(1, last + 1):
+        kv_pending.wait()
+        kv = bufs[i % 2]
+        kv_pending = comm.exchange(kv, bufs[(i + 1) % 2]) if i < last else None
         acc = travel[i % 2]
         if grads_pending is None:
             for a in acc:
                 a.zero_()
         else:
             grads_pending.wait()
-
-        def launch(c: KernelCall, kv=kv, acc=acc, **which):
-            qi, ki = c.q_index, c.k_index
-            attention_backward(
-                dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem,
-                dq=dq[qi], dk=acc[0][ki], dv=acc[1][ki], accumulate=True, **which,
-            )  # fmt: skip
-
-        # dK/dV first, so their transfer overlaps this step's dQ kernels (after the last step
-        # this hides the trip home).
-        for call in calls:
-            launch(call, compute_dq=False)
-        # Pass the accumulator on; after the last step it goes straight home, `last` ranks back.
+        for call in plan[i]:
+            launch(call, kv, acc, compute_dq=False)
+        # Pass the accumulator on (after the last step: home, `last` ranks back) while this
+        # step's dQ kernels run.
         grads_pending = comm.exchange(acc, travel[(i + 1) % 2], offset=1 if i < last else -last)
-        for call in calls:
-            launch(call, compute_dkdv=False)
-        if kv_pending is not None:
-            kv_pending.wait()
-            kv = bufs[i % 2]
-    grads_pending.wait()
-    dk, dv = travel[len(plan) % 2]
+        for call in plan[i]:
+            launch(call, kv, acc, compute_dkdv=False)
+    acc = travel[(last + 1) % 2]
+    if grads_pending is None:  # a one-step ring: nothing travelled
+        for a in acc:
+            a.zero_()
+    else:
+        grads_pending.wait()
+    for call in own:
+        launch(call, [k, v], acc, compute_dq=False)
+    dk, dv = acc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
