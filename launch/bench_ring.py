@@ -212,6 +212,10 @@ def main() -> None:
     p.add_argument("--modes", nargs="*", default=[], help='extra ringflash modes: "ulysses", "hybrid:U"')
     p.add_argument("--cp-rotate", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--docs", type=int, default=1, help="pack this many equal documents per sequence")
+    p.add_argument(
+        "--comm-priority", default="high", choices=["high", "default"],
+        help="NCCL stream priority (high: ringflash.use_high_priority_comm; applies to the baselines too)",
+    )  # fmt: skip
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--plot", help="write a PNG of per-GPU fwd+bwd TFLOP/s against sequence length")
     args = p.parse_args()
@@ -222,6 +226,8 @@ def main() -> None:
         sys.exit("bench_ring.py needs CUDA GPUs (one per rank); try launch/demo.py on a CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
+    if args.comm_priority == "high":
+        ringflash.use_high_priority_comm()
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
@@ -254,7 +260,8 @@ def main() -> None:
         print(
             f"\n{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, {datetime.date.today()}, "
             f"B=1, {args.docs} document(s), heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
-            f"layout {args.layout}, "
+            f"layout {args.layout}, NCCL priority {args.comm_priority} "
+            f"(TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY', 'unset')}), "
             f"causal={not args.no_causal}, bf16; per-GPU TFLOP/s fwd / fwd+bwd, median of {args.iters}"
         )
         cols = ["S", "ringflash", "eff", "exposed comm", "peak GiB"]

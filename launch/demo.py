@@ -40,6 +40,7 @@ def main() -> None:
         device, dtype, backend = torch.device("cuda", local_rank), torch.bfloat16, "nccl"
     else:
         device, dtype, backend = torch.device("cpu"), torch.float16, "gloo"
+    ringflash.use_high_priority_comm()
     dist.init_process_group(backend, device_id=device if ON_GPU else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     causal = not args.no_causal

@@ -104,6 +104,7 @@ def setup_distributed() -> torch.device:
     if ON_GPU:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+        ringflash.use_high_priority_comm()
         dist.init_process_group("nccl", device_id=device)
     else:
         # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce used only for

@@ -4,7 +4,8 @@ Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAtte
 Sequence parallel: ``ring_flash_attn_func`` (ring; ``ring_flash_attn_varlen_func`` for packed
 documents), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
 for ring / ulysses / hybrid) over a process group, with ``shard_sequence`` / ``gather_sequence``
-to move between full sequences and shards.
+to move between full sequences and shards; ``use_high_priority_comm`` (call before
+``init_process_group``) lets ring transfers start beside the attention kernels.
 Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 ``sequence_parallel_cross_entropy`` (and its chunked form, which never makes all logits),
 ``reduce_gradients``, ``SequenceParallelAttention``; ``integrations.hf`` and
@@ -12,6 +13,7 @@ Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 """
 
 from .batch import shard_batch
+from .comm import use_high_priority_comm
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .kernels import flash_attn_func, flash_attn_varlen_func
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
@@ -45,5 +47,6 @@ __all__ = [
     "shard_sequence",
     "sp_attn_func",
     "ulysses_attn_func",
+    "use_high_priority_comm",
     "zigzag_indices",
 ]
