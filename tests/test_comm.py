@@ -2,6 +2,9 @@
 
 import os
 
+import pytest
+import torch.distributed as dist
+
 import ringflash
 
 
@@ -15,3 +18,13 @@ def test_use_high_priority_comm_keeps_an_explicit_choice(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
     ringflash.use_high_priority_comm()
     assert os.environ["TORCH_NCCL_HIGH_PRIORITY"] == "0"
+
+
+def test_use_high_priority_comm_after_init_warns(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="after init_process_group"):
+            ringflash.use_high_priority_comm()
+    finally:
+        dist.destroy_process_group()
