@@ -135,16 +135,17 @@ def ring_backward(
     kv_pending = comm.exchange([k, v], bufs[1]) if last > 0 else None
     for call in own:  # overlaps the first K/V transfer; the own dK/dV waits for the trip home
         launch(call, [k, v], travel[0], compute_dkdv=False)
+    # travel[1] is where the accumulation starts: the first hop's (zeroed before anything
+    # arrives in it) or, on a one-step ring, the owner's own.
+    for a in travel[1]:
+        a.zero_()
     grads_pending = None
     for i in range(1, last + 1):
         kv_pending.wait()
         kv = bufs[i % 2]
         kv_pending = comm.exchange(kv, bufs[(i + 1) % 2]) if i < last else None
         acc = travel[i % 2]
-        if grads_pending is None:
-            for a in acc:
-                a.zero_()
-        else:
+        if grads_pending is not None:
             grads_pending.wait()
         for call in plan[i]:
             launch(call, kv, acc, compute_dq=False)
@@ -154,10 +155,7 @@ def ring_backward(
         for call in plan[i]:
             launch(call, kv, acc, compute_dkdv=False)
     acc = travel[(last + 1) % 2]
-    if grads_pending is None:  # a one-step ring: nothing travelled
-        for a in acc:
-            a.zero_()
-    else:
+    if grads_pending is not None:
         grads_pending.wait()
     for call in own:
         launch(call, [k, v], acc, compute_dq=False)
