@@ -85,6 +85,25 @@ def _tile_grads(
 
 
 @gluon.jit
+def _send_dq(
+    dq, dq_smem, dq_desc, DQ, row, col, rows, cols, heads, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr
+):
+    """Add one float32 dQ tile (registers) into the dQ buffer at (row, col). Mode 0: shared memory
+    and a TMA reduce-add, after the previous tile's reduce has read the buffer; 1 (diagnostic):
+    shared memory only; 3: relaxed atomics from registers (rows/cols: aranges in dQ's layout)."""
+    if DQ_MODE == 0:
+        tma.store_wait(0)
+        dq_smem.store(dq)
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [row, col], dq_smem)
+    elif DQ_MODE == 1:
+        dq_smem.store(dq)
+    elif DQ_MODE == 3:
+        offs = (row + rows).to(gl.int64)[:, None] * (heads * HEAD_DIM) + col + cols[None, :]
+        gl.atomic_add(DQ + offs, dq, sem="relaxed")
+
+
+@gluon.jit
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, DK, DV, LSE, DELTA,
     seqlen, heads, qk_scale, softmax_scale,
@@ -185,22 +204,7 @@ def _bwd_kernel(
                 mbarrier.expect(bars.index(s), tile_bytes)
                 tma.async_copy_global_to_shared(q_desc, [row0 + m0 + 2 * BLOCK_M, col], bars.index(s), q_s)
                 tma.async_copy_global_to_shared(do_desc, [row0 + m0 + 2 * BLOCK_M, col], bars.index(s), do_s)
-            if DQ_MODE == 0:
-                tma.store_wait(0)
-                dq_smem.store(dq)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [row0 + m0, col], dq_smem)
-            elif DQ_MODE == 1:
-                dq_smem.store(dq)
-            elif DQ_MODE == 3:
-                gl.atomic_add(
-                    DQ
-                    + (row0 + m0 + dq_rows).to(gl.int64)[:, None] * (heads * HEAD_DIM)
-                    + col
-                    + dq_cols[None, :],
-                    dq,
-                    sem="relaxed",
-                )
+            _send_dq(dq, dq_smem, dq_desc, DQ, row0 + m0, col, dq_rows, dq_cols, heads, HEAD_DIM, DQ_MODE)
         i = n_tiles - 1
         s = i % 2
         m0 = lo + i * BLOCK_M
@@ -257,22 +261,7 @@ def _bwd_kernel(
             else:
                 dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-            if DQ_MODE == 0:
-                tma.store_wait(0)  # the previous tile's reduce has read dq_smem
-                dq_smem.store(dq)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [row0 + m0, col], dq_smem)
-            elif DQ_MODE == 1:
-                dq_smem.store(dq)
-            elif DQ_MODE == 3:
-                gl.atomic_add(
-                    DQ
-                    + (row0 + m0 + dq_rows).to(gl.int64)[:, None] * (heads * HEAD_DIM)
-                    + col
-                    + dq_cols[None, :],
-                    dq,
-                    sem="relaxed",
-                )
+            _send_dq(dq, dq_smem, dq_desc, DQ, row0 + m0, col, dq_rows, dq_cols, heads, HEAD_DIM, DQ_MODE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     mbarrier.invalidate(bars.index(0))
