@@ -9,10 +9,11 @@ and one TMA reduce-add into a float32 buffer.
 
 Measured on an H200 (2026-11-23, docs/performance.md, "Eighth session"): exact (same error as
 our kernels against float64), but 0.87-0.94x our backward's speed. The ``DQ_MODE`` diagnostics
-(1: no reduce, 2: half the dQ product and no dQ store; both leave dQ wrong) show where the time
-goes: the dQ store and reduce, not the products. Mode 3 adds dQ with relaxed float32 atomics from
-registers instead (exact, slower). Kept as the starting point for a
-warp-specialized version.
+(1: no reduce; 2: dQ never stored, so ptxas drops most of its product; both leave dQ wrong) show
+where the time goes: with dQ live, each thread spills 33-36 registers per tile inside the loop. Mode 3 adds
+dQ with relaxed float32 atomics from registers instead (exact, slower). Mode 5 computes dQ in two
+column halves after dK/dV, which leaves no spills in the loop at head_dim 128 (compiled only, not
+yet run on a GPU). Kept as the starting point for the next GPU session.
 
 Restrictions: dense (batch, seqlen, heads, head_dim) contiguous bf16/fp16, MHA, seqlen a multiple
 of 128, head_dim 64 or 128, causal with aligned positions or no mask.
@@ -104,6 +105,31 @@ def _send_dq(
 
 
 @gluon.jit
+def _dq_in_halves(
+    ds_smem, k_smem, dq_smem, dq_desc, row, col, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """DQ_MODE 5: dQ = dS K in two column halves of 16 registers per thread each (instead of one
+    of 32), stored into the halves of the dQ tile, then one TMA reduce-add. With dK/dV finished
+    first, this leaves no spills in the loop at head_dim 128 (SASS, ``loop_spills``; modes 0/1
+    store 33-34 and reload 35-36 registers per thread per tile there). Compiled only: not yet run on
+    a GPU."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HALF // (num_warps // 4), 16]
+    )
+    tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+    for half in gl.static_range(2):
+        k_half = k_smem.slice(half * HALF, HALF, dim=1)
+        zero = gl.zeros([BLOCK_M, HALF], gl.float32, half_layout)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_half, zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        dq_smem.slice(half * HALF, HALF, dim=1).store(dq)
+    fence_async_shared()
+    tma_reduce_add(dq_desc, [row, col], dq_smem)
+
+
+@gluon.jit
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, DK, DV, LSE, DELTA,
     seqlen, heads, qk_scale, softmax_scale,
@@ -168,6 +194,7 @@ def _bwd_kernel(
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     if PIPELINE:
+        gl.static_assert(DQ_MODE != 5, "DQ_MODE 5 runs in order (PIPELINE=False)")
         # Software-pipelined: tile i+1's S^T/dP^T products are issued before tile i's dQ is
         # stored and reduced, so the tensor cores have work while dQ goes out.
         mbarrier.wait(bars.index(0), 0)
@@ -258,10 +285,14 @@ def _bwd_kernel(
                     use_acc=False,
                     is_async=True,
                 )
+            elif DQ_MODE == 5:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                _dq_in_halves(ds_smem, k_smem, dq_smem, dq_desc, row0 + m0, col, BLOCK_M, HEAD_DIM, num_warps)
             else:
                 dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-            _send_dq(dq, dq_smem, dq_desc, DQ, row0 + m0, col, dq_rows, dq_cols, heads, HEAD_DIM, DQ_MODE)
+            if DQ_MODE != 5:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                _send_dq(dq, dq_smem, dq_desc, DQ, row0 + m0, col, dq_rows, dq_cols, heads, HEAD_DIM, DQ_MODE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     mbarrier.invalidate(bars.index(0))
@@ -348,6 +379,47 @@ def compile_for_hopper(head_dim: int, causal: bool, pipeline: bool, dq_mode: int
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
+def loop_spills(kernel) -> tuple[int, int]:
+    """(spill stores, spill loads) per thread inside the kernel's main loop: STL/LDL instructions
+    between the target and the source of its longest backward branch, read from the SASS that
+    Triton's bundled ptxas and nvdisasm make of the PTX."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    bindir = os.path.join(os.path.dirname(nvidia.__file__), "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        subprocess.run([os.path.join(bindir, "ptxas"), "--gpu-name=sm_90a", ptx, "-o", cubin], check=True)
+        sass = subprocess.run(
+            [os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    labels, pending, instrs = {}, None, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        addr = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if label:
+            pending = label.group(1)
+        elif addr:
+            a = int(addr.group(1), 16)
+            if pending:
+                labels[pending], pending = a, None
+            instrs.append((a, line))
+    back = [
+        (labels[m.group(1)], a)
+        for a, line in instrs
+        if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), a) < a
+    ]
+    lo, hi = max(back, key=lambda r: r[1] - r[0])
+    inside = [line for a, line in instrs if lo <= a <= hi]
+    return sum("STL" in x for x in inside), sum("LDL" in x for x in inside)
+
+
 def _inputs(B, S, H, D, causal, seed=0):
     from ringflash.kernels import attention_delta, attention_forward, build_problem
 
@@ -364,16 +436,17 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# (block_m, block_n, pipelined, dq_mode) per head_dim, as measured in docs/performance.md.
+# (block_m, block_n, pipelined, dq_mode) per head_dim, as measured in docs/performance.md (mode 5:
+# added after the GPU runs, not measured yet).
 VARIANTS = {
     128: [(64, 128, False, 0), (64, 128, True, 0), (64, 128, True, 3), (64, 128, False, 3),
-          (64, 128, False, 1), (64, 128, False, 2)],
+          (64, 128, False, 1), (64, 128, False, 2), (64, 128, False, 5)],
     64: [(128, 128, False, 0), (128, 128, False, 3), (128, 128, False, 1), (128, 128, False, 2)],
 }  # fmt: skip
 
 
 def check() -> bool:
-    """Every variant that computes dQ (modes 0 and 3) against float64 attention."""
+    """Every variant that computes dQ (modes 0, 3 and 5) against float64 attention."""
     from ringflash.kernels import attention_backward
 
     ok_all = True
@@ -390,7 +463,7 @@ def check() -> bool:
             ref = [t.grad.transpose(1, 2) for t in (qd, kd, vd)]
             ours = [_rel(x, r) for x, r in zip(attention_backward(do, q, k, v, lse, delta, problem), ref)]
             for bm, bn, pipe, mode in VARIANTS[D]:
-                if mode not in (0, 3):
+                if mode not in (0, 3, 5):
                     continue
                 grads = gluon_backward(
                     q, k, v, do, lse, delta, scale, causal, bm, bn, pipeline=pipe, dq_mode=mode
@@ -483,10 +556,14 @@ def main() -> None:
 
         for D in args.head_dims:
             for causal in (False, True):
-                for pipe in (False, True):
-                    u = resource_usage(compile_for_hopper(D, causal, pipe))
-                    print(f"head_dim {D} causal={causal} pipelined={pipe}: {u.registers} registers, "
-                          f"{u.spill_bytes} B spilled, {u.shared_bytes} B shared memory")  # fmt: skip
+                for pipe, mode in ((False, 0), (True, 0), (False, 1), (False, 2), (False, 5)):
+                    k = compile_for_hopper(D, causal, pipe, mode)
+                    u, (stl, ldl) = resource_usage(k), loop_spills(k)
+                    print(
+                        f"head_dim {D} causal={causal} pipelined={pipe} mode {mode}: {u.registers} "
+                        f"registers, {u.spill_bytes} B spilled, {stl}/{ldl} spill stores/loads in the loop, "
+                        f"{u.shared_bytes} B shared memory"
+                    )
     elif args.what == "check":
         sys.exit(0 if check() else 1)
     else:
