@@ -320,30 +320,36 @@ def attention_backward(
     accumulate: bool = False,
     compute_dkdv: bool = True,
     compute_dq: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the dK/dV and dQ kernels for a validated problem.
 
     dout: like q. lse: the forward's float32 LSE of these queries over *all* keys they attend
     to (for a ring step, the final merged LSE). delta: ``attention_delta(out, dout, problem)``.
     dq/dk/dv buffers (shapes of q/k/v, any supported float dtype) are written, or added to when
     ``accumulate`` is True; missing ones are allocated in q's dtype. Returns (dq, dk, dv).
-    ``compute_dkdv``/``compute_dq`` launch only one of the two kernels (the other buffers are
-    left untouched), so a caller can ship dK/dV while dQ is still being computed.
+    ``compute_dkdv``/``compute_dq`` launch only one of the two kernels, so a caller can ship
+    dK/dV while dQ is still being computed: the other kernel's buffers are then neither needed
+    nor touched, and come back as given (None if not given).
     """
-    if accumulate and (dq is None or dk is None or dv is None):
-        raise ValueError("accumulate=True needs dq, dk and dv buffers to add into")
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
+    if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
+        raise ValueError(
+            "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"
+        )
+    if compute_dq and dq is None:
+        dq = torch.empty_like(q)
+    if compute_dkdv:
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
     check_token_stride(dout=dout, dq=dq, dk=dk, dv=dv)
     if lse.stride() != delta.stride():
         raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
     vl = problem.varlen
-    q4, k4, v4, do4, dq4, dk4, dv4 = (as_4d(t, vl) for t in (q, k, v, dout, dq, dk, dv))
+    q4, k4, v4, do4 = (as_4d(t, vl) for t in (q, k, v, dout))
     if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
         if not accumulate:
-            for g in (dq, dk, dv):
-                g.zero_()
+            for g, launched in ((dq, compute_dq), (dk, compute_dkdv), (dv, compute_dkdv)):
+                if launched:
+                    g.zero_()
         return dq, dk, dv
     b = problem.bounds
     common = dict(
@@ -364,6 +370,7 @@ def attention_backward(
     cfg = backward_kv_config(problem.head_dim, q.dtype == torch.float32)
     grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
     if compute_dkdv:
+        dk4, dv4 = as_4d(dk, vl), as_4d(dv, vl)
         _dkdv_kernel[grid](
             q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
             *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
@@ -373,6 +380,7 @@ def attention_backward(
     cfg = backward_q_config(problem.head_dim, q.dtype == torch.float32)
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
     if compute_dq:
+        dq4 = as_4d(dq, vl)
         _dq_kernel[grid](
             q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,
             *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),

@@ -84,11 +84,14 @@ def check_token_stride(**tensors: torch.Tensor | None) -> None:
             )
 
 
-def wide_offsets(seqlen: int, *tensors: torch.Tensor) -> bool:
+def wide_offsets(seqlen: int, *tensors: torch.Tensor | None) -> bool:
     """Whether a sequence's last row lies 2^31 or more elements past its first in one of the
-    tensors, e.g. past 524288 tokens of 32 heads x 128 in the (batch, seqlen, heads, head_dim)
-    layout. The kernels then compile a variant with 64-bit tile offsets (``tiling.row_pointers``)."""
-    return seqlen > 0 and any((seqlen - 1) * t.stride(-3) + t.shape[-1] > 2**31 - 1 for t in tensors)
+    tensors (None ones are skipped), e.g. past 524288 tokens of 32 heads x 128 in the (batch,
+    seqlen, heads, head_dim) layout. The kernels then compile a variant with 64-bit tile offsets
+    (``tiling.row_pointers``)."""
+    return seqlen > 0 and any(
+        (seqlen - 1) * t.stride(-3) + t.shape[-1] > 2**31 - 1 for t in tensors if t is not None
+    )
 
 
 def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:

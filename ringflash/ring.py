@@ -123,18 +123,23 @@ def ring_backward(
     f32 = dict(device=k.device, dtype=torch.float32)
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
 
-    def launch(c: KernelCall, kv, acc, **which):  # a dQ-only launch leaves ``acc`` untouched
+    def block(c: KernelCall, kv) -> tuple:
         qi, ki = c.q_index, c.k_index
-        attention_backward(
-            dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem,
-            dq=dq[qi], dk=acc[0][ki], dv=acc[1][ki], accumulate=True, **which,
-        )  # fmt: skip
+        return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem
+
+    # dQ and dK/dV launch separately: the ring ships an accumulator while dQ is being computed.
+    def launch_dq(c: KernelCall, kv) -> None:
+        attention_backward(*block(c, kv), dq=dq[c.q_index], accumulate=True, compute_dkdv=False)
+
+    def launch_dkdv(c: KernelCall, kv, acc) -> None:
+        ki = c.k_index
+        attention_backward(*block(c, kv), dk=acc[0][ki], dv=acc[1][ki], accumulate=True, compute_dq=False)
 
     own, last = plan[0], len(plan) - 1
     bufs = _receive_buffers(k, v, plan)
     kv_pending = comm.exchange([k, v], bufs[1]) if last > 0 else None
     for call in own:  # overlaps the first K/V transfer; the own dK/dV waits for the trip home
-        launch(call, [k, v], travel[0], compute_dkdv=False)
+        launch_dq(call, [k, v])
     # travel[1] is where the accumulation starts: the first hop's (zeroed before anything
     # arrives in it) or, on a one-step ring, the owner's own.
     for a in travel[1]:
@@ -148,17 +153,17 @@ def ring_backward(
         if grads_pending is not None:
             grads_pending.wait()
         for call in plan[i]:
-            launch(call, kv, acc, compute_dq=False)
+            launch_dkdv(call, kv, acc)
         # Pass the accumulator on (after the last step: home, `last` ranks back) while this
         # step's dQ kernels run.
         grads_pending = comm.exchange(acc, travel[(i + 1) % 2], offset=1 if i < last else -last)
         for call in plan[i]:
-            launch(call, kv, acc, compute_dkdv=False)
+            launch_dq(call, kv)
     acc = travel[(last + 1) % 2]
     if grads_pending is not None:
         grads_pending.wait()
     for call in own:
-        launch(call, [k, v], acc, compute_dq=False)
+        launch_dkdv(call, [k, v], acc)
     dk, dv = acc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -207,8 +207,16 @@ def test_backward_buffer_checks(device):
     prob = build_problem(q, k, v, None, True, (-1, -1))
     out, lse = attention_forward(q, k, v, prob)
     delta = attention_delta(out, q, prob)
-    with pytest.raises(ValueError, match="accumulate=True needs dq, dk and dv buffers"):
+    needs = "accumulate=True needs the buffers to add into"
+    with pytest.raises(ValueError, match=needs):
         attention_backward(q, q, k, v, lse, delta, prob, accumulate=True)
+    with pytest.raises(ValueError, match=needs):  # dK/dV alone still needs both of its buffers
+        attention_backward(
+            q, q, k, v, lse, delta, prob, dk=torch.zeros_like(k), accumulate=True, compute_dq=False
+        )
+    with pytest.raises(ValueError, match=needs):
+        attention_backward(q, q, k, v, lse, delta, prob, dk=torch.zeros_like(k), dv=torch.zeros_like(v),
+                           accumulate=True, compute_dkdv=False)  # fmt: skip
     with pytest.raises(ValueError, match="lse and delta must share strides"):
         attention_backward(q, q, k, v, lse, delta.transpose(1, 2).contiguous().transpose(1, 2), prob)
 

@@ -580,6 +580,28 @@ def test_compute_dq_and_dkdv_separately(device):
         assert_close(name, got, exp, 1e-4)
 
 
+def test_one_kernel_launch_needs_only_its_buffers(device):
+    q, k, v, dout = _inputs(1, 33, 20, 4, 2, 16, torch.float32, device, seed=32)
+    prob = build_problem(q, k, v, None, True, FULL)
+    out, lse = attention_forward(q, k, v, prob)
+    delta = attention_delta(out, dout, prob)
+    _, _, (ref_dq, ref_dk, ref_dv) = _reference_grads(q, k, v, dout, causal=True)
+    dq = torch.ones_like(q)
+    got = attention_backward(dout, q, k, v, lse, delta, prob, dq=dq, accumulate=True, compute_dkdv=False)
+    assert got[0] is dq and got[1] is None and got[2] is None
+    assert_close("dq", dq - 1, ref_dq, 1e-4)
+    dk, dv = torch.ones_like(k), torch.ones_like(v)
+    got = attention_backward(dout, q, k, v, lse, delta, prob, dk=dk, dv=dv, accumulate=True, compute_dq=False)
+    assert got[0] is None and got[1] is dk and got[2] is dv
+    assert_close("dk", dk - 1, ref_dk, 1e-4)
+    assert_close("dv", dv - 1, ref_dv, 1e-4)
+    # Without buffers, only the launched kernel's come back, freshly written.
+    got = attention_backward(dout, q, k, v, lse, delta, prob, compute_dq=False)
+    assert got[0] is None
+    assert_close("dk", got[1], ref_dk, 1e-4)
+    assert_close("dv", got[2], ref_dv, 1e-4)
+
+
 def test_varlen_low_level_accumulate(device):
     lens_q, lens_k = [9, 0, 20], [12, 4, 17]
     g = torch.Generator().manual_seed(2)
