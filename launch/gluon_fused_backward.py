@@ -436,6 +436,17 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def reference_grads(q, k, v, do, causal: bool) -> list[torch.Tensor]:
+    """[dq, dk, dv] of softmax(q k^T / sqrt(D)) v in float64, (batch, seqlen, heads, head_dim)."""
+    S, D = q.shape[1], q.shape[-1]
+    qd, kd, vd = (t.double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    s_ = qd @ kd.transpose(-1, -2) * D**-0.5
+    if causal:
+        s_ = s_.masked_fill(torch.ones(S, S, device=q.device, dtype=torch.bool).triu(1), float("-inf"))
+    (torch.softmax(s_, -1) @ vd).backward(do.double().transpose(1, 2))
+    return [t.grad.transpose(1, 2) for t in (qd, kd, vd)]
+
+
 # (block_m, block_n, pipelined, dq_mode) per head_dim, as measured in docs/performance.md (mode 5:
 # added after the GPU runs, not measured yet).
 VARIANTS = {
@@ -455,19 +466,15 @@ def check() -> bool:
             B, S, H = 2, 1024, 3
             q, k, v, do, lse, delta, problem = _inputs(B, S, H, D, causal)
             scale = D**-0.5
-            qd, kd, vd = (t.double().transpose(1, 2).requires_grad_() for t in (q, k, v))
-            s_ = qd @ kd.transpose(-1, -2) * scale
-            if causal:
-                s_ = s_.masked_fill(torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
-            (torch.softmax(s_, -1) @ vd).backward(do.double().transpose(1, 2))
-            ref = [t.grad.transpose(1, 2) for t in (qd, kd, vd)]
+            ref = reference_grads(q, k, v, do, causal)
             ours = [_rel(x, r) for x, r in zip(attention_backward(do, q, k, v, lse, delta, problem), ref)]
             for bm, bn, pipe, mode in VARIANTS[D]:
                 if mode not in (0, 3, 5):
                     continue
                 grads = gluon_backward(
-                    q, k, v, do, lse, delta, scale, causal, bm, bn, pipeline=pipe, dq_mode=mode
-                )
+                    q, k, v, do, lse, delta, scale, causal,
+                    block_m=bm, block_n=bn, pipeline=pipe, dq_mode=mode,
+                )  # fmt: skip
                 errs = [_rel(x, r) for x, r in zip(grads, ref)]
                 ok = not any(torch.isnan(x).any().item() for x in grads) and max(errs) < 2e-2
                 ok_all &= ok

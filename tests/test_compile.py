@@ -79,6 +79,25 @@ print("gluon ok")
 """
 
 
+# The warp-specialized variant (launch/gluon_ws_backward.py): compute warps at 240 registers and
+# two 1-warp workers at 24, no spills in the compute loop, one TMA reduce-add group per dQ tile.
+_GLUON_WS = r"""
+import re, sys
+sys.path.insert(0, LAUNCH_DIR)
+from gluon_fused_backward import loop_spills
+from gluon_ws_backward import compile_ws_for_hopper
+
+for causal in (False, True):
+    k = compile_ws_for_hopper(128, causal=causal)
+    ptx = k.asm["ptx"]
+    regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    assert regs == [24, 240], regs
+    assert ptx.count("cp.async.bulk.commit_group") == 1, ptx.count("cp.async.bulk.commit_group")
+    assert loop_spills(k) == (0, 0), loop_spills(k)
+print("gluon ws ok")
+"""
+
+
 def _compile_in_subprocess(script: str, tmp_path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
@@ -112,3 +131,9 @@ def test_tile_config_parse():
     for bad in ("64,64,8", "64,64,8,2,3", "a,64,8,2", "48,64,8,2", "64,8,4,2", "64,64,6,2", "64,64,8,0"):
         with pytest.raises(ValueError):
             TileConfig.parse(bad)
+
+
+def test_gluon_ws_backward_compiles_for_sm90(tmp_path):
+    launch_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch")
+    script = _GLUON_WS.replace("LAUNCH_DIR", repr(launch_dir))
+    assert _compile_in_subprocess(script, tmp_path).strip().endswith("gluon ws ok")
