@@ -552,30 +552,36 @@ def bench(seqlens: list[int], head_dims: list[int], tokens: int = 65536, H: int 
         print(f"| {D} | {S} | {c} | {ours:.0f} | {t:.0f} ({name}) | {cudnn:.0f} | {t / ours:.2f} |")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_cli(doc: str, compile_report, check_fn, bench_fn) -> None:
+    """The ``compile|check|bench`` command line of the Gluon experiments. compile_report(head_dims)
+    prints; check_fn() returns whether every check passed; bench_fn(seqlens, head_dims) prints."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("compile", "check", "bench"))
     p.add_argument("--seqlens", type=int, nargs="+", default=[16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=(64, 128))
     args = p.parse_args()
     if args.what == "compile":
-        from ringflash.kernels.offline_compile import resource_usage
-
-        for D in args.head_dims:
-            for causal in (False, True):
-                for pipe, mode in ((False, 0), (True, 0), (False, 1), (False, 2), (False, 5)):
-                    k = compile_for_hopper(D, causal, pipe, mode)
-                    u, (stl, ldl) = resource_usage(k), loop_spills(k)
-                    print(
-                        f"head_dim {D} causal={causal} pipelined={pipe} mode {mode}: {u.registers} "
-                        f"registers, {u.spill_bytes} B spilled, {stl}/{ldl} spill stores/loads in the loop, "
-                        f"{u.shared_bytes} B shared memory"
-                    )
+        compile_report(args.head_dims)
     elif args.what == "check":
-        sys.exit(0 if check() else 1)
+        sys.exit(0 if check_fn() else 1)
     else:
-        bench(args.seqlens, args.head_dims)
+        bench_fn(args.seqlens, args.head_dims)
+
+
+def compile_report(head_dims: list[int]) -> None:
+    from ringflash.kernels.offline_compile import resource_usage
+
+    for D in head_dims:
+        for causal in (False, True):
+            for pipe, mode in ((False, 0), (True, 0), (False, 1), (False, 2), (False, 5)):
+                k = compile_for_hopper(D, causal, pipe, mode)
+                u, (stl, ldl) = resource_usage(k), loop_spills(k)
+                print(
+                    f"head_dim {D} causal={causal} pipelined={pipe} mode {mode}: {u.registers} "
+                    f"registers, {u.spill_bytes} B spilled, {stl}/{ldl} spill stores/loads in the loop, "
+                    f"{u.shared_bytes} B shared memory"
+                )
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(__doc__, compile_report, check, bench)

@@ -468,35 +468,24 @@ def bench(seqlens: list[int], head_dims: list[int], tokens: int = 65536, H: int 
         )
 
 
-def main() -> None:
-    import argparse
-    import sys
+def compile_report(head_dims: list[int]) -> None:
+    from gluon_fused_backward import loop_spills
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("compile", "check", "bench"))
-    p.add_argument("--seqlens", type=int, nargs="+", default=[16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=(64, 128))
-    args = p.parse_args()
-    if args.what == "compile":
-        from gluon_fused_backward import loop_spills
+    from ringflash.kernels.offline_compile import resource_usage
 
-        from ringflash.kernels.offline_compile import resource_usage
-
-        for D in args.head_dims:
-            for causal in (False, True):
-                for bm in WS_VARIANTS[D]:
-                    k = compile_ws_for_hopper(D, causal, block_m=bm)
-                    u, (stl, ldl) = resource_usage(k), loop_spills(k)
-                    print(
-                        f"{_variant_name(bm)} head_dim {D} causal={causal}: {stl}/{ldl} spill "
-                        f"stores/loads in the main loop, {u.shared_bytes} B shared memory",
-                        flush=True,
-                    )
-    elif args.what == "check":
-        sys.exit(0 if check() else 1)
-    else:
-        bench(args.seqlens, args.head_dims)
+    for D in head_dims:
+        for causal in (False, True):
+            for bm in WS_VARIANTS[D]:
+                k = compile_ws_for_hopper(D, causal, block_m=bm)
+                u, (stl, ldl) = resource_usage(k), loop_spills(k)
+                print(
+                    f"{_variant_name(bm)} head_dim {D} causal={causal}: {stl}/{ldl} spill "
+                    f"stores/loads in the main loop, {u.shared_bytes} B shared memory",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
-    main()
+    from gluon_fused_backward import run_cli
+
+    run_cli(__doc__, compile_report, check, bench)
