@@ -163,8 +163,8 @@ def _compute_tile(
     do_s = p.do_smem.index(s)
     st = warpgroup_mma(p.k_smem, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(p.v_smem, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    # In flight, oldest first: the previous tile's dK, S^T, dP^T. Two waits: one joint wait
-    # made ptxas serialize every wgmma under CAUSAL (C7512).
+    # In flight, oldest first: the previous tile's dK, S^T, dP^T. Under CAUSAL, ptxas's C7512
+    # (every wgmma serialized) came and went with the order of these waits (docs: Ninth session).
     dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
     if i > 0:  # the previous tile's dK product has read its Q stage
         mbarrier.arrive(p.qdo_empty.index(1 - s), count=1)
@@ -172,7 +172,7 @@ def _compute_tile(
     lse2 = gl.load(LSE + lse_row + offs_m) * 1.4426950408889634
     delta = gl.load(DELTA + lse_row + offs_m)
     s_t = warpgroup_mma_wait(1, deps=(st,))
-    if MASKED:  # on S, not P: masking P after the exp made ptxas serialize every wgmma (C7512)
+    if MASKED:  # on S, not P: masking P after the exp cost ~1% (C7512, see above)
         s_t = gl.where(offs_n[:, None] <= offs_m[None, :], s_t, -float("inf"))
     pt = gl.exp2(s_t * qk_scale - lse2[None, :])
     dp_t = warpgroup_mma_wait(0, deps=(dpt,))
@@ -180,8 +180,6 @@ def _compute_tile(
     dst16 = (pt * (dp_t - delta[None, :])).to(dtype)
     p.ds_smem.store(dst16)
     fence_async_shared()
-    # Waiting for the free dQ buffer here, before the dQ product, kept ptxas from serializing
-    # the wgmma under CAUSAL (after it: C7512).
     mbarrier.wait(p.dq_empty.index(s), ((i // 2) & 1) ^ 1)
     # wgmma groups retire in issue order: dK goes after dQ so that it can stay in flight.
     dq = warpgroup_mma(p.ds_smem.permute((1, 0)), p.k_smem, dq_zero, use_acc=False, is_async=True)
