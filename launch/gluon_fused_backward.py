@@ -298,11 +298,19 @@ def _bwd_kernel(
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
 
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offs = (row0 + n0 + rows).to(gl.int64)[:, None] * (heads * HEAD_DIM) + col + cols[None, :]
-    gl.store(DK + offs, (dk * softmax_scale).to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
+    store_dkdv(DK, DV, dk, dv, row0 + n0, col, heads, softmax_scale, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def store_dkdv(DK, DV, dk, dv, row, col, heads, softmax_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Store a program's float32 dK (scaled) and dV tiles, rows from ``row`` and columns from
+    ``col`` of the (B*S, H*D) views, in DK's dtype; the index layout is dk's."""
+    layout: gl.constexpr = dk.type.layout
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = (row + rows).to(gl.int64)[:, None] * (heads * HEAD_DIM) + col + cols[None, :]
+    gl.store(DK + offs, (dk * softmax_scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
 
 
 def _descs(q, k, v, do, dq_acc, block_m, block_n):
@@ -359,24 +367,30 @@ def gluon_backward(
 
 def compile_for_hopper(head_dim: int, causal: bool, pipeline: bool, dq_mode: int = 0):
     """Build the kernel for sm_90 without a GPU (Triton ships ptxas); returns the compiled kernel."""
+    block_m = 64 if head_dim == 128 else 128
+    consts = dict(CAUSAL=causal, PIPELINE=pipeline, DQ_MODE=dq_mode)
+    return compile_gluon_for_hopper(_bwd_kernel, head_dim, block_m, dict(DQ="*fp32"), consts)
+
+
+def compile_gluon_for_hopper(kernel, head_dim: int, block_m: int, pointers: dict, consts: dict, **options):
+    """Build a Gluon backward kernel of these experiments for sm_90 without a GPU: bf16 descriptors
+    of 128-row K/V and ``block_m``-row Q/dO tiles, DK/DV/LSE/DELTA and ``pointers``, the shared
+    scalars and constexprs plus ``consts``; ``options`` go to triton.compile (e.g. maxnreg)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    block_m = 64 if head_dim == 128 else 128
     t = torch.empty(1, 1024, 2, head_dim, dtype=torch.bfloat16)
     acc = torch.empty(1, 1024, 2, head_dim, dtype=torch.float32)
     descs = _descs(t, t, t, t, acc, block_m, 128)
     sig = dict(zip(["q_desc", "k_desc", "v_desc", "do_desc", "dq_desc"], [mangle_type(d) for d in descs]))
-    sig.update(DQ="*fp32", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", seqlen="i32", heads="i32")
+    sig.update(pointers)
+    sig.update(DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", seqlen="i32", heads="i32")
     sig.update(qk_scale="fp32", softmax_scale="fp32")
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, CAUSAL=causal, PIPELINE=pipeline, DQ_MODE=dq_mode,
-        num_warps=8,
-    )  # fmt: skip
+    consts = dict(BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, **consts, num_warps=8)
     sig.update({name: "constexpr" for name in consts})
-    src = GluonASTSource(_bwd_kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    src = GluonASTSource(kernel, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **options})
 
 
 def loop_spills(kernel) -> tuple[int, int]:

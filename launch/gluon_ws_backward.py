@@ -30,7 +30,7 @@ At head_dim 64 a tie (0.99-1.00x). Not used by the library yet.
 # No "from __future__ import annotations": Gluon aggregates check their fields against real types.
 
 import torch
-from gluon_fused_backward import LOG2E, _descs, tma_reduce_add
+from gluon_fused_backward import LOG2E, _descs, compile_gluon_for_hopper, store_dkdv, tma_reduce_add
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -300,14 +300,7 @@ def _bwd_ws_kernel(
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
     )
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offs = (row0 + n0 + rows).to(gl.int64)[:, None] * (heads * HEAD_DIM) + col + cols[None, :]
-    gl.store(DK + offs, (dk * softmax_scale).to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
+    store_dkdv(DK, DV, dk, dv, row0 + n0, col, heads, softmax_scale, BLOCK_N, HEAD_DIM)
 
 
 def ws_backward(
@@ -345,34 +338,11 @@ def ws_backward(
     return (dq_acc * softmax_scale).to(q.dtype), dk, dv
 
 
-def compile_ws_for_hopper(
-    head_dim: int,
-    causal: bool,
-    maxnreg: int = 168,
-    block_m: int = 64,
-):
+def compile_ws_for_hopper(head_dim: int, causal: bool, maxnreg: int = 168, block_m: int = 64):
     """Build the kernel for sm_90 without a GPU; returns the compiled kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    t = torch.empty(1, 1024, 2, head_dim, dtype=torch.bfloat16)
-    acc = torch.empty(1, 1024, 2, head_dim, dtype=torch.float32)
-    descs = _descs(t, t, t, t, acc, block_m, 128)
-    sig = dict(zip(["q_desc", "k_desc", "v_desc", "do_desc", "dq_desc"], [mangle_type(d) for d in descs]))
-    sig.update(DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", seqlen="i32", heads="i32")
-    sig.update(qk_scale="fp32", softmax_scale="fp32")
-    consts = dict(
-        BLOCK_M=block_m,
-        BLOCK_N=128,
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
-        num_warps=8,
+    return compile_gluon_for_hopper(
+        _bwd_ws_kernel, head_dim, block_m, {}, dict(CAUSAL=causal), maxnreg=maxnreg
     )
-    sig.update({name: "constexpr" for name in consts})
-    src = GluonASTSource(_bwd_ws_kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": maxnreg})
 
 
 # block_m per head_dim (block_n is 128).
