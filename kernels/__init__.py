@@ -6,7 +6,7 @@ autograd-aware entry points; ``attention_forward``/``attention_backward`` with
 positions (``TokenPositions``).
 """
 
-from .backward import attention_backward, attention_delta
+from .backward import attention_backward, attention_delta, uses_fused_backward
 from .forward import attention_forward
 from .functional import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attention_partial
@@ -27,4 +27,5 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "merge_attention_partial",
+    "uses_fused_backward",
 ]

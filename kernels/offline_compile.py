@@ -108,3 +108,77 @@ def table_launch(
         DOT_PRECISION="ieee" if fp32 else "tf32", ACCUMULATE=False, WIDE=False,
     )  # fmt: skip
     return KERNELS[name], constexprs, cfg
+
+
+def compile_fused_backward(
+    causal: bool, group: int = 1, accumulate: bool = False, target: GPUTarget = HOPPER
+) -> triton.compiler.CompiledKernel:
+    """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
+    bf16 dK/dV (float32 with ``accumulate``, the ring's buffers)."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from . import hopper_backward as hb
+
+    t = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.bfloat16)
+    acc = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.float32)
+    kernel = hb._fused_bwd_kernel
+    descs = dict(
+        q_desc=hb._rows_descriptor(t, hb.BLOCK_M)[0], k_desc=hb._rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0],
+        v_desc=hb._rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0], do_desc=hb._rows_descriptor(t, hb.BLOCK_M)[0],
+        dq_desc=hb._rows_descriptor(acc, hb.BLOCK_M)[0],
+    )  # fmt: skip
+    consts = dict(
+        GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
+        ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS,
+    )  # fmt: skip
+    grads = "*fp32" if accumulate else "*bf16"
+    sig = {}
+    for name in kernel.arg_names:
+        if name in descs:
+            sig[name] = mangle_type(descs[name])
+        elif name in consts:
+            sig[name] = "constexpr"
+        elif name in ("DK", "DV"):
+            sig[name] = grads
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "fp32" if "scale" in name else "i32"
+    options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
+    return triton.compile(GluonASTSource(kernel, sig, consts), target=target, options=options)
+
+
+def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> tuple[int, int]:
+    """(spill stores, spill loads) per thread inside the kernel's main loop: STL/LDL instructions
+    between the target and the source of its longest backward branch, in the SASS that the
+    bundled ptxas and nvdisasm make of the PTX. ``resource_usage`` counts spills anywhere; a
+    spill outside the loop costs once per program, one inside it once per tile."""
+    arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        subprocess.run([_ptxas(), f"--gpu-name={arch}", ptx, "-o", cubin], check=True)
+        nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    labels, pending, instrs = {}, None, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        addr = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if label:
+            pending = label.group(1)
+        elif addr:
+            a = int(addr.group(1), 16)
+            if pending:
+                labels[pending], pending = a, None
+            instrs.append((a, line))
+    back = [
+        (labels[m.group(1)], a)
+        for a, line in instrs
+        if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), a) < a
+    ]
+    lo, hi = max(back, key=lambda r: r[1] - r[0])
+    inside = [line for a, line in instrs if lo <= a <= hi]
+    return sum("STL" in x for x in inside), sum("LDL" in x for x in inside)

@@ -1,12 +1,14 @@
-"""Single-GPU attention benchmark: ringflash's Triton kernel beside torch SDPA (flash, cuDNN) and
-FlexAttention, in the same run on the same inputs.
+"""Single-GPU attention benchmark: ringflash's kernels beside torch SDPA (flash, cuDNN) and
+FlexAttention, in the same run on the same inputs. ``ringflash-triton`` is ringflash with the
+fused Hopper backward switched off (RINGFLASH_FUSED_BACKWARD=0): the Triton dK/dV and dQ kernels.
 
     python launch/bench_attention.py
     python launch/bench_attention.py --head-dims 128 --seqlens 16384 65536 --backends ringflash cudnn
 
 bf16, B*S kept near --tokens (default 64K), 16 heads. TFLOP/s from attention FLOPs: fwd =
 4*B*H*S^2*D (half when causal), fwd+bwd = 3.5x fwd; medians of triton.testing.do_bench. Peak
-memory is one fwd+bwd's peak allocation above the inputs. Each config first checks ringflash's
+memory is one fwd+bwd's peak allocation above the inputs. Cells read fwd / bwd / fwd+bwd, where
+bwd is 2.5x fwd FLOPs over (fwd+bwd time - fwd time). Each config first checks ringflash's
 output against SDPA's flash backend (rel. error < 2e-2, else the row says FAIL).
 """
 
@@ -16,7 +18,9 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.attention.flex_attention as _flex
@@ -26,26 +30,33 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
 
-BACKENDS = ("ringflash", "flash", "cudnn", "flex")
+BACKENDS = ("ringflash", "ringflash-triton", "flash", "cudnn", "flex")
 
 
-def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool):
+def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int):
     """(run, leaves): ``run()`` computes attention with backend ``name`` on fresh random
-    inputs; ``leaves`` are the tensors to differentiate with respect to."""
-    layout = (b, s, h, d) if name == "ringflash" else (b, h, s, d)  # SDPA/Flex take (B, H, S, D)
-    q, k, v = (torch.randn(layout, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    if name == "ringflash":
+    inputs (h query heads, hk key/value heads); ``leaves`` are the tensors to differentiate
+    with respect to."""
+    ours = name.startswith("ringflash")
+
+    def randn(heads):  # SDPA/Flex take (B, H, S, D)
+        shape = (b, s, heads, d) if ours else (b, heads, s, d)
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v = randn(h), randn(hk), randn(hk)
+    gqa = hk != h
+    if ours:
         return (lambda: ringflash.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     if name in ("flash", "cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
 
         def run():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         return run, (q, k, v)
     mask = _flex.create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
-    return (lambda: _compiled_flex()(q, k, v, block_mask=mask)), (q, k, v)
+    return (lambda: _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)), (q, k, v)
 
 
 @functools.cache
@@ -56,8 +67,14 @@ def _compiled_flex():
     return torch.compile(_flex.flex_attention, dynamic=False)
 
 
-def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool) -> dict:
-    fn, leaves = make_runner(name, b, s, h, d, causal)
+def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int) -> dict:
+    env = {"RINGFLASH_FUSED_BACKWARD": "0"} if name == "ringflash-triton" else {}
+    with mock.patch.dict(os.environ, env):
+        return _bench_one(name, b, s, h, d, causal, hk)
+
+
+def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int) -> dict:
+    fn, leaves = make_runner(name, b, s, h, d, causal, hk)
     dout = torch.randn_like(fn())
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     with torch.no_grad():
@@ -71,15 +88,22 @@ def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool) -> dict:
     torch.autograd.grad(fn(), leaves, dout)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return {"fwd": flops / t_fwd / 1e9, "fwd_bwd": 3.5 * flops / t_all / 1e9, "peak_gib": peak}
+    return {
+        "fwd": flops / t_fwd / 1e9,
+        "bwd": 2.5 * flops / (t_all - t_fwd) / 1e9,
+        "fwd_bwd": 3.5 * flops / t_all / 1e9,
+        "peak_gib": peak,
+    }
 
 
-def check_against_sdpa(b: int, s: int, h: int, d: int, causal: bool) -> float:
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def check_against_sdpa(b: int, s: int, h: int, d: int, causal: bool, hk: int) -> float:
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with torch.no_grad():
         ours = ringflash.flash_attn_func(q, k, v, causal=causal).float()
+        kr, vr = (t.repeat_interleave(h // hk, dim=2) for t in (k, v))  # GQA as repeated heads
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, kr, vr)), is_causal=causal)
     ref = ref.transpose(1, 2).float()
     return ((ours - ref).norm() / ref.norm()).item()
 
@@ -90,6 +114,7 @@ def main() -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--tokens", type=int, default=65536, help="batch = max(1, tokens // seqlen)")
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--quick", action="store_true", help="one small config, for a smoke test")
@@ -101,6 +126,7 @@ def main() -> None:
     if args.quick:
         args.head_dims, args.seqlens, args.causal = [128], [4096], "yes"
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    hk = args.kv_heads or args.heads
     rows = []
     for d in args.head_dims:
         for causal in causals:
@@ -111,7 +137,7 @@ def main() -> None:
                     "B": b,
                     "D": d,
                     "causal": causal,
-                    "err": check_against_sdpa(b, s, args.heads, d, causal),
+                    "err": check_against_sdpa(b, s, args.heads, d, causal, hk),
                 }
                 for name in args.backends:
                     print(
@@ -119,7 +145,7 @@ def main() -> None:
                         file=sys.stderr,
                     )
                     try:
-                        row[name] = bench_one(name, b, s, args.heads, d, causal)
+                        row[name] = bench_one(name, b, s, args.heads, d, causal, hk)
                     except Exception as e:  # a backend that cannot run a shape shows n/a
                         print(
                             f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr
@@ -129,7 +155,7 @@ def main() -> None:
                 rows.append(row)
 
     def cell(r):
-        return "n/a" if r is None else f"{r['fwd']:.0f} / {r['fwd_bwd']:.0f}"
+        return "n/a" if r is None else f"{r['fwd']:.0f} / {r['bwd']:.0f} / {r['fwd_bwd']:.0f}"
 
     def peak(r):
         return "n/a" if r is None else f"{r['peak_gib']:.2f}"
@@ -139,7 +165,7 @@ def main() -> None:
         return "n/a" if not a or not o else f"{a['fwd_bwd'] / o['fwd_bwd']:.2f}"
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.date.today()}, bf16, {args.heads} heads; TFLOP/s fwd / fwd+bwd (median)")  # fmt: skip
+          f"{datetime.date.today()}, bf16, {args.heads}/{hk} heads; TFLOP/s fwd / bwd / fwd+bwd")  # fmt: skip
     cols = ["S", "B", "D", "causal", *args.backends, "vs flash", "vs cuDNN", "peak GiB ours / flash", "check"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:

@@ -26,6 +26,7 @@ from .kernels import (
     attention_delta,
     attention_forward,
     build_problem,
+    uses_fused_backward,
 )
 from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
 from .merge import merge_partial
@@ -99,6 +100,27 @@ def ring_forward(
     return acc_out.to(q.dtype), acc_lse
 
 
+def backward_is_fused(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether every kernel call of the plan computes dQ and dK/dV in one fused kernel
+    (``uses_fused_backward``); ``ring_backward`` then runs its fused schedule."""
+    return all(
+        uses_fused_backward(c.problem, q[c.q_index], k[c.k_index], v[c.k_index])
+        for step in plan
+        for c in step
+    )
+
+
+def _key_rows(calls: tuple[KernelCall, ...]) -> list[slice]:
+    """The key rows a step's calls write, as disjoint slices of the shard's sequence dim."""
+    spans: list[list[int]] = []
+    for a, b in sorted((c.k_index[1].start, c.k_index[1].stop) for c in calls):
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    return [slice(a, b) for a, b in spans]
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -115,31 +137,58 @@ def ring_backward(
 
     Each shard's float32 dK/dV accumulator starts on the next rank and visits the others; its
     owner adds its own contribution last, after the accumulator's trip home. That saves one
-    accumulator transfer per call against starting at home (1 of 2 on two ranks). The dK/dV
-    kernels add straight into the accumulator, with no scratch buffers (peak -14%).
+    accumulator transfer per call against starting at home (1 of 2 on two ranks).
+
+    Separate dQ and dK/dV kernels: the dK/dV kernels add straight into the accumulator once it
+    has arrived, and the accumulator travels on while the dQ kernels run (no scratch buffers).
+    Fused kernels (``backward_is_fused``): there is no dQ kernel to hide the trip behind, so a
+    step computes its dK/dV into a scratch pair (in k's dtype) while the accumulator is still on
+    its way, then adds the scratch into it; the owner's own part waits in a second pair. Two
+    pairs in k's dtype more memory, one add pass per step, and the transfer overlaps the step.
     """
     delta = attention_delta(out, dout, base)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     f32 = dict(device=k.device, dtype=torch.float32)
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
+    fused = backward_is_fused(plan, q, k, v)
 
     def block(c: KernelCall, kv) -> tuple:
         qi, ki = c.q_index, c.k_index
         return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem
 
-    # dQ and dK/dV launch separately: the ring ships an accumulator while dQ is being computed.
-    def launch_dq(c: KernelCall, kv) -> None:
-        attention_backward(*block(c, kv), dq=dq[c.q_index], accumulate=True, compute_dkdv=False)
+    def launch(c: KernelCall, kv, grads=None) -> None:
+        """dQ (grads None), dK/dV added into ``grads``, or both (fused)."""
+        dkdv = {} if grads is None else dict(dk=grads[0][c.k_index], dv=grads[1][c.k_index])
+        attention_backward(
+            *block(c, kv), dq=dq[c.q_index] if grads is None or fused else None, **dkdv, accumulate=True,
+            compute_dkdv=grads is not None, compute_dq=grads is None or fused,
+        )  # fmt: skip
 
-    def launch_dkdv(c: KernelCall, kv, acc) -> None:
-        ki = c.k_index
-        attention_backward(*block(c, kv), dk=acc[0][ki], dv=acc[1][ki], accumulate=True, compute_dq=False)
+    def launch_fused(calls: tuple[KernelCall, ...], kv, scratch) -> list[slice]:
+        """A step's fused calls, dK/dV into zeroed rows of ``scratch``; returns those rows."""
+        rows = _key_rows(calls)
+        for r in rows:
+            for t in scratch:
+                t[:, r].zero_()
+        for c in calls:
+            launch(c, kv, scratch)
+        return rows
+
+    def add_rows(acc, scratch, rows: list[slice]) -> None:
+        for r in rows:
+            for a, t in zip(acc, scratch):
+                a[:, r].add_(t[:, r])
 
     own, last = plan[0], len(plan) - 1
     bufs = _receive_buffers(k, v, plan)
     kv_pending = comm.exchange([k, v], bufs[1]) if last > 0 else None
-    for call in own:  # overlaps the first K/V transfer; the own dK/dV waits for the trip home
-        launch_dq(call, [k, v])
+    # The owner's dQ (fused: and its dK/dV, kept for the end) overlaps the first K/V transfer.
+    if fused:
+        home, scratch = [torch.empty_like(k), torch.empty_like(v)], [torch.empty_like(k), torch.empty_like(v)]
+        home_rows = launch_fused(own, [k, v], home)
+    else:
+        for call in own:
+            launch(call, [k, v])
     # travel[1] is where the accumulation starts: the first hop's (zeroed before anything
     # arrives in it) or, on a one-step ring, the owner's own.
     for a in travel[1]:
@@ -150,20 +199,29 @@ def ring_backward(
         kv = bufs[i % 2]
         kv_pending = comm.exchange(kv, bufs[(i + 1) % 2]) if i < last else None
         acc = travel[i % 2]
+        if fused:  # before the wait: the accumulator arrives while this runs
+            rows = launch_fused(plan[i], kv, scratch)
         if grads_pending is not None:
             grads_pending.wait()
-        for call in plan[i]:
-            launch_dkdv(call, kv, acc)
-        # Pass the accumulator on (after the last step: home, `last` ranks back) while this
-        # step's dQ kernels run.
+        if fused:
+            add_rows(acc, scratch, rows)
+        else:
+            for call in plan[i]:
+                launch(call, kv, acc)
+        # Pass the accumulator on (after the last step: home, `last` ranks back); unfused, while
+        # this step's dQ kernels run.
         grads_pending = comm.exchange(acc, travel[(i + 1) % 2], offset=1 if i < last else -last)
-        for call in plan[i]:
-            launch_dq(call, kv)
+        if not fused:
+            for call in plan[i]:
+                launch(call, kv)
     acc = travel[(last + 1) % 2]
     if grads_pending is not None:
         grads_pending.wait()
-    for call in own:
-        launch_dkdv(call, [k, v], acc)
+    if fused:
+        add_rows(acc, home, home_rows)
+    else:
+        for call in own:
+            launch(call, [k, v], acc)
     dk, dv = acc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

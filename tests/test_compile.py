@@ -57,44 +57,25 @@ print("fits")
 """
 
 
-# The Gluon fused-backward experiment (launch/gluon_fused_backward.py) must keep building for
-# Hopper: its TMA reduce-add comes from Triton's IR builder, not a public API.
-_GLUON = r"""
-import sys
-sys.path.insert(0, LAUNCH_DIR)
-from gluon_fused_backward import compile_for_hopper
-from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT
+# The fused Hopper backward (kernels/hopper_backward.py) must keep building for sm_90: its TMA
+# reduce-add comes from Triton's IR builder, not a public API. Compute warps at 240 registers and
+# the two 1-warp workers at 24, one TMA reduce-add group per dQ tile, and no spills inside the
+# query-tile loop (GQA's per-head loop may spill at its head changes, not per tile).
+_FUSED = r"""
+import re
+from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT, compile_fused_backward, loop_spills
 
-k = compile_for_hopper(128, causal=True, pipeline=False)
-ptx = k.asm["ptx"]
-assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
-assert ptx.count("cp.reduce.async.bulk.tensor") == 1, "dQ must leave through one TMA reduce-add"
-assert ptx.count("wgmma.mma_async") == 32, ptx.count("wgmma.mma_async")  # 5 products, 64x128x128 tile
-# Mode 5 (dQ in two column halves) exists to take the spills out of the loop: keep it so.
-from ringflash.kernels.offline_compile import resource_usage
-k5 = compile_for_hopper(128, causal=True, pipeline=False, dq_mode=5)
-assert resource_usage(k5).spill_bytes == 0, resource_usage(k5)
-assert k5.asm["ptx"].count("cp.reduce.async.bulk.tensor") == 1
-print("gluon ok")
-"""
-
-
-# The warp-specialized variant (launch/gluon_ws_backward.py): compute warps at 240 registers and
-# two 1-warp workers at 24, no spills in the compute loop, one TMA reduce-add group per dQ tile.
-_GLUON_WS = r"""
-import re, sys
-sys.path.insert(0, LAUNCH_DIR)
-from gluon_fused_backward import loop_spills
-from gluon_ws_backward import compile_ws_for_hopper
-
-for causal in (False, True):
-    k = compile_ws_for_hopper(128, causal=causal)
+for causal, group, accumulate in ((False, 1, False), (True, 1, True)):
+    k = compile_fused_backward(causal, group, accumulate)
     ptx = k.asm["ptx"]
     regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     assert regs == [24, 240], regs
     assert ptx.count("cp.async.bulk.commit_group") == 1, ptx.count("cp.async.bulk.commit_group")
+    assert ptx.count("wgmma.mma_async") == (64 if causal else 32), ptx.count("wgmma.mma_async")
     assert loop_spills(k) == (0, 0), loop_spills(k)
-print("gluon ws ok")
+    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
+compile_fused_backward(True, 4, True)  # GQA builds
+print("fused ok")
 """
 
 
@@ -118,10 +99,8 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path):
     assert len(out.strip().splitlines()) == 3 * 3 + 1  # every (kernel, head_dim) ran
 
 
-def test_gluon_fused_backward_compiles_for_sm90(tmp_path):
-    launch_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch")
-    script = _GLUON.replace("LAUNCH_DIR", repr(launch_dir))
-    assert _compile_in_subprocess(script, tmp_path).strip().endswith("gluon ok")
+def test_fused_backward_compiles_for_sm90(tmp_path):
+    assert _compile_in_subprocess(_FUSED, tmp_path).strip().endswith("fused ok")
 
 
 def test_tile_config_parse():
@@ -131,9 +110,3 @@ def test_tile_config_parse():
     for bad in ("64,64,8", "64,64,8,2,3", "a,64,8,2", "48,64,8,2", "64,8,4,2", "64,64,6,2", "64,64,8,0"):
         with pytest.raises(ValueError):
             TileConfig.parse(bad)
-
-
-def test_gluon_ws_backward_compiles_for_sm90(tmp_path):
-    launch_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch")
-    script = _GLUON_WS.replace("LAUNCH_DIR", repr(launch_dir))
-    assert _compile_in_subprocess(script, tmp_path).strip().endswith("gluon ws ok")

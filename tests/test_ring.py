@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
+from ringflash import ring
 from ringflash.layouts import layout_indices
 
 
@@ -29,6 +32,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     docs: tuple[int, ...] | None = None  # packed documents' lengths (batch 1, seqlen = their sum)
+    fused: bool = False  # ring_backward's fused schedule, with the Triton kernels doing both parts
 
     @property
     def cu_seqlens(self) -> list[int] | None:
@@ -60,7 +64,10 @@ def _run_ring(case: Case):
         q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, return_lse=True,
         cu_seqlens=cu,
     )  # fmt: skip
-    out.backward(dout)
+    fused = mock.patch.object(ring, "backward_is_fused", return_value=True) if case.fused else nullcontext()
+    with fused as fused_check:
+        out.backward(dout)
+    assert fused_check is None or fused_check.call_count == 1
     return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
 
 
@@ -80,8 +87,23 @@ def _reference(case: Case, q, k, v):
     return reference_attention_packed(q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window)
 
 
-def check_ring(rank_pool, case: Case) -> None:
-    results = rank_pool(case.world).run(_run_ring, case)
+def _run_ring_fused(case: Case):
+    """``_run_ring`` where every rank must pick the fused backward on its own (sm_90 GPUs)."""
+    picked = []
+
+    def spy(*args):
+        picked.append(real(*args))
+        return picked[-1]
+
+    real = ring.backward_is_fused
+    with mock.patch.object(ring, "backward_is_fused", spy):
+        results = _run_ring(case)
+    assert picked == [True], picked
+    return results
+
+
+def check_ring(rank_pool, case: Case, run=_run_ring) -> None:
+    results = rank_pool(case.world).run(run, case)
     q, k, v, dout = (t.double().requires_grad_() for t in _full_inputs(case))
     ref_out, ref_lse = _reference(case, q, k, v)
     ref_out.backward(dout)
@@ -114,6 +136,21 @@ def test_ring_sliding_window(rank_pool, layout, causal, window):
 def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
     check_ring(
         rank_pool, Case(2, layout, True, batch=2, heads=4, kv_heads=kv_heads, dtype=torch.float16, seed=3)
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_fused_backward_schedule(rank_pool, world, layout, causal):
+    """The schedule that fused kernels get (on sm_90), run here with the Triton kernels: dK/dV
+    into scratch, added to the arriving accumulator; the owner's part kept to the end."""
+    check_ring(rank_pool, Case(world, layout, causal, fused=True, seed=world))
+
+
+def test_ring_fused_backward_schedule_gqa_fp16(rank_pool):
+    check_ring(
+        rank_pool, Case(4, "zigzag", True, batch=2, heads=4, kv_heads=1, dtype=torch.float16, fused=True)
     )
 
 
@@ -159,6 +196,20 @@ def test_ring_varlen_api(rank_pool, layout):
 def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
     case = Case(world, layout, True, seqlen=4096, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     check_ring(rank_pool, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_fused_backward_on_one_gpu(rank_pool, layout, causal):
+    """One rank on an H100/H200: the fused kernels on the ring's slices (zigzag's own step is
+    three calls on two chunks), dK/dV through the owner's pair; the schedule's transfers are
+    covered over gloo above and by the multi-GPU tests."""
+    case = Case(1, layout, causal, seqlen=1024, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    check_ring(rank_pool, case, run=_run_ring_fused)
 
 
 @pytest.mark.multigpu
