@@ -76,22 +76,28 @@ def _ptxas() -> str:
     return os.environ.get("TRITON_PTXAS_PATH") or bundled
 
 
+def _assemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget, tmp: str, *flags: str):
+    """Assemble the kernel's PTX with ptxas into ``tmp`` (sm_90a for Hopper, as Triton builds
+    it); returns (cubin path, ptxas's stderr)."""
+    arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
+    ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    run = subprocess.run(
+        [_ptxas(), *flags, f"--gpu-name={arch}", ptx, "-o", cubin], capture_output=True, text=True, check=True
+    )
+    return cubin, run.stderr
+
+
 def resource_usage(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> ResourceUsage:
     """Registers and spills from ``ptxas -v`` on the kernel's PTX (sm_90a, as Triton builds
     for Hopper), shared memory from Triton's metadata."""
-    arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        run = subprocess.run(
-            [_ptxas(), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-    registers = re.search(r"Used (\d+) registers", run.stderr)
-    spills = re.search(r"(\d+) bytes spill stores", run.stderr)
+        _, log = _assemble(compiled, target, tmp, "-v")
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
     if registers is None or spills is None:
-        raise RuntimeError(f"unexpected ptxas -v output: {run.stderr[-500:]}")
+        raise RuntimeError(f"unexpected ptxas -v output: {log[-500:]}")
     return ResourceUsage(int(registers.group(1)), int(spills.group(1)), compiled.metadata.shared)
 
 
@@ -155,12 +161,8 @@ def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HO
     between the target and the source of its longest backward branch, in the SASS that the
     bundled ptxas and nvdisasm make of the PTX. ``resource_usage`` counts spills anywhere; a
     spill outside the loop costs once per program, one inside it once per tile."""
-    arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        subprocess.run([_ptxas(), f"--gpu-name={arch}", ptx, "-o", cubin], check=True)
+        cubin, _ = _assemble(compiled, target, tmp)
         nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
         sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     labels, pending, instrs = {}, None, []
