@@ -7,7 +7,7 @@ positions (``TokenPositions``).
 """
 
 from .backward import attention_backward, attention_delta, uses_fused_backward
-from .forward import attention_forward
+from .forward import attention_forward, uses_fused_forward
 from .functional import flash_attn_func, flash_attn_varlen_func
 from .merge import merge_attention_partial
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
@@ -28,4 +28,5 @@ __all__ = [
     "flash_attn_varlen_func",
     "merge_attention_partial",
     "uses_fused_backward",
+    "uses_fused_forward",
 ]

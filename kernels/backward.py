@@ -16,15 +16,13 @@ kernel of hopper_backward.py instead (five products per tile pair instead of sev
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .configs import INTERPRET, backward_kv_config, backward_q_config, block_d
+from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import LOG2E, as_4d, dot_precision, lse_strides
+from .hopper_path import enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
 
@@ -313,64 +311,30 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
     return delta
 
 
-@functools.cache
-def _hopper_backward():
-    """The fused kernel's module, imported on first use: Gluon cannot run under the interpreter,
-    and a Triton without the Gluon features it uses falls back to the Triton kernels."""
-    try:
-        from . import hopper_backward
-    except (ImportError, AttributeError):
-        return None
-    return hopper_backward
-
-
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``attention_backward`` computing dQ and dK/dV together runs the fused Hopper kernel
     (hopper_backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
 
-    It does on an sm_90 GPU (H100/H200) for bf16/fp16, head_dim 128, no varlen, no sliding
-    window, causal only between blocks whose positions coincide (a shard's own diagonal block),
-    both lengths multiples of 128, heads packed in each token's row; not under
+    It does where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, head_dim 128, lengths
+    multiples of 128, no window, causal only on a shard's own diagonal), but not under
     ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor with
     ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
-    if (
-        INTERPRET
-        or not q.is_cuda
-        or problem.max_seqlen_q == 0
-        or problem.max_seqlen_k == 0
-        or q.dtype not in (torch.bfloat16, torch.float16)
-        or problem.head_dim != 128
-        or problem.varlen
-        or problem.bounds.left is not None
-        or problem.max_seqlen_q % 128
-        or problem.max_seqlen_k % 128
-        or torch.are_deterministic_algorithms_enabled()
-        or os.environ.get("RINGFLASH_FUSED_BACKWARD", "1") == "0"
-    ):
-        return False
-    if problem.bounds.right is not None:
-        n = problem.max_seqlen_q
-        qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
-        if problem.bounds.right != 0 or problem.max_seqlen_k != n or qp != kp or qp.stride != 1:
-            return False
-    if not _is_sm90(q.device):
-        return False
-    module = _hopper_backward()
-    return module is not None and all(module.fused_layout_ok(t) for t in (q, k, v))
+    return (
+        not torch.are_deterministic_algorithms_enabled()
+        and enabled("RINGFLASH_FUSED_BACKWARD")
+        and hopper_path_ok(problem, q, k, v)
+        and hopper_module("hopper_backward") is not None
+    )
 
 
 def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):
     """attention_backward on the fused kernel: dQ goes through a float32 buffer that the kernel
     adds into (the caller's own when it is one)."""
-    module = _hopper_backward()
-    if not module.fused_layout_ok(dout):
+    module = hopper_module("hopper_backward")
+    tma_layout_ok = hopper_module("hopper_tma").tma_layout_ok
+    if not tma_layout_ok(dout):
         dout = dout.contiguous()
-    direct = dq.dtype == torch.float32 and module.fused_layout_ok(dq)
+    direct = dq.dtype == torch.float32 and tma_layout_ok(dq)
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     if direct and not accumulate:
         dq32.zero_()

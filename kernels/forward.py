@@ -4,6 +4,9 @@ One program per (query tile, query head, sequence). It walks the key tiles that 
 see (``tiling.visible_tiles``), applies the mask only on tiles that straddle a boundary, keeps a
 running max and sum in the log2 domain (``log2(e)`` folded into the scale, so ``exp2`` is used)
 and rescales once at the end.
+
+On an H100/H200 at head_dim 128 ``attention_forward`` runs the warp-specialized Gluon kernel of
+hopper_forward.py instead, where ``uses_fused_forward`` says it can.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, forward_config
+from .hopper_path import enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
 
@@ -144,6 +148,19 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
+def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (hopper_forward.py)
+    on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors: where
+    ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, head_dim 128, lengths multiples of
+    128, no window, causal only on a shard's own diagonal) and ``RINGFLASH_FUSED_FORWARD`` is not
+    0 in the environment. Its results equal the Triton kernel's up to float rounding."""
+    return (
+        enabled("RINGFLASH_FUSED_FORWARD")
+        and hopper_path_ok(problem, q, k, v)
+        and hopper_module("hopper_forward") is not None
+    )
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,13 +175,16 @@ def attention_forward(
     with heads_k heads. ``out`` (q's shape, any supported float dtype, e.g. a float32 ring
     accumulator view) and ``lse`` (float32, ``problem.lse_shape``) may be given to write into.
     Returns (out, lse); lse is the natural-log logsumexp of each query row, -inf where the row
-    sees no key.
+    sees no key. On an H100/H200 the Hopper kernel runs where ``uses_fused_forward`` says so.
     """
     if out is None:
         out = torch.empty_like(q)
     check_token_stride(out=out)
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
+    if lse.stride(-1) == 1 and uses_fused_forward(problem, q, k, v):
+        hopper_module("hopper_forward").fused_forward(q, k, v, problem, out, lse)
+        return out, lse
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))

@@ -35,9 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
 
 BLOCK_M = 64  # query rows per tile
@@ -335,37 +335,6 @@ def _fused_bwd_kernel(
     _store_grad(DV, dv, dv_offs, ACCUMULATE)
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-
-
-def _rows_descriptor(t: torch.Tensor, block_rows: int) -> tuple[TensorDescriptor, int]:
-    """A TMA descriptor over (batch, seqlen, heads, head_dim) ``t`` seen as (rows, heads *
-    head_dim), row ``b * batch_rows + i`` for token i of sequence b; returns it and batch_rows."""
-    batch, seqlen, heads, head_dim = t.shape
-    batch_rows = t.stride(0) // t.stride(1)
-    rows = (batch - 1) * batch_rows + seqlen
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], _gl_dtype(t.dtype))
-    return TensorDescriptor(
-        t, [rows, heads * head_dim], [t.stride(1), 1], [block_rows, head_dim], layout
-    ), batch_rows
-
-
-def fused_layout_ok(t: torch.Tensor) -> bool:
-    """Whether TMA can read ``t`` (batch, seqlen, heads, head_dim) as rows of heads * head_dim:
-    heads packed, 16-byte aligned rows, batches a whole number of rows apart."""
-    b, s, h, d = t.shape
-    size = t.element_size()
-    return (
-        t.stride(3) == 1
-        and (h == 1 or t.stride(2) == d)
-        and (s == 1 or t.stride(1) >= h * d)
-        and t.stride(1) * size % 16 == 0
-        and (b == 1 or t.stride(0) % t.stride(1) == 0)
-        and t.data_ptr() % 16 == 0
-    )
-
-
 def fused_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -382,16 +351,16 @@ def fused_backward(
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv.
 
     q/dout: (batch, seqlen_q, heads_q, 128), k/v: (batch, seqlen_k, heads_k, 128), bf16/fp16 on
-    an sm_90 GPU, in layouts ``fused_layout_ok`` accepts (dq too); lse/delta: (batch, heads_q,
+    an sm_90 GPU, in layouts ``tma_layout_ok`` accepts (dq too); lse/delta: (batch, heads_q,
     seqlen_q) float32. The caller (``attention_backward``) checks the rest: no window, causal only
     on aligned square blocks, lengths multiples of 128. dq is added to, never overwritten: zero
     it first for a plain backward."""
     batch, seqlen_q = q.shape[:2]
-    qd, q_rows = _rows_descriptor(q, BLOCK_M)
-    dod, do_rows = _rows_descriptor(dout, BLOCK_M)
-    dqd, dq_rows = _rows_descriptor(dq, BLOCK_M)
-    kd, k_rows = _rows_descriptor(k, BLOCK_N)
-    vd, v_rows = _rows_descriptor(v, BLOCK_N)
+    qd, q_rows = rows_descriptor(q, BLOCK_M)
+    dod, do_rows = rows_descriptor(dout, BLOCK_M)
+    dqd, dq_rows = rows_descriptor(dq, BLOCK_M)
+    kd, k_rows = rows_descriptor(k, BLOCK_N)
+    vd, v_rows = rows_descriptor(v, BLOCK_N)
     grid = (problem.max_seqlen_k // BLOCK_N, problem.heads_k, batch)
     _fused_bwd_kernel[grid](
         qd, kd, vd, dod, dqd, dk, dv, lse, delta, seqlen_q, q_rows, do_rows, dq_rows, k_rows, v_rows,

@@ -116,44 +116,73 @@ def table_launch(
     return KERNELS[name], constexprs, cfg
 
 
-def compile_fused_backward(
-    causal: bool, group: int = 1, accumulate: bool = False, target: GPUTarget = HOPPER
-) -> triton.compiler.CompiledKernel:
-    """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
-    bf16 dK/dV (float32 with ``accumulate``, the ring's buffers)."""
-    import torch
+def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: dict, target: GPUTarget):
+    """Build a Gluon kernel: TMA descriptor arguments from ``descs`` (example descriptors),
+    pointer arguments typed by ``pointers``, other scalars i32 (fp32 when named *scale*)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from . import hopper_backward as hb
-
-    t = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.bfloat16)
-    acc = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.float32)
-    kernel = hb._fused_bwd_kernel
-    descs = dict(
-        q_desc=hb._rows_descriptor(t, hb.BLOCK_M)[0], k_desc=hb._rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0],
-        v_desc=hb._rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0], do_desc=hb._rows_descriptor(t, hb.BLOCK_M)[0],
-        dq_desc=hb._rows_descriptor(acc, hb.BLOCK_M)[0],
-    )  # fmt: skip
-    consts = dict(
-        GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
-        ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS,
-    )  # fmt: skip
-    grads = "*fp32" if accumulate else "*bf16"
     sig = {}
     for name in kernel.arg_names:
         if name in descs:
             sig[name] = mangle_type(descs[name])
         elif name in consts:
             sig[name] = "constexpr"
-        elif name in ("DK", "DV"):
-            sig[name] = grads
-        elif name in ("LSE", "DELTA"):
-            sig[name] = "*fp32"
+        elif name in pointers:
+            sig[name] = pointers[name]
         else:
             sig[name] = "fp32" if "scale" in name else "i32"
-    options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return triton.compile(GluonASTSource(kernel, sig, consts), target=target, options=options)
+
+
+def compile_fused_backward(
+    causal: bool, group: int = 1, accumulate: bool = False, target: GPUTarget = HOPPER
+) -> triton.compiler.CompiledKernel:
+    """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
+    bf16 dK/dV (float32 with ``accumulate``, the ring's buffers)."""
+    import torch
+
+    from . import hopper_backward as hb
+    from .hopper_tma import rows_descriptor
+
+    t = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.bfloat16)
+    acc = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.float32)
+    descs = dict(
+        q_desc=rows_descriptor(t, hb.BLOCK_M)[0], k_desc=rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0],
+        v_desc=rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0], do_desc=rows_descriptor(t, hb.BLOCK_M)[0],
+        dq_desc=rows_descriptor(acc, hb.BLOCK_M)[0],
+    )  # fmt: skip
+    consts = dict(
+        GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
+        ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS,
+    )  # fmt: skip
+    grads = "*fp32" if accumulate else "*bf16"
+    pointers = {"DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32"}
+    options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
+    return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)
+
+
+def compile_fused_forward(
+    causal: bool, group: int = 1, out_dtype: str = "bf16", target: GPUTarget = HOPPER
+) -> triton.compiler.CompiledKernel:
+    """Build hopper_forward's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
+    output in ``out_dtype`` ("fp32": the ring's block buffers)."""
+    import torch
+
+    from . import hopper_forward as hf
+    from .hopper_tma import rows_descriptor
+
+    t = torch.empty(1, 1024, group, hf.HEAD_DIM, dtype=torch.bfloat16)
+    descs = dict(
+        q_desc=rows_descriptor(t, hf.HALF_M)[0], k_desc=rows_descriptor(t[:, :, :1], hf.BLOCK_N)[0],
+        v_desc=rows_descriptor(t[:, :, :1], hf.BLOCK_N)[0],
+    )  # fmt: skip
+    consts = dict(
+        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, HEAD_DIM=hf.HEAD_DIM, CAUSAL=causal,
+    )  # fmt: skip
+    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32"}
+    options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
+    return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 
 
 def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """Single-GPU attention benchmark: ringflash's kernels beside torch SDPA (flash, cuDNN) and
-FlexAttention, in the same run on the same inputs. ``ringflash-triton`` is ringflash with the
-fused Hopper backward switched off (RINGFLASH_FUSED_BACKWARD=0): the Triton dK/dV and dQ kernels.
+FlexAttention, in the same run on the same inputs. ``ringflash-triton`` is ringflash with its
+Hopper kernels switched off (RINGFLASH_FUSED_FORWARD=0, RINGFLASH_FUSED_BACKWARD=0): the Triton
+forward, dK/dV and dQ kernels.
 
     python launch/bench_attention.py
     python launch/bench_attention.py --head-dims 128 --seqlens 16384 65536 --backends ringflash cudnn
@@ -68,7 +69,8 @@ def _compiled_flex():
 
 
 def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int) -> dict:
-    env = {"RINGFLASH_FUSED_BACKWARD": "0"} if name == "ringflash-triton" else {}
+    off = {"RINGFLASH_FUSED_FORWARD": "0", "RINGFLASH_FUSED_BACKWARD": "0"}
+    env = off if name == "ringflash-triton" else {}
     with mock.patch.dict(os.environ, env):
         return _bench_one(name, b, s, h, d, causal, hk)
 

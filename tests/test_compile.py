@@ -78,6 +78,24 @@ compile_fused_backward(True, 4, True)  # GQA builds
 print("fused ok")
 """
 
+# The warp-specialized Hopper forward (kernels/hopper_forward.py): both compute warpgroups at 240
+# registers and the loader at 24, the products of both warpgroups' code paths (S and P V in the
+# loop, S before it, P V after it: 4 x 8 wgmma per warpgroup), no spills inside the key-tile loop.
+_FORWARD = r"""
+import re
+from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT, compile_fused_forward, loop_spills
+
+for causal, group, out_dtype in ((False, 1, "bf16"), (True, 4, "fp32")):
+    k = compile_fused_forward(causal, group, out_dtype)
+    ptx = k.asm["ptx"]
+    regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {24, 240} <= regs, regs
+    assert ptx.count("wgmma.mma_async") == 64, ptx.count("wgmma.mma_async")
+    assert loop_spills(k) == (0, 0), loop_spills(k)
+    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
+print("forward ok")
+"""
+
 
 def _compile_in_subprocess(script: str, tmp_path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -101,6 +119,10 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path):
 
 def test_fused_backward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FUSED, tmp_path).strip().endswith("fused ok")
+
+
+def test_fused_forward_compiles_for_sm90(tmp_path):
+    assert _compile_in_subprocess(_FORWARD, tmp_path).strip().endswith("forward ok")
 
 
 def test_tile_config_parse():

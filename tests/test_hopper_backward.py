@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import TOLERANCE, reference_attention, rel_err
+from sm90 import SM90, cuda_randn
 
 import ringflash
 from ringflash.kernels import (
@@ -20,20 +21,9 @@ from ringflash.kernels import (
 )
 from ringflash.kernels.backward import uses_fused_backward
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs an sm_90 GPU",
-    ),
-]
+pytestmark = [pytest.mark.gpu, SM90]
 
 D = 128
-
-
-def _randn(*shape, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(shape, device="cuda", dtype=dtype, generator=g)
 
 
 def _reference_grads(q, k, v, dout, causal):
@@ -55,10 +45,10 @@ def _reference_grads(q, k, v, dout, causal):
     ],
 )
 def test_fused_backward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal):
-    q = _randn(batch, seqlen_q, heads, D, dtype=dtype, seed=1).requires_grad_()
-    k = _randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=2).requires_grad_()
-    v = _randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=3).requires_grad_()
-    dout = _randn(batch, seqlen_q, heads, D, dtype=dtype, seed=4)
+    q = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=1).requires_grad_()
+    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=2).requires_grad_()
+    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=3).requires_grad_()
+    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=4)
     problem = build_problem(q, k, v, None, causal, (-1, -1))
     assert uses_fused_backward(problem, q, k, v)
     ringflash.flash_attn_func(q, k, v, causal=causal).backward(dout)
@@ -72,14 +62,18 @@ def test_fused_backward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads,
 
 def test_fused_backward_on_slices_adds_into_float32_buffers():
     """The ring's call: query/key slices of larger shards, dQ/dK/dV added to float32 buffers."""
-    big_q, big_k, big_v, big_do = (_randn(2, 640, h, D, seed=s) for s, h in ((5, 4), (6, 2), (7, 2), (8, 4)))
+    big_q, big_k, big_v, big_do = (
+        cuda_randn(2, 640, h, D, seed=s) for s, h in ((5, 4), (6, 2), (7, 2), (8, 4))
+    )
     qs, ks = slice(128, 384), slice(256, 640)
     q, k, v, dout = big_q[:, qs], big_k[:, ks], big_v[:, ks], big_do[:, qs]
     problem = build_problem(q, k, v, None, False, (-1, -1))
     assert uses_fused_backward(problem, q, k, v)
     out, lse = attention_forward(q, k, v, problem)
     delta = attention_delta(out, dout, problem)
-    bufs = [_randn(*t.shape, dtype=torch.float32, seed=9 + i) for i, t in enumerate((big_q, big_k, big_v))]
+    bufs = [
+        cuda_randn(*t.shape, dtype=torch.float32, seed=9 + i) for i, t in enumerate((big_q, big_k, big_v))
+    ]
     before = [b.clone() for b in bufs]
     dq, dk, dv = attention_backward(
         dout,
@@ -108,7 +102,7 @@ def test_fused_backward_on_slices_adds_into_float32_buffers():
 
 def test_fused_backward_on_a_diagonal_block_with_offsets():
     """A ring shard's own causal block sits at the same global positions on both sides."""
-    q, k, v, dout = (_randn(1, 256, 2, D, seed=s) for s in range(10, 14))
+    q, k, v, dout = (cuda_randn(1, 256, 2, D, seed=s) for s in range(10, 14))
     pos = TokenPositions(1024)
     problem = build_problem(q, k, v, None, True, (-1, -1), q_positions=pos, k_positions=pos)
     assert uses_fused_backward(problem, q, k, v)
@@ -119,7 +113,7 @@ def test_fused_backward_on_a_diagonal_block_with_offsets():
 
 
 def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
-    q, k, v = (_randn(1, 256, 2, D, seed=s) for s in range(3))
+    q, k, v = (cuda_randn(1, 256, 2, D, seed=s) for s in range(3))
 
     def fused(q=q, k=k, v=v, causal=True, window=(-1, -1), **kw):
         return uses_fused_backward(build_problem(q, k, v, None, causal, window, **kw), q, k, v)
@@ -132,7 +126,7 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     assert not fused(q=q[:, :192], k=k[:, :192], v=v[:, :192])  # not a multiple of 128
     assert not fused(*(t[..., :64].contiguous() for t in (q, k, v)))  # head_dim 64: a tie, not used
     assert not fused(*(t.float() for t in (q, k, v)))
-    assert not fused(q=_randn(1, 256, 4, D)[:, :, ::2])  # heads not packed in the token's row
+    assert not fused(q=cuda_randn(1, 256, 4, D)[:, :, ::2])  # heads not packed in the token's row
     monkeypatch.setenv("RINGFLASH_FUSED_BACKWARD", "0")
     assert not fused()
     monkeypatch.delenv("RINGFLASH_FUSED_BACKWARD")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
+from sm90 import SM90
 
 import ringflash
 from ringflash import ring
@@ -199,9 +200,7 @@ def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
-)
+@SM90
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_fused_backward_on_one_gpu(rank_pool, layout, causal):

@@ -1,0 +1,119 @@
+"""The warp-specialized Hopper forward (kernels/hopper_forward.py) on an sm_90 GPU, against float64.
+
+Each case first asserts that ``uses_fused_forward`` picks the Hopper kernel, so a test cannot
+pass on the Triton kernel by accident. Its sm_90 build on the CPU is checked in test_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import TOLERANCE, reference_attention, rel_err
+from sm90 import SM90, cuda_randn
+
+from ringflash.kernels import TokenPositions, attention_forward, build_problem, uses_fused_forward
+
+pytestmark = [pytest.mark.gpu, SM90]
+
+D = 128
+
+
+def _check(out, lse, q, k, v, causal, dtype):
+    exp_out, exp_lse = reference_attention(*(t.double().cpu() for t in (q, k, v)), causal=causal)
+    assert rel_err(out.double().cpu(), exp_out) < TOLERANCE[dtype], "out"
+    assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal"),
+    [
+        (2, 384, 384, 4, 4, False),
+        (2, 384, 384, 4, 4, True),
+        (1, 1024, 1024, 8, 2, True),
+        (1, 256, 640, 4, 1, False),
+        (2, 512, 128, 6, 3, False),
+        (1, 128, 128, 2, 2, True),
+    ],
+)
+def test_fused_forward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal):
+    from ringflash.kernels.hopper_forward import fused_forward
+
+    q = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=1)
+    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=2)
+    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=3)
+    problem = build_problem(q, k, v, None, causal, (-1, -1))
+    assert uses_fused_forward(problem, q, k, v)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen_q, device="cuda", dtype=torch.float32)
+    fused_forward(q, k, v, problem, out, lse)
+    assert out.dtype == dtype
+    _check(out, lse, q, k, v, causal, dtype)
+
+
+def test_fused_forward_through_flash_attn_func_equals_triton(monkeypatch):
+    """The public entry point takes the Hopper path, and agrees with the Triton kernel."""
+    import ringflash
+
+    q, k, v = (cuda_randn(2, 2048, 8, D, seed=s) for s in range(3))
+    problem = build_problem(q, k, v, None, True, (-1, -1))
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = ringflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setenv("RINGFLASH_FUSED_FORWARD", "0")
+    assert not uses_fused_forward(problem, q, k, v)
+    ref_out, ref_lse = ringflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert rel_err(out.float(), ref_out.float()) < 1e-2
+    assert rel_err(lse, ref_lse) < 1e-5
+
+
+def test_fused_forward_writes_into_float32_slices():
+    """The ring's call: query/key slices of larger shards, out and LSE written into slices of
+    float32 buffers, with the rows outside them untouched."""
+    big_q, big_k, big_v = (cuda_randn(2, 640, h, D, seed=s) for s, h in ((5, 4), (6, 2), (7, 2)))
+    qs, ks = slice(128, 384), slice(256, 640)
+    q, k, v = big_q[:, qs], big_k[:, ks], big_v[:, ks]
+    problem = build_problem(q, k, v, None, False, (-1, -1))
+    assert uses_fused_forward(problem, q, k, v)
+    out_buf = cuda_randn(2, 640, 4, D, dtype=torch.float32, seed=8)
+    lse_buf = cuda_randn(2, 4, 640, dtype=torch.float32, seed=9)
+    before = out_buf.clone(), lse_buf.clone()
+    out, lse = attention_forward(q, k, v, problem, out=out_buf[:, qs], lse=lse_buf[:, :, qs])
+    assert out.data_ptr() == out_buf[:, qs].data_ptr()
+    _check(out, lse, q, k, v, False, torch.bfloat16)
+    outside = torch.ones(640, dtype=torch.bool)
+    outside[qs] = False
+    assert torch.equal(out_buf[:, outside], before[0][:, outside])
+    assert torch.equal(lse_buf[:, :, outside], before[1][:, :, outside])
+
+
+def test_fused_forward_on_a_diagonal_block_with_offsets():
+    """A ring shard's own causal block sits at the same global positions on both sides."""
+    q, k, v = (cuda_randn(1, 256, 2, D, seed=s) for s in range(10, 13))
+    pos = TokenPositions(1024)
+    problem = build_problem(q, k, v, None, True, (-1, -1), q_positions=pos, k_positions=pos)
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    _check(out, lse, q, k, v, True, torch.bfloat16)
+
+
+def test_fused_forward_is_chosen_only_where_it_applies(monkeypatch):
+    q, k, v = (cuda_randn(1, 256, 2, D, seed=s) for s in range(3))
+
+    def fused(q=q, k=k, v=v, causal=True, window=(-1, -1), **kw):
+        return uses_fused_forward(build_problem(q, k, v, None, causal, window, **kw), q, k, v)
+
+    assert fused()
+    assert not fused(window=(64, 0))
+    assert not fused(q=q[:, :128])  # causal, seqlen_q != seqlen_k: bottom-right aligned
+    assert not fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(0, 2))  # stripe
+    assert not fused(q=q[:, :192], k=k[:, :192], v=v[:, :192])  # not a multiple of 128
+    assert not fused(*(t[..., :64].contiguous() for t in (q, k, v)))
+    assert not fused(*(t.float() for t in (q, k, v)))
+    monkeypatch.setenv("RINGFLASH_FUSED_FORWARD", "0")
+    assert not fused()
+    monkeypatch.delenv("RINGFLASH_FUSED_FORWARD")
+    torch.use_deterministic_algorithms(True)  # the forward is deterministic: still chosen
+    try:
+        assert fused()
+    finally:
+        torch.use_deterministic_algorithms(False)
