@@ -251,7 +251,7 @@ def _fused_fwd_kernel(
                     HEAD_DIM,
                     CAUSAL,
                 ),
-            ),  # fmt: skip
+            ),
             (
                 _compute_partition,
                 (
@@ -268,7 +268,7 @@ def _fused_fwd_kernel(
                     HEAD_DIM,
                     CAUSAL,
                 ),
-            ),  # fmt: skip
+            ),
             (_load_partition, (p, BLOCK_N, HALF_M)),
         ],
         [4, 1],
