@@ -37,18 +37,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
+from .forward import LOG2E
+from .hopper_path import HEAD_DIM
 from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 128  # key rows per program
-HEAD_DIM = 128
 NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # At entry; warp specialization pads the two 1-warp workers to a warpgroup and redistributes:
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.
 MAX_REGISTERS = 168
 WORKER_REGS = gl.constexpr(24)
-LOG2E = 1.4426950408889634
 
 
 @builtin

@@ -30,12 +30,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
+from .forward import LOG2E
+from .hopper_path import HEAD_DIM
 from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
 BLOCK_N = 128  # key rows per tile
-HEAD_DIM = 128
 HALF_M = BLOCK_M // 2
 NUM_WARPS = 4  # the first compute warpgroup; the second and the loader are workers
 # Entry cap; warp specialization pads the loader warp to a warpgroup and redistributes:
@@ -43,7 +44,6 @@ NUM_WARPS = 4  # the first compute warpgroup; the second and the loader are work
 MAX_REGISTERS = 168
 COMPUTE_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
-LOG2E = 1.4426950408889634
 
 
 @aggregate

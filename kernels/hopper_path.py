@@ -17,7 +17,7 @@ import torch
 from .configs import INTERPRET
 from .problem import AttentionProblem
 
-HEAD_DIM = 128
+HEAD_DIM = 128  # the only head_dim both kernels are built for
 TILE = 128  # both kernels' lengths must be multiples of this
 
 

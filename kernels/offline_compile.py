@@ -135,23 +135,29 @@ def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: d
     return triton.compile(GluonASTSource(kernel, sig, consts), target=target, options=options)
 
 
+def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16"):
+    """A TMA descriptor as a launch makes it over 1024 tokens of ``heads`` heads (the compiled
+    kernel depends on its block shape, dtype and layout, not on the sizes)."""
+    import torch
+
+    from .hopper_path import HEAD_DIM
+    from .hopper_tma import rows_descriptor
+
+    t = torch.empty(1, 1024, heads, HEAD_DIM, dtype=getattr(torch, dtype))
+    return rows_descriptor(t, block_rows)[0]
+
+
 def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, target: GPUTarget = HOPPER
 ) -> triton.compiler.CompiledKernel:
     """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers)."""
-    import torch
-
     from . import hopper_backward as hb
-    from .hopper_tma import rows_descriptor
 
-    t = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.bfloat16)
-    acc = torch.empty(1, 1024, group, hb.HEAD_DIM, dtype=torch.float32)
-    descs = dict(
-        q_desc=rows_descriptor(t, hb.BLOCK_M)[0], k_desc=rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0],
-        v_desc=rows_descriptor(t[:, :, :1], hb.BLOCK_N)[0], do_desc=rows_descriptor(t, hb.BLOCK_M)[0],
-        dq_desc=rows_descriptor(acc, hb.BLOCK_M)[0],
-    )  # fmt: skip
+    kv = _example_descriptor(1, hb.BLOCK_N)
+    q = _example_descriptor(group, hb.BLOCK_M)
+    dq = _example_descriptor(group, hb.BLOCK_M, "float32")
+    descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq)
     consts = dict(
         GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
         ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS,
@@ -167,16 +173,10 @@ def compile_fused_forward(
 ) -> triton.compiler.CompiledKernel:
     """Build hopper_forward's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
     output in ``out_dtype`` ("fp32": the ring's block buffers)."""
-    import torch
-
     from . import hopper_forward as hf
-    from .hopper_tma import rows_descriptor
 
-    t = torch.empty(1, 1024, group, hf.HEAD_DIM, dtype=torch.bfloat16)
-    descs = dict(
-        q_desc=rows_descriptor(t, hf.HALF_M)[0], k_desc=rows_descriptor(t[:, :, :1], hf.BLOCK_N)[0],
-        v_desc=rows_descriptor(t[:, :, :1], hf.BLOCK_N)[0],
-    )  # fmt: skip
+    kv = _example_descriptor(1, hf.BLOCK_N)
+    descs = dict(q_desc=_example_descriptor(group, hf.HALF_M), k_desc=kv, v_desc=kv)
     consts = dict(
         GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, HEAD_DIM=hf.HEAD_DIM, CAUSAL=causal,
     )  # fmt: skip
