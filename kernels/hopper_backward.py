@@ -5,7 +5,8 @@ because its dQ kernel recomputes QK^T and dP. Here, as in FlashAttention-3, one 
 (key tile, KV head, sequence) keeps K/V in shared memory and walks the query tiles of every
 query head of its GQA group, with its warps specialized (``gl.warp_specialize``):
 
-- loader, 1 warp: K/V once, then Q/dO tiles by TMA into a two-stage ring (ready/empty mbarriers);
+- loader, 1 warp: K/V once, then Q/dO tiles by TMA and their LSE/delta rows by cp.async into a
+  two-stage ring (ready/empty mbarriers);
 - dQ writer, 1 warp: adds each float32 dQ tile from a two-buffer ring in shared memory into the
   dQ buffer with one TMA reduce-add;
 - compute, 8 warps at 240 registers: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T (scaled by
@@ -15,9 +16,10 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
 
-Measured on an H200 (docs/performance.md, Ninth and Tenth sessions): exact like the Triton
-kernels against float64; at head_dim 128 its backward runs 1.13-1.22x theirs non-causal and
-0.99-1.07x causal (GQA 32/8: 1.08-1.15x). At head_dim 64 it tied, so only 128 takes this path.
+Measured on an H200 (docs/performance.md, Ninth to Twelfth sessions): exact like the Triton
+kernels against float64; at head_dim 128 its backward runs 0.90-0.98x cuDNN's and 1.18-1.34x
+the Triton kernels' (causal or not, MHA and GQA 32/8). At head_dim 64 it tied with the Triton
+kernels, so only 128 takes this path.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
@@ -27,6 +29,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -60,7 +63,8 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
 
 @aggregate
 class Shared:
-    """What the partitions share: descriptors, shared-memory rings and their barriers, and the
+    """What the partitions share: descriptors, shared-memory rings (``rows_smem``: each Q/dO
+    stage's LSE and delta rows, at 2 * stage and 2 * stage + 1) and their barriers, and the
     program's coordinates in the descriptors' (rows, heads * head_dim) views: each tensor's
     first row of this sequence (``*_row0``), the first query row ``lo``, the query-tile count
     per head ``n_tiles``, the first query head's column ``qcol`` and the KV head's ``kcol``."""
@@ -74,6 +78,7 @@ class Shared:
     v_smem: gl.shared_memory_descriptor
     q_smem: gl.shared_memory_descriptor
     do_smem: gl.shared_memory_descriptor
+    rows_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
     kv_bar: gl.shared_memory_descriptor
@@ -94,9 +99,9 @@ class Shared:
 
     @gluon.constexpr_function
     def __init__(
-        self, q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-        kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row, v_row, n0, lo,
-        qcol, kcol, n_tiles,
+        self, q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
+        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row, v_row, n0,
+        lo, qcol, kcol, n_tiles,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -107,6 +112,7 @@ class Shared:
         self.v_smem = v_smem
         self.q_smem = q_smem
         self.do_smem = do_smem
+        self.rows_smem = rows_smem
         self.ds_smem = ds_smem
         self.dq_smem = dq_smem
         self.kv_bar = kv_bar
@@ -127,7 +133,16 @@ class Shared:
 
 
 @gluon.jit
-def _load_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _load_partition(
+    p: Shared,
+    lse_ptr,
+    delta_ptr,
+    stride_lh,
+    GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):
+    rows_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     mbarrier.expect(p.kv_bar, 2 * p.k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(p.k_desc, [p.k_row, p.kcol], p.kv_bar, p.k_smem)
     tma.async_copy_global_to_shared(p.v_desc, [p.v_row, p.kcol], p.kv_bar, p.v_smem)
@@ -137,9 +152,16 @@ def _load_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_
         # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
         mbarrier.wait(p.qdo_empty.index(s), ((i // 2) & 1) ^ 1)
         bar = p.qdo_ready.index(s)
-        mbarrier.expect(bar, tile_bytes)
         m0 = p.lo + (i % p.n_tiles) * BLOCK_M
-        col = p.qcol + (i // p.n_tiles) * HEAD_DIM
+        g = i // p.n_tiles
+        # Loaded by the compute warps, these rows sat on their critical path (1-11% of the
+        # backward on an H200); staged here, they arrive with the tile. The arrive counts itself.
+        rows = g * stride_lh + m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
+        async_copy.mbarrier_arrive(bar)
+        mbarrier.expect(bar, tile_bytes)
+        col = p.qcol + g * HEAD_DIM
         tma.async_copy_global_to_shared(p.q_desc, [p.q_row0 + m0, col], bar, p.q_smem.index(s))
         tma.async_copy_global_to_shared(p.do_desc, [p.do_row0 + m0, col], bar, p.do_smem.index(s))
 
@@ -159,11 +181,11 @@ def _dq_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DI
 
 @gluon.jit
 def _compute_tile(
-    p: Shared, i, t, dk, dv, st_zero, dq_zero, offs_n, lse_ptr, delta_ptr, qk_scale, softmax_scale,
+    p: Shared, i, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, softmax_scale,
     a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
     """Query tile t (ring slot i): dV and dK (left in flight) added to dv/dk, its dQ tile handed to
-    the writer. lse_ptr/delta_ptr: this query head's rows."""
+    the writer."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -172,16 +194,15 @@ def _compute_tile(
     do_s = p.do_smem.index(s)
     st = warpgroup_mma(p.k_smem, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(p.v_smem, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    # In flight, oldest first: the previous tile's dK, S^T, dP^T. Under causal masks ptxas's
-    # C7512 (every wgmma serialized) came and went with the order of these waits (~1%).
+    # In flight, oldest first: the previous tile's dK, S^T, dP^T.
     dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
     if i > 0:  # the previous tile's dK product has read its Q stage
         mbarrier.arrive(p.qdo_empty.index(1 - s), count=1)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=qcol_layout)
-    lse2 = gl.load(lse_ptr + offs_m) * 1.4426950408889634
-    delta = gl.load(delta_ptr + offs_m)
+    lse2 = p.rows_smem.index(2 * s).load(qcol_layout) * 1.4426950408889634
+    delta = p.rows_smem.index(2 * s + 1).load(qcol_layout)
     s_t = warpgroup_mma_wait(1, deps=(st,))
-    if MASKED:  # on S, not P: masking P after the exp cost ~1% (C7512, see above)
+    if MASKED:  # a no-op past the first BLOCK_N // BLOCK_M tiles, kept there for one tile loop
         s_t = gl.where(offs_n[:, None] <= offs_m[None, :], s_t, -float("inf"))
     pt = gl.exp2(s_t * qk_scale - lse2[None, :])
     dp_t = warpgroup_mma_wait(0, deps=(dpt,))
@@ -202,7 +223,7 @@ def _compute_tile(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, lse_ptr, delta_ptr, stride_lh, qk_scale, softmax_scale,
+    p: Shared, qk_scale, softmax_scale,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     CAUSAL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -224,23 +245,16 @@ def _compute_partition(
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     offs_n = p.n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    # Causal: the first BLOCK_N // BLOCK_M query tiles cross the diagonal, and only they are
-    # masked, in a loop of their own, so the main loop carries no mask registers.
-    n_masked = BLOCK_N // BLOCK_M if CAUSAL else 0
+    # One tile loop, masked throughout under CAUSAL: with the diagonal tiles in a loop of their
+    # own, dK in flight from one loop into the next made ptxas serialize every wgmma (silently,
+    # no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
     mbarrier.wait(p.kv_bar, 0)
     for g in range(GROUP):
         base = g * p.n_tiles
-        lse_g = lse_ptr + g * stride_lh
-        delta_g = delta_ptr + g * stride_lh
-        for t in range(n_masked):
+        for t in range(p.n_tiles):
             dk, dv = _compute_tile(
-                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, lse_g, delta_g, qk_scale, softmax_scale,
-                a_layout, qcol_layout, BLOCK_M, True,
-            )  # fmt: skip
-        for t in range(n_masked, p.n_tiles):
-            dk, dv = _compute_tile(
-                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, lse_g, delta_g, qk_scale, softmax_scale,
-                a_layout, qcol_layout, BLOCK_M, False,
+                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, softmax_scale,
+                a_layout, qcol_layout, BLOCK_M, CAUSAL,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
@@ -273,6 +287,7 @@ def _fused_bwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    rows_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -293,8 +308,8 @@ def _fused_bwd_kernel(
         lo = 0
     n_tiles = (seqlen_q - lo) // BLOCK_M
     p = Shared(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-        kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows, b * do_batch_rows,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
+        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows, b * do_batch_rows,
         b * dq_batch_rows, b * k_batch_rows + n0, b * v_batch_rows + n0, n0, lo, hk * GROUP * HEAD_DIM,
         hk * HEAD_DIM, n_tiles,
     )  # fmt: skip
@@ -307,9 +322,6 @@ def _fused_bwd_kernel(
                 _compute_partition,
                 (
                     p,
-                    LSE + lse_off,
-                    DELTA + lse_off,
-                    stride_lh,
                     qk_scale,
                     softmax_scale,
                     GROUP,
@@ -320,7 +332,7 @@ def _fused_bwd_kernel(
                     num_warps,
                 ),
             ),  # fmt: skip
-            (_load_partition, (p, GROUP, BLOCK_M, HEAD_DIM)),
+            (_load_partition, (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM)),
             (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM)),
         ],
         [1, 1],

@@ -185,15 +185,27 @@ def compile_fused_forward(
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 
 
-def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> tuple[int, int]:
-    """(spill stores, spill loads) per thread inside the kernel's main loop: STL/LDL instructions
-    between the target and the source of its longest backward branch, in the SASS that the
-    bundled ptxas and nvdisasm make of the PTX. ``resource_usage`` counts spills anywhere; a
-    spill outside the loop costs once per program, one inside it once per tile."""
+def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> str:
+    """The SASS that the bundled ptxas and nvdisasm make of the kernel's PTX."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin, _ = _assemble(compiled, target, tmp)
         nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
-        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def serialized_wgmma(sass: str) -> bool:
+    """Whether ptxas serialized the kernel's wgmma: a wait for all groups (``WARPGROUP.DEPBAR.LE
+    gsb0, 0x0``) after every HGMMA. It does so silently at times (no C7512 in its log); the fused
+    backward lost 8-13% of its causal speed that way until one session's profile showed it."""
+    return sass.count("HGMMA") > 0 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= sass.count("HGMMA")
+
+
+def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> tuple[int, int]:
+    """(spill stores, spill loads) per thread inside the kernel's main loop: STL/LDL instructions
+    between the target and the source of its longest backward branch, in the SASS (``disassemble``).
+    ``resource_usage`` counts spills anywhere; a spill outside the loop costs once per program,
+    one inside it once per tile."""
+    sass = disassemble(compiled, target)
     labels, pending, instrs = {}, None, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
