@@ -155,7 +155,9 @@ def _load_partition(
         m0 = p.lo + (i % p.n_tiles) * BLOCK_M
         g = i // p.n_tiles
         # Loaded by the compute warps, these rows sat on their critical path (1-11% of the
-        # backward on an H200); staged here, they arrive with the tile. The arrive counts itself.
+        # backward on an H200); staged here, they arrive with the tile. Each lane's async arrive
+        # adds itself to the barrier's count; issued before the expect, it keeps the phase open
+        # until its copies land.
         rows = g * stride_lh + m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
         async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
         async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
