@@ -200,12 +200,11 @@ def serialized_wgmma(sass: str) -> bool:
     return sass.count("HGMMA") > 0 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= sass.count("HGMMA")
 
 
-def loop_spills(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> tuple[int, int]:
-    """(spill stores, spill loads) per thread inside the kernel's main loop: STL/LDL instructions
-    between the target and the source of its longest backward branch, in the SASS (``disassemble``).
-    ``resource_usage`` counts spills anywhere; a spill outside the loop costs once per program,
-    one inside it once per tile."""
-    sass = disassemble(compiled, target)
+def loop_spills(sass: str) -> tuple[int, int]:
+    """(spill stores, spill loads) per thread inside a kernel's main loop: STL/LDL instructions
+    between the target and the source of its longest backward branch, in its SASS
+    (``disassemble``). ``resource_usage`` counts spills anywhere; a spill outside the loop costs
+    once per program, one inside it once per tile."""
     labels, pending, instrs = {}, None, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)

@@ -75,8 +75,9 @@ for causal, group, accumulate in ((False, 1, False), (True, 1, True), (True, 4, 
     assert regs == [24, 240], regs
     assert ptx.count("cp.async.bulk.commit_group") == 1, ptx.count("cp.async.bulk.commit_group")
     assert ptx.count("wgmma.mma_async") == 32, ptx.count("wgmma.mma_async")
-    assert not serialized_wgmma(disassemble(k)), (causal, group)
-    stores, loads = loop_spills(k)
+    sass = disassemble(k)
+    assert not serialized_wgmma(sass), (causal, group)
+    stores, loads = loop_spills(sass)
     assert stores <= (2 if group == 1 else 6) and loads <= (2 if group == 1 else 6), (group, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
 print("fused ok")
@@ -97,8 +98,9 @@ for causal, group, out_dtype in ((False, 1, "bf16"), (True, 4, "fp32")):
     regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {24, 240} <= regs, regs
     assert ptx.count("wgmma.mma_async") == 64, ptx.count("wgmma.mma_async")
-    assert not serialized_wgmma(disassemble(k)), causal
-    assert loop_spills(k) == (0, 0), loop_spills(k)
+    sass = disassemble(k)
+    assert not serialized_wgmma(sass), causal
+    assert loop_spills(sass) == (0, 0), loop_spills(sass)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
 print("forward ok")
 """
