@@ -321,6 +321,7 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
     return (
         not torch.are_deterministic_algorithms_enabled()
+        and not problem.deterministic
         and enabled("RINGFLASH_FUSED_BACKWARD")
         and hopper_path_ok(problem, q, k, v)
         and hopper_module("hopper_backward") is not None
@@ -369,6 +370,8 @@ def attention_backward(
     dK/dV while dQ is still being computed: the other kernel's buffers are then neither needed
     nor touched, and come back as given (None if not given).
     """
+    if problem.softcap or problem.alibi_slopes is not None:
+        raise NotImplementedError("softcap and alibi_slopes are not implemented in the kernels yet")
     if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
         raise ValueError(
             "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"

@@ -177,6 +177,8 @@ def attention_forward(
     Returns (out, lse); lse is the natural-log logsumexp of each query row, -inf where the row
     sees no key. On an H100/H200 the Hopper kernel runs where ``uses_fused_forward`` says so.
     """
+    if problem.softcap or problem.alibi_slopes is not None:
+        raise NotImplementedError("softcap and alibi_slopes are not implemented in the kernels yet")
     if out is None:
         out = torch.empty_like(q)
     check_token_stride(out=out)

@@ -54,6 +54,8 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
         or q.dtype not in (torch.bfloat16, torch.float16)
         or problem.head_dim != HEAD_DIM
         or problem.varlen
+        or problem.softcap
+        or problem.alibi_slopes is not None
         or problem.bounds.left is not None
         or problem.max_seqlen_q % TILE
         or problem.max_seqlen_k % TILE

@@ -32,6 +32,12 @@ class AttentionProblem:
     k_positions: TokenPositions
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    # scores -> softcap * tanh(scores / softcap) before the mask (Gemma-2); 0 = off.
+    softcap: float = 0.0
+    # ALiBi: float32 (batch, heads_q), score bias -slope * |pq - pk| in global token positions.
+    alibi_slopes: torch.Tensor | None = None
+    # Only kernels that sum in a fixed order (the caller asked for reproducible gradients).
+    deterministic: bool = False
 
     @property
     def varlen(self) -> bool:
@@ -62,6 +68,11 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
+    if INTERPRET and t.dtype == torch.bfloat16:
+        raise TypeError(
+            f"{name} is bfloat16, which the Triton interpreter (TRITON_INTERPRET=1) computes wrongly; "
+            "use float16 or float32 on the CPU, bfloat16 on a GPU"
+        )
     if t.device.type == "cpu" and not INTERPRET:
         raise ValueError(
             f"{name} is on the CPU: the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 "
@@ -124,6 +135,36 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def check_softcap(softcap: object) -> float:
+    """flash-attn's ``softcap``: 0 (off) or a positive finite float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be 0.0 (off) or a positive finite float, got {softcap}")
+    return float(softcap)
+
+
+def check_alibi_slopes(
+    alibi_slopes: object, batch: int, heads_q: int, device: torch.device
+) -> torch.Tensor | None:
+    """flash-attn's ``alibi_slopes``: None, or float32 (heads_q,) or (batch, heads_q) on q's
+    device; returned as a contiguous float32 (batch, heads_q) tensor."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32 (as in flash-attn), got {alibi_slopes.dtype}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}) (heads_q or batch x "
+            f"heads_q), got {tuple(alibi_slopes.shape)}"
+        )
+    return alibi_slopes.expand(batch, heads_q).contiguous()
+
+
 def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
         raise TypeError(f"{name} must be a 1-D torch.int32 tensor of cumulative lengths")
@@ -150,8 +191,15 @@ def build_problem(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> AttentionProblem:
-    """Validate q/k/v and the mask arguments; resolve defaults (scale, bottom-right alignment)."""
+    """Validate q/k/v and the mask arguments; resolve defaults (scale, bottom-right alignment).
+
+    softcap, alibi_slopes: as in flash-attn (see ``check_softcap``/``check_alibi_slopes``);
+    deterministic: only kernels with a fixed summation order."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     ndim = 3 if varlen else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -171,6 +219,9 @@ def build_problem(
         raise ValueError(f"q heads ({heads_q}) must be divisible by k/v heads ({heads_k}) for GQA/MQA")
     causal, window_size = check_window(causal, window_size)
     scale = resolve_scale(softmax_scale, head_dim)
+    softcap = check_softcap(softcap)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -205,6 +256,7 @@ def build_problem(
         q_positions = q_positions or TokenPositions(seqlen_k - seqlen_q, 1)
     k_positions = k_positions or TokenPositions(0, 1)
     check_token_stride(q=q, k=k, v=v)
+    alibi = check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
     return AttentionProblem(
         batch=batch,
         heads_q=heads_q,
@@ -218,4 +270,7 @@ def build_problem(
         k_positions=k_positions,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
+        softcap=softcap,
+        alibi_slopes=alibi,
+        deterministic=deterministic,
     )

@@ -21,12 +21,17 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window_si
 
 
 def reference_attention(
-    q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None
-):
+    q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None,
+    softcap=0.0, alibi_slopes=None, sinks=None,
+):  # fmt: skip
     """Attention in float64 on the CPU. q (B, Sq, H, D); k, v (B, Sk, Hk, D).
 
-    Positions default to flash-attn's bottom-right alignment. Returns (out (B, Sq, H, D),
-    lse (B, H, Sq)); rows that see no key give out 0 and lse -inf. Differentiable.
+    Positions default to flash-attn's bottom-right alignment. softcap: scores -> softcap *
+    tanh(scores / softcap) (scaled scores, before the mask); alibi_slopes (H,) or (B, H): bias
+    -slope * |pq - pk| added after the softcap (flash-attn's order); sinks (H,): one extra logit
+    per head in each row's softmax denominator, with no value (gpt-oss). Returns (out (B, Sq, H,
+    D), lse (B, H, Sq)), the LSE including the sink; rows that see no key give out 0 and lse -inf
+    (with sinks: lse = the sink). Differentiable, sinks included.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -35,10 +40,18 @@ def reference_attention(
     vd = vd.repeat_interleave(h // hk, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(sq) + (sk - sq) if q_pos is None else q_pos
     k_pos = torch.arange(sk) if k_pos is None else k_pos
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to("cpu", torch.float64).expand(b, h)[:, :, None, None]
+        scores = scores - slopes * (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float64)
     scores = scores.masked_fill(~visibility(q_pos, k_pos, causal, window_size), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to("cpu", torch.float64)[None, :, None].expand_as(lse)
+        lse = torch.logaddexp(lse, sink)
     probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float64).min))
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     return out, lse
