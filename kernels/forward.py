@@ -46,11 +46,13 @@ def _fwd_tiles(
         k_rows = row_pointers(k_base, start_n, offs_n, stride_ks, WIDE)
         k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        col_pos = k_start + k_stride * cols
         if MASKED:
+            col_pos = k_start + k_stride * cols
             vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         # ALiBi biases every tile, the mask-free ones too.
-        qk, _ = log2_scores(qk, qk_scale, softcap_log2, slope_log2, row_pos, col_pos, HAS_SOFTCAP, HAS_ALIBI)
+        qk, _ = log2_scores(
+            qk, qk_scale, softcap_log2, slope_log2, row_pos, k_start, k_stride, cols, HAS_SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
             qk = tl.where(vis, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))

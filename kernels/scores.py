@@ -33,15 +33,16 @@ def tanh(x):
 
 @triton.jit
 def log2_scores(
-    qk, qk_scale, softcap_log2, slope_log2, row_pos, col_pos,
+    qk, qk_scale, softcap_log2, slope_log2, row_pos, col_start, col_stride, cols,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Scores of a [rows, cols] tile of dot products ``qk`` in the log2 domain, and the tile's
     tanh values (for the softcap's derivative 1 - tanh^2 in the backward; ``qk`` when off).
 
     qk_scale, softcap_log2: from ``score_scales``. slope_log2: the ALiBi slope times log2(e).
-    row_pos [rows], col_pos [cols]: global positions (only read with HAS_ALIBI; |pq - pk| is
-    symmetric, so a dK/dV tile with keys as rows passes key positions as row_pos)."""
+    row_pos [rows] and col_start + col_stride * cols [cols]: global positions, only read with
+    HAS_ALIBI (computed here, so builds without it keep their callers' order of operations).
+    |pq - pk| is symmetric: a dK/dV tile with keys as rows passes key positions as row_pos."""
     if HAS_SOFTCAP:
         th = tanh(qk * qk_scale)
         s = th * softcap_log2
@@ -49,6 +50,7 @@ def log2_scores(
         th = qk
         s = qk * qk_scale
     if HAS_ALIBI:
+        col_pos = col_start + col_stride * cols
         s -= slope_log2 * tl.abs(row_pos[:, None] - col_pos[None, :]).to(tl.float32)
     return s, th
 

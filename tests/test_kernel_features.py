@@ -1,11 +1,11 @@
-"""Softcap and ALiBi in the Triton forward kernel against the float64 reference: out and LSE.
+"""Softcap and ALiBi in the Triton kernels against the float64 reference: out, LSE, dq, dk, dv.
 
-Through ``build_problem`` + ``attention_forward``, as the ring engine calls it. Magnitudes make
-each feature matter: scaled scores of about 5-20 against softcaps of 2-5, ALiBi slopes of 0.1-1
-over distances of tens of tokens; every check also asserts that the reference without the
-feature differs from the one with it by far more than the tolerance, so a kernel that dropped
-the feature would fail. CPU shapes are small (16x16 interpreter tiles, ``configs``); real sizes
-and bf16 run in the GPU-marked tests.
+Through ``build_problem`` + ``attention_forward`` / ``attention_delta`` / ``attention_backward``,
+as the ring engine calls them. Magnitudes make each feature matter: scaled scores of about 5-20
+against softcaps of 2-5, ALiBi slopes of 0.1-1 over distances of tens of tokens; every check
+also asserts that the reference without the feature differs from the one with it by far more
+than the tolerance, so a kernel that dropped the feature would fail. CPU shapes are small
+(16x16 interpreter tiles, ``configs``); real sizes and bf16 run in the GPU-marked tests.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from test_kernels import _cu, _inputs, _positions, _randn, assert_close
 
 from ringflash.kernels import (
     TokenPositions,
+    attention_backward,
+    attention_delta,
     attention_forward,
     build_problem,
 )
@@ -55,7 +57,8 @@ def _assert_features_bite(q, k, v, ref_out, kw):
 
 def _run_kernels(q, k, v, dout, prob):
     out, lse = attention_forward(q, k, v, prob)
-    return out, lse, ()
+    grads = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, prob), prob)
+    return out, lse, grads
 
 
 def check_features(q, k, v, dout, *, causal=False, window=FULL, scale=None, softcap=0.0, alibi=None,
@@ -64,22 +67,27 @@ def check_features(q, k, v, dout, *, causal=False, window=FULL, scale=None, soft
     reference; also the exact zeros of rows that see no key and keys that no query sees."""
     prob = build_problem(q, k, v, scale, causal, window, q_positions=q_pos, k_positions=k_pos,
                          softcap=softcap, alibi_slopes=alibi)  # fmt: skip
-    out, lse, _ = _run_kernels(q, k, v, dout, prob)
+    out, lse, grads = _run_kernels(q, k, v, dout, prob)
     sq, sk = q.shape[1], k.shape[1]
     qp = _positions(q_pos, sq) if q_pos is not None else torch.arange(sq) + (sk - sq)
     kp = _positions(k_pos, sk) if k_pos is not None else torch.arange(sk)
     kw = dict(causal=causal, window_size=window, softmax_scale=scale, q_pos=qp, k_pos=kp, softcap=softcap,
               alibi_slopes=alibi)  # fmt: skip
-    ref_out, ref_lse, _ = _reference(q, k, v, dout, grads=False, **kw)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, **kw)
     _assert_features_bite(q, k, v, ref_out, kw)
     tol = TOLERANCE[q.dtype]
-    for name, got, exp in zip(("out", "lse"), (out, lse), (ref_out, ref_lse)):
+    for name, got, exp in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)
+    ):
         assert got.shape == exp.shape, name
         assert_close(name, got, exp, tol)
-    blind_q = ~visibility(qp, kp, causal, window).any(1)
+    vis = visibility(qp, kp, causal, window)
+    blind_q, unseen_k = ~vis.any(1), ~vis.any(0)
     assert (out[:, blind_q] == 0).all() and torch.isneginf(lse[:, :, blind_q]).all()
-    assert not any(torch.isnan(t).any() for t in (out, lse))
-    return out, lse
+    assert (grads[0][:, blind_q] == 0).all()
+    assert (grads[1][:, unseen_k] == 0).all() and (grads[2][:, unseen_k] == 0).all()
+    assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
+    return out, lse, grads
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +116,7 @@ def test_dense_matches_reference(device, case):
 def test_softcap_bounds_huge_scores(device):
     """Scores of thousands: the capped scores stay in [-softcap, softcap], tanh never overflows."""
     q, k, v, dout = _inputs(1, 20, 33, 2, 1, 32, torch.float32, device, seed=3)
-    out, lse = check_features(q * 30.0, k, v, dout, causal=True, scale=1.0, softcap=5.0)
+    out, lse, _ = check_features(q * 30.0, k, v, dout, causal=True, scale=1.0, softcap=5.0)
     assert torch.isfinite(lse).all() and lse.max() <= 5.0 + torch.log(torch.tensor(33.0))
 
 
@@ -158,30 +166,57 @@ def test_varlen_matches_per_sequence_reference(device, lens_q, lens_k, causal, w
     prob = build_problem(q, k, v, 1.5, causal, window, q_positions=q_pos, k_positions=k_pos,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                          max_seqlen_k=max(lens_k), softcap=3.0, alibi_slopes=alibi)  # fmt: skip
-    out, lse, _ = _run_kernels(q, k, v, dout, prob)
-    assert not any(torch.isnan(t).any() for t in (out, lse))
+    out, lse, grads = _run_kernels(q, k, v, dout, prob)
+    assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
     tol = TOLERANCE[dtype]
     bites = False
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         qs, ks = slice(cu_q[i].item(), cu_q[i + 1].item()), slice(cu_k[i].item(), cu_k[i + 1].item())
         if lq == 0:
+            assert (grads[1][ks] == 0).all() and (grads[2][ks] == 0).all()
             continue
         if lk == 0:
-            assert (out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all()
+            assert (out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all() and (grads[0][qs] == 0).all()
             continue
         qp = _positions(q_pos, lq) if q_pos is not None else torch.arange(lq) + (lk - lq)
         kp = _positions(k_pos, lk) if k_pos is not None else torch.arange(lk)
         kw = dict(causal=causal, window_size=window, softmax_scale=1.5, q_pos=qp, k_pos=kp, softcap=3.0,
                   alibi_slopes=alibi[i])  # fmt: skip
         args = [t[None] for t in (q[qs], k[ks], v[ks], dout[qs])]
-        ref_out, ref_lse, _ = _reference(*args, grads=False, **kw)
-        got = (out[qs][None], lse[:, qs][None])
-        for name, a, e in zip(("out", "lse"), got, (ref_out, ref_lse)):
+        ref_out, ref_lse, ref_grads = _reference(*args, **kw)
+        got = (out[qs][None], lse[:, qs][None], grads[0][qs][None], grads[1][ks][None], grads[2][ks][None])
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, (ref_out, ref_lse, *ref_grads)):
             assert_close(f"seq {i} (len {lq}/{lk}) {name}", a, e, tol)
         if lq > 10:
             _assert_features_bite(*args[:3], ref_out, kw)
             bites = True
     assert bites
+
+
+# --------------------------------------------------------------------------------------------
+# the ring engine's backward calls: accumulate, dQ and dK/dV launched apart
+
+
+def test_accumulate_and_split_backward(device):
+    q, k, v, dout = _inputs(1, 23, 29, 4, 2, 16, torch.float32, device, seed=19)
+    q_pos, k_pos = TokenPositions(2, 3), TokenPositions(0, 3)
+    alibi = _slopes((1, 4), seed=2).to(device) * 0.3
+    prob = build_problem(q, k, v, 1.5, True, (30, -1), q_positions=q_pos, k_positions=k_pos, softcap=3.0,
+                         alibi_slopes=alibi)  # fmt: skip
+    out, lse = attention_forward(q, k, v, prob)
+    delta = attention_delta(out, dout, prob)
+    g = torch.Generator().manual_seed(0)
+    fills = [_randn(g, t.shape, torch.float32, device) for t in (q, k, v)]
+    bufs = [f.clone() for f in fills]
+    attention_backward(dout, q, k, v, lse, delta, prob, dq=bufs[0], accumulate=True, compute_dkdv=False)
+    assert torch.equal(bufs[1], fills[1]) and torch.equal(bufs[2], fills[2])
+    attention_backward(dout, q, k, v, lse, delta, prob, dk=bufs[1], dv=bufs[2], accumulate=True,
+                       compute_dq=False)  # fmt: skip
+    _, _, ref_grads = _reference(q, k, v, dout, causal=True, window_size=(30, -1), softmax_scale=1.5,
+                                 q_pos=_positions(q_pos, 23), k_pos=_positions(k_pos, 29), softcap=3.0,
+                                 alibi_slopes=alibi)  # fmt: skip
+    for name, got, fill, exp in zip(("dq", "dk", "dv"), bufs, fills, ref_grads):
+        assert_close(name, got - fill, exp, TOLERANCE[torch.float32])
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,15 +270,16 @@ def test_gpu_stripe_positions_and_varlen(dtype):
     lens = [1000, 1, 513, 77]
     g = torch.Generator().manual_seed(5)
     q, k, v, dout = (_randn(g, (sum(lens), 4, 64), dtype, "cuda") for _ in range(4))
+    q = q * 3.0
     cu = _cu(lens, "cuda")
     alibi = _slopes((len(lens), 4), seed=4).cuda() * 0.05
-    prob = build_problem(q * 3.0, k, v, None, True, FULL, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000,
+    prob = build_problem(q, k, v, None, True, FULL, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000,
                          max_seqlen_k=1000, softcap=4.0, alibi_slopes=alibi)  # fmt: skip
-    out, lse, _ = _run_kernels(q * 3.0, k, v, dout, prob)
+    out, lse, grads = _run_kernels(q, k, v, dout, prob)
     for i in range(len(lens)):
         s = slice(cu[i].item(), cu[i + 1].item())
-        args = [t[s][None] for t in (q * 3.0, k, v, dout)]
-        ref_out, ref_lse, _ = _reference(*args, grads=False, causal=True, softcap=4.0, alibi_slopes=alibi[i])
-        got = (out[s][None], lse[:, s][None])
-        for name, a, e in zip(("out", "lse"), got, (ref_out, ref_lse)):
+        args = [t[s][None] for t in (q, k, v, dout)]
+        ref_out, ref_lse, ref_grads = _reference(*args, causal=True, softcap=4.0, alibi_slopes=alibi[i])
+        got = (out[s][None], lse[:, s][None], *(t[s][None] for t in grads))
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, (ref_out, ref_lse, *ref_grads)):
             assert_close(f"seq {i} {name}", a, e, TOLERANCE[dtype])

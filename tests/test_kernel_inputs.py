@@ -461,3 +461,8 @@ def test_launch_refuses_slopes_of_another_batch(device):
     qv, kv, vv = (t.flatten(0, 1) for t in (q, k, v))
     with pytest.raises(ValueError, match=r"alibi_slopes must be a contiguous \(batch, heads_q\) = \(4, 2\)"):
         attention_forward(qv, kv, vv, varlen)
+    _, lse = attention_forward(q, k, v, prob)
+    lse_v = lse.transpose(0, 1).flatten(1)  # (heads, tokens), as a varlen call's
+    for compute_dq in (True, False):
+        with pytest.raises(ValueError, match=r"alibi_slopes must be a contiguous"):
+            attention_backward(qv, qv, kv, vv, lse_v, lse_v, varlen, compute_dq=compute_dq)
