@@ -370,8 +370,6 @@ def attention_backward(
     dK/dV while dQ is still being computed: the other kernel's buffers are then neither needed
     nor touched, and come back as given (None if not given).
     """
-    if problem.softcap or problem.alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes are not implemented in the kernels yet")
     if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
         raise ValueError(
             "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"
@@ -386,6 +384,8 @@ def attention_backward(
         raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
     if compute_dq and compute_dkdv and lse.stride(-1) == 1 and uses_fused_backward(problem, q, k, v):
         return _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)
+    if problem.softcap or problem.alibi_slopes is not None:
+        raise NotImplementedError("softcap and alibi_slopes are not implemented in the Triton kernels yet")
     vl = problem.varlen
     q4, k4, v4, do4 = (as_4d(t, vl) for t in (q, k, v, dout))
     if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:

@@ -97,6 +97,24 @@ class Shared:
 
 
 @gluon.jit
+def tanh_approx(x):
+    """tanh by the special-function unit (``tanh.approx.f32``, relative error about 2^-11), as
+    FlashAttention-3 computes its softcap: one MUFU op per score, beside the softmax's exp2."""
+    return gl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+def score_scales(problem: AttentionProblem) -> tuple[float, float]:
+    """(qk_scale, tanh_scale) for both Hopper kernels: the log2-domain logit is qk * qk_scale, or
+    under a softcap tanh(qk * tanh_scale) * qk_scale (= softcap * tanh(qk * scale / softcap) *
+    log2 e); tanh_scale is unused without one."""
+    if problem.softcap:
+        return problem.softcap * LOG2E, problem.softmax_scale / problem.softcap
+    return problem.softmax_scale * LOG2E, 1.0
+
+
+@gluon.jit
 def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
     for w in gl.static_range(2):
         bar = p.q_bar.index(w)
@@ -119,11 +137,12 @@ def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, O, LSE, o_off, stride_os, lse_off, qk_scale,
+    p: Shared, O, LSE, o_off, stride_os, lse_off, qk_scale, tanh_scale,
     w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
-    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against every key tile."""
+    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against every key tile. Under
+    SOFTCAP each score tile becomes tanh(S * tanh_scale) before the mask (``score_scales``)."""
     dtype: gl.constexpr = p.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -143,6 +162,8 @@ def _compute_partition(
     s = warpgroup_mma(q_s, p.k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(p.k_empty.index(0), count=1)
+    if SOFTCAP:
+        s = tanh_approx(s * tanh_scale)
     if CAUSAL:
         rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -161,6 +182,8 @@ def _compute_partition(
         o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(p.k_empty.index(st), count=1)
+        if SOFTCAP:
+            s = tanh_approx(s * tanh_scale)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         pr = gl.exp2(s * qk_scale - m_new[:, None])
@@ -190,9 +213,9 @@ def _compute_partition(
 def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE,
     seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     # Causal: the heaviest query tiles (the last) are launched first.
     if CAUSAL:
@@ -245,11 +268,13 @@ def _fused_fwd_kernel(
                     stride_os,
                     lse_off,
                     qk_scale,
+                    tanh_scale,
                     0,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
                     CAUSAL,
+                    SOFTCAP,
                 ),
             ),
             (
@@ -262,11 +287,13 @@ def _fused_fwd_kernel(
                     stride_os,
                     lse_off,
                     qk_scale,
+                    tanh_scale,
                     1,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
                     CAUSAL,
+                    SOFTCAP,
                 ),
             ),
             (_load_partition, (p, BLOCK_N, HALF_M)),
@@ -290,7 +317,8 @@ def fused_forward(
     sm_90 GPU, in layouts ``tma_layout_ok`` accepts; out: q's shape, any float dtype, unit stride
     in head_dim (e.g. a float32 ring buffer's view); lse: (batch, heads_q, seqlen_q) float32,
     unit stride in the sequence. The caller (``attention_forward``) checks the rest: no window,
-    causal only on aligned square blocks, lengths multiples of 128."""
+    causal only on aligned square blocks, lengths multiples of 128. A softcap (``problem.softcap``)
+    is applied to the scaled scores before the mask."""
     batch, seqlen_q = q.shape[:2]
     qd, q_rows = rows_descriptor(q, HALF_M)
     kd, k_rows = rows_descriptor(k, BLOCK_N)
@@ -298,8 +326,8 @@ def fused_forward(
     grid = (seqlen_q // BLOCK_M, problem.heads_q, batch)
     _fused_fwd_kernel[grid](
         qd, kd, vd, out, lse, problem.max_seqlen_k, q_rows, k_rows, v_rows,
-        *out.stride()[:3], lse.stride(0), lse.stride(1), problem.softmax_scale * LOG2E,
+        *out.stride()[:3], lse.stride(0), lse.stride(1), *score_scales(problem),
         GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-        CAUSAL=problem.bounds.right is not None,
+        CAUSAL=problem.bounds.right is not None, SOFTCAP=bool(problem.softcap),
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

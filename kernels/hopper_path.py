@@ -44,8 +44,9 @@ def enabled(variable: str) -> bool:
 def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the problem is one the Hopper kernels compute: an sm_90 GPU, bf16/fp16, head_dim
     128, no varlen, no sliding window, causal only between blocks whose positions coincide (a
-    shard's own diagonal block), both lengths non-zero multiples of 128, and q (batch, seqlen_q,
-    heads_q, head_dim), k, v with heads packed in each token's row (``hopper_tma.tma_layout_ok``)."""
+    shard's own diagonal block), both lengths non-zero multiples of 128, a softcap or none, no
+    ALiBi, and q (batch, seqlen_q, heads_q, head_dim), k, v with heads packed in each token's row
+    (``hopper_tma.tma_layout_ok``)."""
     if (
         INTERPRET
         or not q.is_cuda
@@ -54,7 +55,6 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
         or q.dtype not in (torch.bfloat16, torch.float16)
         or problem.head_dim != HEAD_DIM
         or problem.varlen
-        or problem.softcap
         or problem.alibi_slopes is not None
         or problem.bounds.left is not None
         or problem.max_seqlen_q % TILE
