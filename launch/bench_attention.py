@@ -13,9 +13,10 @@ bwd is 2.5x fwd FLOPs over (fwd+bwd time - fwd time). Each config first checks r
 output against SDPA's flash backend (rel. error < 2e-2, else the row says FAIL).
 
 ``--softcaps 0 30`` adds rows with a logit softcap (Gemma-2's scores -> softcap * tanh(scores /
-softcap)) for ringflash and FlexAttention (a score_mod); SDPA has none (n/a), so a softcap row
-compares with the uncapped row above it. Its check is against float32 eager attention on the
-first 1024 queries of the first sequence.
+softcap)), ``--alibi both`` rows with ALiBi (the usual slopes 2^(-8 (h + 1) / heads)), for
+ringflash and FlexAttention (a score_mod); SDPA has neither (n/a), so such a row compares with
+the plain row of the same shape. Their check is against float32 eager attention on the first 1024
+queries of the first sequence.
 """
 
 from __future__ import annotations
@@ -42,10 +43,24 @@ from ringflash.kernels.functional import _FlashAttention
 BACKENDS = ("ringflash", "ringflash-triton", "flash", "cudnn", "flex")
 
 
-def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float = 0.0):
+def alibi_slopes(h: int) -> torch.Tensor:
+    return torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
+
+
+def make_runner(
+    name: str,
+    b: int,
+    s: int,
+    h: int,
+    d: int,
+    causal: bool,
+    hk: int,
+    softcap: float = 0.0,
+    alibi: bool = False,
+):
     """(run, leaves): ``run()`` computes attention with backend ``name`` on fresh random
-    inputs (h query heads, hk key/value heads, logits capped at ``softcap`` if non-zero);
-    ``leaves`` are the tensors to differentiate with respect to."""
+    inputs (h query heads, hk key/value heads, logits capped at ``softcap`` if non-zero, ALiBi
+    with ``alibi``); ``leaves`` are the tensors to differentiate with respect to."""
     ours = name.startswith("ringflash")
 
     def randn(heads):  # SDPA/Flex take (B, H, S, D)
@@ -54,14 +69,15 @@ def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int
 
     q, k, v = randn(h), randn(hk), randn(hk)
     gqa = hk != h
-    if ours and softcap:
-        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap)
+    slopes = alibi_slopes(h) if alibi else None
+    if ours and (softcap or alibi):
+        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
         return (lambda: _FlashAttention.apply(q, k, v, problem)[0]), (q, k, v)
     if ours:
         return (lambda: ringflash.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     if name in ("flash", "cudnn"):
-        if softcap:
-            raise ValueError("SDPA has no softcap")
+        if softcap or alibi:
+            raise ValueError("SDPA has no softcap or ALiBi")
         backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
 
         def run():
@@ -71,10 +87,14 @@ def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int
         return run, (q, k, v)
     mask = _flex.create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
     score_mod = None
-    if softcap:
+    if softcap or alibi:
 
         def score_mod(score, b_, h_, i, j):
-            return softcap * torch.tanh(score / softcap)
+            if softcap:
+                score = softcap * torch.tanh(score / softcap)
+            if alibi:
+                score = score - slopes[h_] * (i - j).abs()
+            return score
 
     flex = _compiled_flex()
     return (lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)), (q, k, v)
@@ -88,15 +108,15 @@ def _compiled_flex():
     return torch.compile(_flex.flex_attention, dynamic=False)
 
 
-def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float) -> dict:
+def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
     off = {"RINGFLASH_FUSED_FORWARD": "0", "RINGFLASH_FUSED_BACKWARD": "0"}
     env = off if name == "ringflash-triton" else {}
     with mock.patch.dict(os.environ, env):
-        return _bench_one(name, b, s, h, d, causal, hk, softcap)
+        return _bench_one(name, b, s, h, d, causal, hk, softcap, alibi)
 
 
-def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float) -> dict:
-    fn, leaves = make_runner(name, b, s, h, d, causal, hk, softcap)
+def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
+    fn, leaves = make_runner(name, b, s, h, d, causal, hk, softcap, alibi)
     dout = torch.randn_like(fn())
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     with torch.no_grad():
@@ -118,27 +138,35 @@ def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int,
     }
 
 
-def check_softcap(s: int, h: int, d: int, causal: bool, hk: int, softcap: float) -> float:
-    """Relative error of ringflash's capped output against float32 eager attention, on the first
-    1024 queries of one sequence (scores scaled up so that the cap bites)."""
-    q = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) * 4
+def check_scores(s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool) -> float:
+    """Relative error of ringflash's output with a softcap and/or ALiBi against float32 eager
+    attention, on the first 1024 queries of one sequence (scores scaled up so that a cap bites)."""
+    q = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) * (4 if softcap else 1)
     k, v = (torch.randn(1, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slopes = alibi_slopes(h) if alibi else None
     with torch.no_grad():
-        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap)
+        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
         ours = _FlashAttention.apply(q, k, v, problem)[0]
         n = min(s, 1024)
         qf = q[0, :n].float().transpose(0, 1)
         kf, vf = (t[0].float().repeat_interleave(h // hk, dim=1).transpose(0, 1) for t in (k, v))
-        scores = softcap * torch.tanh(qf @ kf.transpose(1, 2) / (d**0.5 * softcap))
+        scores = qf @ kf.transpose(1, 2) / d**0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi:
+            dist = (torch.arange(n, device="cuda")[:, None] - torch.arange(s, device="cuda")[None, :]).abs()
+            scores = scores - slopes[:, None, None] * dist
         if causal:
             scores = scores.masked_fill(torch.ones(n, s, device="cuda", dtype=torch.bool).triu(1), -torch.inf)
         ref = (scores.softmax(-1) @ vf).transpose(0, 1)
     return ((ours[0, :n].float() - ref).norm() / ref.norm()).item()
 
 
-def check_against_sdpa(b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float = 0.0) -> float:
-    if softcap:
-        return check_softcap(s, h, d, causal, hk, softcap)
+def check_against_sdpa(
+    b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float = 0.0, alibi: bool = False
+) -> float:
+    if softcap or alibi:
+        return check_scores(s, h, d, causal, hk, softcap, alibi)
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with torch.no_grad():
@@ -159,6 +187,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--softcaps", type=float, nargs="+", default=[0.0], help="logit softcaps, 0 = none")
+    p.add_argument("--alibi", choices=["both", "yes", "no"], default="no", help="rows with ALiBi")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--quick", action="store_true", help="one small config, for a smoke test")
     p.add_argument("--json", help="write raw results here")
@@ -171,7 +200,9 @@ def main() -> None:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     hk = args.kv_heads or args.heads
     rows = []
-    for d, causal, s, softcap in itertools.product(args.head_dims, causals, args.seqlens, args.softcaps):
+    alibis = {"both": [False, True], "yes": [True], "no": [False]}[args.alibi]
+    configs = itertools.product(args.head_dims, causals, args.seqlens, args.softcaps, alibis)
+    for d, causal, s, softcap, alibi in configs:
         b = max(1, args.tokens // s)
         row = {
             "S": s,
@@ -179,15 +210,17 @@ def main() -> None:
             "D": d,
             "causal": causal,
             "softcap": softcap,
-            "err": check_against_sdpa(b, s, args.heads, d, causal, hk, softcap),
+            "alibi": alibi,
+            "err": check_against_sdpa(b, s, args.heads, d, causal, hk, softcap, alibi),
         }
         for name in args.backends:
             print(
-                f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} softcap={softcap} {name}",
+                f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} softcap={softcap} "
+                f"alibi={alibi} {name}",
                 file=sys.stderr,
             )
             try:
-                row[name] = bench_one(name, b, s, args.heads, d, causal, hk, softcap)
+                row[name] = bench_one(name, b, s, args.heads, d, causal, hk, softcap, alibi)
             except Exception as e:  # a backend that cannot run a shape shows n/a
                 print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
                 row[name] = None
@@ -206,11 +239,12 @@ def main() -> None:
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.date.today()}, bf16, {args.heads}/{hk} heads; TFLOP/s fwd / bwd / fwd+bwd")  # fmt: skip
-    cols = ["S", "B", "D", "causal", "softcap", *args.backends]
+    cols = ["S", "B", "D", "causal", "softcap", "ALiBi", *args.backends]
     cols += ["vs flash", "vs cuDNN", "peak GiB ours / flash", "check"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         cells = [row["S"], row["B"], row["D"], "yes" if row["causal"] else "no", f"{row['softcap']:g}"]
+        cells += ["yes" if row["alibi"] else "no"]
         cells += [cell(row.get(n)) for n in args.backends]
         cells += [
             ratio(row, "flash"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import TOLERANCE, reference_attention, rel_err
-from sm90 import SM90, cuda_randn
+from sm90 import ALIBI_CASES, SM90, alibi_inputs, cuda_randn
 
 import ringflash
 from ringflash.kernels import (
@@ -162,5 +162,30 @@ def test_fused_backward_with_softcap_matches_float64(
     for name, got, exp, unc in zip(("dq", "dk", "dv"), grads, expected, uncapped):
         assert got.dtype == dtype, name
         assert rel_err(unc, exp) > 0.1, name  # the cap changes this gradient
+        err = rel_err(got, exp)
+        assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "softcap", "positions"), ALIBI_CASES
+)
+def test_fused_backward_with_alibi_matches_float64(
+    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
+):
+    q, k, v, slopes, kw, ref_kw = alibi_inputs(
+        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=50
+    )
+    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=55)
+    problem = build_problem(q, k, v, None, causal, (-1, -1), **kw)
+    assert uses_fused_backward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    grads = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, problem), problem)
+    ref_kw.pop("causal")
+    expected = _reference_grads(q, k, v, dout, causal, alibi_slopes=slopes.cpu(), **ref_kw)
+    without = _reference_grads(q, k, v, dout, causal, **ref_kw)
+    for name, got, exp, wo in zip(("dq", "dk", "dv"), grads, expected, without):
+        assert got.dtype == dtype, name
+        assert rel_err(wo, exp) > 0.1, name  # the bias changes this gradient
         err = rel_err(got, exp)
         assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"

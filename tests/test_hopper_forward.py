@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import TOLERANCE, reference_attention, rel_err
-from sm90 import SM90, cuda_randn
+from sm90 import ALIBI_CASES, SM90, alibi_inputs, cuda_randn
 
 from ringflash.kernels import TokenPositions, attention_forward, build_problem, uses_fused_forward
 
@@ -148,8 +148,38 @@ def test_fused_forward_with_softcap_matches_float64(
     assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "softcap", "positions"), ALIBI_CASES
+)
+def test_fused_forward_with_alibi_matches_float64(
+    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
+):
+    q, k, v, slopes, kw, ref_kw = alibi_inputs(
+        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=40
+    )
+    problem = build_problem(q, k, v, None, causal, (-1, -1), **kw)
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    exp_out, exp_lse = reference_attention(qd, kd, vd, alibi_slopes=slopes.cpu(), **ref_kw)
+    without, _ = reference_attention(qd, kd, vd, **ref_kw)
+    assert rel_err(without, exp_out) > 0.1  # the bias changes the answer
+    err = rel_err(out.double().cpu(), exp_out)
+    assert err < TOLERANCE[dtype], f"out: rel err {err:.2e}"
+    assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
+
+
 def test_fused_forward_gate_with_softcap_and_alibi():
     q, k, v = (cuda_randn(1, 256, 2, D, seed=s) for s in range(3))
-    assert uses_fused_forward(build_problem(q, k, v, None, True, (-1, -1), softcap=20.0), q, k, v)
     slopes = torch.full((2,), 0.25, device="cuda")
-    assert not uses_fused_forward(build_problem(q, k, v, None, True, (-1, -1), alibi_slopes=slopes), q, k, v)
+
+    def fused(**kw):
+        return uses_fused_forward(build_problem(q, k, v, None, False, (-1, -1), **kw), q, k, v)
+
+    assert fused(softcap=20.0)
+    assert fused(alibi_slopes=slopes, softcap=20.0)
+    far = TokenPositions(2**22)  # positions past float32's exact range for the bias
+    assert fused(alibi_slopes=slopes, q_positions=TokenPositions(2**21), k_positions=TokenPositions(0))
+    assert not fused(alibi_slopes=slopes, q_positions=far, k_positions=TokenPositions(0))
+    assert fused(q_positions=far, k_positions=TokenPositions(0))  # without ALiBi positions do not matter
