@@ -13,6 +13,8 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
   softmax_scale, which serves dK and dQ), dV += P^T dO, dQ = dS K, dK += dS^T Q, the dK product
   left in flight while the next tile's S^T/dP^T are issued.
 
+A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
+
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
 

@@ -12,6 +12,9 @@ One program per (128-row query tile, query head, sequence), its warps specialize
   products (FlashAttention-3's ping-pong, through an mbarrier pair) measured no faster on an
   H200 (medians within -3%..+1% over 5 interleaved rounds, docs/performance.md).
 
+A softcap (constexpr SOFTCAP: ``tanh.approx.f32`` per score) and ALiBi (HAS_ALIBI: a bias from
+global positions) are built in only where a problem has them (docs/experiments.md, 2026-11-24).
+
 Key tiles are walked last to first, so that under a causal mask the one tile that straddles
 the diagonal is the first, and the masked code runs once, outside the loop. Every row then sees
 at least its own key, so no row's running max stays -inf.
