@@ -13,6 +13,8 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
   softmax_scale, which serves dK and dQ), dV += P^T dO, dQ = dS K, dK += dS^T Q, the dK product
   left in flight while the next tile's S^T/dP^T are issued.
 
+A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
+
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
 
@@ -40,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .forward import LOG2E
+from .hopper_forward import alibi_args, score_scales, tanh_approx
 from .hopper_path import HEAD_DIM
 from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
@@ -182,12 +184,26 @@ def _dq_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DI
 
 
 @gluon.jit
+def _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride):
+    """ALiBi's log2-domain bias over an S^T tile, -alibi2 * |pk - pq|: k_pos the key rows'
+    positions (float32), offs_m the query columns' indices (positions q_start + offs_m * q_stride),
+    exact in float32 (the gate keeps positions below 2^22). Query positions come from this tile's
+    indices: offsets taken from outside the tile loop were hoisted by the compiler as per-score
+    differences and spilled (24-33 registers per tile)."""
+    q_pos = (q_start + offs_m * q_stride).to(gl.float32)
+    return -alibi2 * gl.abs(k_pos[:, None] - q_pos[None, :])
+
+
+@gluon.jit
 def _compute_tile(
-    p: Shared, i, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, softmax_scale,
+    p: Shared, i, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+    alibi2, k_pos, q_start, q_stride,
     a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr, MASKED: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     """Query tile t (ring slot i): dV and dK (left in flight) added to dv/dk, its dQ tile handed to
-    the writer."""
+    the writer. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T
+    takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``)."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -204,12 +220,35 @@ def _compute_tile(
     lse2 = p.rows_smem.index(2 * s).load(qcol_layout) * 1.4426950408889634
     delta = p.rows_smem.index(2 * s + 1).load(qcol_layout)
     s_t = warpgroup_mma_wait(1, deps=(st,))
-    if MASKED:  # a no-op past the first BLOCK_N // BLOCK_M tiles, kept there for one tile loop
-        s_t = gl.where(offs_n[:, None] <= offs_m[None, :], s_t, -float("inf"))
-    pt = gl.exp2(s_t * qk_scale - lse2[None, :])
+    if SOFTCAP:
+        # Across the dP^T wait, P^T only in dtype (for dV) and P^T * softmax_scale * (1 - tanh^2)
+        # (for dS^T): P^T and that factor both in float32 there spilled 32 registers per tile.
+        if HAS_ALIBI:
+            bias = _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride) - lse2[None, :]
+            t = tanh_approx(s_t * tanh_scale)
+            pt = gl.exp2(t * qk_scale + bias)
+        else:
+            t = tanh_approx(s_t * tanh_scale)
+            pt = gl.exp2(t * qk_scale - lse2[None, :])
+        if MASKED:
+            pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+        pv = pt.to(dtype)
+        pt = pt * (softmax_scale - (softmax_scale * t) * t)
+    else:
+        if MASKED:  # a no-op past the first BLOCK_N // BLOCK_M tiles, kept there for one tile loop
+            s_t = gl.where(offs_n[:, None] <= offs_m[None, :], s_t, -float("inf"))
+        if HAS_ALIBI:
+            bias = _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride)
+            pt = gl.exp2(s_t * qk_scale + bias - lse2[None, :])
+        else:
+            pt = gl.exp2(s_t * qk_scale - lse2[None, :])
+        pv = pt
     dp_t = warpgroup_mma_wait(0, deps=(dpt,))
-    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
-    dst16 = (pt * (dp_t - delta[None, :]) * softmax_scale).to(dtype)
+    dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_s, dv, is_async=True)
+    if SOFTCAP:
+        dst16 = (pt * (dp_t - delta[None, :])).to(dtype)
+    else:
+        dst16 = (pt * (dp_t - delta[None, :]) * softmax_scale).to(dtype)
     p.ds_smem.store(dst16)
     fence_async_shared()
     mbarrier.wait(p.dq_empty.index(s), ((i // 2) & 1) ^ 1)
@@ -225,9 +264,9 @@ def _compute_tile(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, qk_scale, softmax_scale,
+    p: Shared, qk_scale, tanh_scale, softmax_scale, alibi_ptr, q_start, q_stride, k_start, k_stride,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
@@ -247,16 +286,23 @@ def _compute_partition(
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     offs_n = p.n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    if HAS_ALIBI:
+        k_pos = (k_start + offs_n * k_stride).to(gl.float32)
+    else:
+        k_pos = 0.0
+        alibi2 = 0.0
     # One tile loop, masked throughout under CAUSAL: with the diagonal tiles in a loop of their
     # own, dK in flight from one loop into the next made ptxas serialize every wgmma (silently,
     # no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
     mbarrier.wait(p.kv_bar, 0)
     for g in range(GROUP):
         base = g * p.n_tiles
+        if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
+            alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
         for t in range(p.n_tiles):
             dk, dv = _compute_tile(
-                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, softmax_scale,
-                a_layout, qcol_layout, BLOCK_M, CAUSAL,
+                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+                alibi2, k_pos, q_start, q_stride, a_layout, qcol_layout, BLOCK_M, CAUSAL, SOFTCAP, HAS_ALIBI,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
@@ -274,9 +320,10 @@ def _fused_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA,
     seqlen_q, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
-    qk_scale, softmax_scale,
+    qk_scale, tanh_scale, softmax_scale, ALIBI, q_start, q_stride, k_start, k_stride,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
@@ -318,6 +365,7 @@ def _fused_bwd_kernel(
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
     lse_off = b64 * stride_lb + hk64 * GROUP * stride_lh
+    alibi_ptr = ALIBI + (b * gl.num_programs(1) + hk) * GROUP  # this group's first query head
     dk, dv = gl.warp_specialize(
         [
             (
@@ -325,12 +373,20 @@ def _fused_bwd_kernel(
                 (
                     p,
                     qk_scale,
+                    tanh_scale,
                     softmax_scale,
+                    alibi_ptr,
+                    q_start,
+                    q_stride,
+                    k_start,
+                    k_stride,
                     GROUP,
                     BLOCK_M,
                     BLOCK_N,
                     HEAD_DIM,
                     CAUSAL,
+                    SOFTCAP,
+                    HAS_ALIBI,
                     num_warps,
                 ),
             ),  # fmt: skip
@@ -367,8 +423,8 @@ def fused_backward(
     q/dout: (batch, seqlen_q, heads_q, 128), k/v: (batch, seqlen_k, heads_k, 128), bf16/fp16 on
     an sm_90 GPU, in layouts ``tma_layout_ok`` accepts (dq too); lse/delta: (batch, heads_q,
     seqlen_q) float32. The caller (``attention_backward``) checks the rest: no window, causal only
-    on aligned square blocks, lengths multiples of 128. dq is added to, never overwritten: zero
-    it first for a plain backward."""
+    on aligned square blocks, lengths multiples of 128. A softcap and ALiBi are honoured as in the
+    forward. dq is added to, never overwritten: zero it first for a plain backward."""
     batch, seqlen_q = q.shape[:2]
     qd, q_rows = rows_descriptor(q, BLOCK_M)
     dod, do_rows = rows_descriptor(dout, BLOCK_M)
@@ -379,8 +435,9 @@ def fused_backward(
     _fused_bwd_kernel[grid](
         qd, kd, vd, dod, dqd, dk, dv, lse, delta, seqlen_q, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1),
-        problem.softmax_scale * LOG2E, problem.softmax_scale,
+        *score_scales(problem), problem.softmax_scale, *alibi_args(problem, lse),
         GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-        CAUSAL=problem.bounds.right is not None, ACCUMULATE=accumulate,
+        CAUSAL=problem.bounds.right is not None, SOFTCAP=bool(problem.softcap),
+        HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

@@ -12,6 +12,9 @@ One program per (128-row query tile, query head, sequence), its warps specialize
   products (FlashAttention-3's ping-pong, through an mbarrier pair) measured no faster on an
   H200 (medians within -3%..+1% over 5 interleaved rounds, docs/performance.md).
 
+A softcap (constexpr SOFTCAP: ``tanh.approx.f32`` per score) and ALiBi (HAS_ALIBI: a bias from
+global positions) are built in only where a problem has them (docs/experiments.md, 2026-11-24).
+
 Key tiles are walked last to first, so that under a causal mask the one tile that straddles
 the diagonal is the first, and the masked code runs once, outside the loop. Every row then sees
 at least its own key, so no row's running max stays -inf.
@@ -97,6 +100,45 @@ class Shared:
 
 
 @gluon.jit
+def tanh_approx(x):
+    """tanh by the special-function unit (``tanh.approx.f32``, relative error about 2^-11), as
+    FlashAttention-3 computes its softcap: one MUFU op per score, beside the softmax's exp2."""
+    return gl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def alibi_bias(alibi2, row_offs, col_offs, pos_diff):
+    """ALiBi's bias in the log2 domain, -alibi2 * |position difference|, over a score tile: the
+    rows' positions minus the columns' are pos_diff (that of the tile's first row and column)
+    plus row_offs[r] - col_offs[c] (int32 offsets within the tile). The int difference becomes a
+    float through the exponent bits of 1.5 * 2^23 (one integer add and one float subtract, exact
+    below 2^22: the gate keeps positions there) instead of a conversion per score."""
+    d = (row_offs + pos_diff)[:, None] - col_offs[None, :]
+    df = (d + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+    return -alibi2 * gl.abs(df)
+
+
+def alibi_args(problem: AttentionProblem, alibi_fallback: torch.Tensor) -> tuple:
+    """(slopes, q_start, q_stride, k_start, k_stride) for both Hopper kernels: the (batch,
+    heads_q) float32 slopes (``alibi_fallback``, never read, without ALiBi) and the positions."""
+    qp = problem.q_positions.resolved(problem.max_seqlen_q)
+    kp = problem.k_positions.resolved(problem.max_seqlen_k)
+    slopes = alibi_fallback if problem.alibi_slopes is None else problem.alibi_slopes
+    return slopes, qp.start, qp.stride, kp.start, kp.stride
+
+
+def score_scales(problem: AttentionProblem) -> tuple[float, float]:
+    """(qk_scale, tanh_scale) for both Hopper kernels: the log2-domain logit is qk * qk_scale, or
+    under a softcap tanh(qk * tanh_scale) * qk_scale (= softcap * tanh(qk * scale / softcap) *
+    log2 e); tanh_scale is unused without one."""
+    if problem.softcap:
+        return problem.softcap * LOG2E, problem.softmax_scale / problem.softcap
+    return problem.softmax_scale * LOG2E, 1.0
+
+
+@gluon.jit
 def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
     for w in gl.static_range(2):
         bar = p.q_bar.index(w)
@@ -119,11 +161,15 @@ def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, O, LSE, o_off, stride_os, lse_off, qk_scale,
+    p: Shared, O, LSE, o_off, stride_os, lse_off, qk_scale, tanh_scale,
+    alibi_ptr, q_pos0, q_stride, k_start, k_stride,
     w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
-    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against every key tile."""
+    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against every key tile. Under
+    SOFTCAP each score tile becomes tanh(S * tanh_scale) before the mask (``score_scales``); under
+    HAS_ALIBI the logits get ALiBi's bias (slope at ``alibi_ptr``; the tile's first query at
+    position q_pos0, key k at k_start + k * k_stride)."""
     dtype: gl.constexpr = p.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -135,6 +181,11 @@ def _compute_partition(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     q_s = p.q_smem.index(w)
+    if HAS_ALIBI:
+        alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
+        row_offs = gl.arange(0, HALF_M, layout=row_layout) * q_stride
+        col_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) * k_stride
+        q_pos = q_pos0 + w * HALF_M * q_stride
     mbarrier.wait(p.q_bar.index(w), 0)
 
     # First (last) key tile: under CAUSAL the diagonal one, masked here and only here.
@@ -143,12 +194,21 @@ def _compute_partition(
     s = warpgroup_mma(q_s, p.k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(p.k_empty.index(0), count=1)
+    if SOFTCAP:
+        s = tanh_approx(s * tanh_scale)
+    if HAS_ALIBI:  # logits scaled here, not after the row max
+        k_pos = k_start + last * BLOCK_N * k_stride
+        s = s * qk_scale + alibi_bias(alibi2, row_offs, col_offs, q_pos - k_pos)
     if CAUSAL:
         rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
-    m_i = gl.max(s, 1) * qk_scale
-    pr = gl.exp2(s * qk_scale - m_i[:, None])
+    if HAS_ALIBI:
+        m_i = gl.max(s, 1)
+        pr = gl.exp2(s - m_i[:, None])
+    else:
+        m_i = gl.max(s, 1) * qk_scale
+        pr = gl.exp2(s * qk_scale - m_i[:, None])
     l_i = gl.sum(pr, 1)
     o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -161,9 +221,17 @@ def _compute_partition(
         o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(p.k_empty.index(st), count=1)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if SOFTCAP:
+            s = tanh_approx(s * tanh_scale)
+        if HAS_ALIBI:
+            n0 = (last - i) * BLOCK_N
+            s = s * qk_scale + alibi_bias(alibi2, row_offs, col_offs, q_pos - (k_start + n0 * k_stride))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            pr = gl.exp2(s - m_new[:, None])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            pr = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        pr = gl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + gl.sum(pr, 1)
         m_i = m_new
         o = warpgroup_mma_wait(0, deps=(o,))
@@ -190,9 +258,10 @@ def _compute_partition(
 def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE,
     seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
+    ALIBI, q_start, q_stride, k_start, k_stride,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     # Causal: the heaviest query tiles (the last) are launched first.
     if CAUSAL:
@@ -233,6 +302,8 @@ def _fused_fwd_kernel(
     h64 = h.to(gl.int64)
     o_off = b64 * stride_ob + h64 * stride_oh + m0.to(gl.int64) * stride_os
     lse_off = b64 * stride_lb + h64 * stride_lh + m0
+    alibi_ptr = ALIBI + b * gl.num_programs(1) + h  # slopes (batch, heads_q), contiguous
+    q_pos0 = q_start + m0 * q_stride
     gl.warp_specialize(
         [
             (
@@ -245,11 +316,19 @@ def _fused_fwd_kernel(
                     stride_os,
                     lse_off,
                     qk_scale,
+                    tanh_scale,
+                    alibi_ptr,
+                    q_pos0,
+                    q_stride,
+                    k_start,
+                    k_stride,
                     0,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
                     CAUSAL,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (
@@ -262,11 +341,19 @@ def _fused_fwd_kernel(
                     stride_os,
                     lse_off,
                     qk_scale,
+                    tanh_scale,
+                    alibi_ptr,
+                    q_pos0,
+                    q_stride,
+                    k_start,
+                    k_stride,
                     1,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
                     CAUSAL,
+                    SOFTCAP,
+                    HAS_ALIBI,
                 ),
             ),
             (_load_partition, (p, BLOCK_N, HALF_M)),
@@ -290,7 +377,9 @@ def fused_forward(
     sm_90 GPU, in layouts ``tma_layout_ok`` accepts; out: q's shape, any float dtype, unit stride
     in head_dim (e.g. a float32 ring buffer's view); lse: (batch, heads_q, seqlen_q) float32,
     unit stride in the sequence. The caller (``attention_forward``) checks the rest: no window,
-    causal only on aligned square blocks, lengths multiples of 128."""
+    causal only on aligned square blocks, lengths multiples of 128. A softcap (``problem.softcap``)
+    is applied to the scaled scores before the mask, then ALiBi's bias (``problem.alibi_slopes``)
+    in the problem's global positions."""
     batch, seqlen_q = q.shape[:2]
     qd, q_rows = rows_descriptor(q, HALF_M)
     kd, k_rows = rows_descriptor(k, BLOCK_N)
@@ -298,8 +387,9 @@ def fused_forward(
     grid = (seqlen_q // BLOCK_M, problem.heads_q, batch)
     _fused_fwd_kernel[grid](
         qd, kd, vd, out, lse, problem.max_seqlen_k, q_rows, k_rows, v_rows,
-        *out.stride()[:3], lse.stride(0), lse.stride(1), problem.softmax_scale * LOG2E,
+        *out.stride()[:3], lse.stride(0), lse.stride(1), *score_scales(problem), *alibi_args(problem, lse),
         GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-        CAUSAL=problem.bounds.right is not None,
+        CAUSAL=problem.bounds.right is not None, SOFTCAP=bool(problem.softcap),
+        HAS_ALIBI=problem.alibi_slopes is not None,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

@@ -19,6 +19,9 @@ from .problem import AttentionProblem
 
 HEAD_DIM = 128  # the only head_dim both kernels are built for
 TILE = 128  # both kernels' lengths must be multiples of this
+# ALiBi's position differences go through float32 (in the forward via the exponent bits of
+# 1.5 * 2^23): exact while |pq - pk| and every position stay below this.
+ALIBI_POSITION_LIMIT = 2**22
 
 
 @functools.cache
@@ -44,7 +47,8 @@ def enabled(variable: str) -> bool:
 def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the problem is one the Hopper kernels compute: an sm_90 GPU, bf16/fp16, head_dim
     128, no varlen, no sliding window, causal only between blocks whose positions coincide (a
-    shard's own diagonal block), both lengths non-zero multiples of 128, and q (batch, seqlen_q,
+    shard's own diagonal block), both lengths non-zero multiples of 128, a softcap or none, ALiBi
+    with positions and their differences below ``ALIBI_POSITION_LIMIT``, and q (batch, seqlen_q,
     heads_q, head_dim), k, v with heads packed in each token's row (``hopper_tma.tma_layout_ok``)."""
     if (
         INTERPRET
@@ -54,17 +58,21 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
         or q.dtype not in (torch.bfloat16, torch.float16)
         or problem.head_dim != HEAD_DIM
         or problem.varlen
-        or problem.softcap
-        or problem.alibi_slopes is not None
         or problem.bounds.left is not None
         or problem.max_seqlen_q % TILE
         or problem.max_seqlen_k % TILE
     ):
         return False
+    n = problem.max_seqlen_q
+    qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
     if problem.bounds.right is not None:
-        n = problem.max_seqlen_q
-        qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
         if problem.bounds.right != 0 or problem.max_seqlen_k != n or qp != kp or qp.stride != 1:
+            return False
+    if problem.alibi_slopes is not None:
+        q_lo, q_hi = qp.start, qp.at(n - 1)
+        k_lo, k_hi = kp.start, kp.at(problem.max_seqlen_k - 1)
+        spans = (q_hi - k_lo, k_hi - q_lo, -q_lo, q_hi, -k_lo, k_hi)
+        if max(abs(x) for x in spans) >= ALIBI_POSITION_LIMIT:
             return False
     if not _is_sm90(q.device):
         return False

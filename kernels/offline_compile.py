@@ -145,6 +145,11 @@ def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: d
     return triton.compile(GluonASTSource(kernel, sig, consts), target=target, options=options)
 
 
+# Contiguous positions, as most launches have them: Triton specializes an integer argument equal to
+# 1 into a constant.
+_UNIT_STRIDES = dict(q_stride=1, k_stride=1)
+
+
 def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16"):
     """A TMA descriptor as a launch makes it over 1024 tokens of ``heads`` heads (the compiled
     kernel depends on its block shape, dtype and layout, not on the sizes)."""
@@ -158,10 +163,12 @@ def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16"):
 
 
 def compile_fused_backward(
-    causal: bool, group: int = 1, accumulate: bool = False, target: GPUTarget = HOPPER
-) -> triton.compiler.CompiledKernel:
+    causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
+    target: GPUTarget = HOPPER,
+) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
-    bf16 dK/dV (float32 with ``accumulate``, the ring's buffers)."""
+    bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
+    ALiBi."""
     from . import hopper_backward as hb
 
     kv = _example_descriptor(1, hb.BLOCK_N)
@@ -170,27 +177,30 @@ def compile_fused_backward(
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq)
     consts = dict(
         GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
-        ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **_UNIT_STRIDES,
     )  # fmt: skip
     grads = "*fp32" if accumulate else "*bf16"
-    pointers = {"DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32"}
+    pointers = {"DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32"}
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)
 
 
 def compile_fused_forward(
-    causal: bool, group: int = 1, out_dtype: str = "bf16", target: GPUTarget = HOPPER
-) -> triton.compiler.CompiledKernel:
+    causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
+    target: GPUTarget = HOPPER,
+) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper_forward's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
-    output in ``out_dtype`` ("fp32": the ring's block buffers)."""
+    output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap and
+    ALiBi."""
     from . import hopper_forward as hf
 
     kv = _example_descriptor(1, hf.BLOCK_N)
     descs = dict(q_desc=_example_descriptor(group, hf.HALF_M), k_desc=kv, v_desc=kv)
     consts = dict(
         GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, HEAD_DIM=hf.HEAD_DIM, CAUSAL=causal,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
     )  # fmt: skip
-    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32"}
+    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32"}
     options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 

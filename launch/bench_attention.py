@@ -11,6 +11,12 @@ bf16, B*S kept near --tokens (default 64K), 16 heads. TFLOP/s from attention FLO
 memory is one fwd+bwd's peak allocation above the inputs. Cells read fwd / bwd / fwd+bwd, where
 bwd is 2.5x fwd FLOPs over (fwd+bwd time - fwd time). Each config first checks ringflash's
 output against SDPA's flash backend (rel. error < 2e-2, else the row says FAIL).
+
+``--softcaps 0 30`` adds rows with a logit softcap (Gemma-2's scores -> softcap * tanh(scores /
+softcap)), ``--alibi both`` rows with ALiBi (the usual slopes 2^(-8 (h + 1) / heads)), for
+ringflash and FlexAttention (a score_mod); SDPA has neither (n/a), so such a row compares with
+the plain row of the same shape. Their check is against float32 eager attention on the first 1024
+queries of the first sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import sys
@@ -30,14 +37,30 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
+from ringflash.kernels import build_problem
+from ringflash.kernels.functional import _FlashAttention
 
 BACKENDS = ("ringflash", "ringflash-triton", "flash", "cudnn", "flex")
 
 
-def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int):
+def alibi_slopes(h: int) -> torch.Tensor:
+    return torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
+
+
+def make_runner(
+    name: str,
+    b: int,
+    s: int,
+    h: int,
+    d: int,
+    causal: bool,
+    hk: int,
+    softcap: float = 0.0,
+    alibi: bool = False,
+):
     """(run, leaves): ``run()`` computes attention with backend ``name`` on fresh random
-    inputs (h query heads, hk key/value heads); ``leaves`` are the tensors to differentiate
-    with respect to."""
+    inputs (h query heads, hk key/value heads, logits capped at ``softcap`` if non-zero, ALiBi
+    with ``alibi``); ``leaves`` are the tensors to differentiate with respect to."""
     ours = name.startswith("ringflash")
 
     def randn(heads):  # SDPA/Flex take (B, H, S, D)
@@ -46,9 +69,15 @@ def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int
 
     q, k, v = randn(h), randn(hk), randn(hk)
     gqa = hk != h
+    slopes = alibi_slopes(h) if alibi else None
+    if ours and (softcap or alibi):
+        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
+        return (lambda: _FlashAttention.apply(q, k, v, problem)[0]), (q, k, v)
     if ours:
         return (lambda: ringflash.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     if name in ("flash", "cudnn"):
+        if softcap or alibi:
+            raise ValueError("SDPA has no softcap or ALiBi")
         backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
 
         def run():
@@ -57,7 +86,18 @@ def make_runner(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int
 
         return run, (q, k, v)
     mask = _flex.create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
-    return (lambda: _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)), (q, k, v)
+    score_mod = None
+    if softcap or alibi:
+
+        def score_mod(score, b_, h_, i, j):
+            if softcap:
+                score = softcap * torch.tanh(score / softcap)
+            if alibi:
+                score = score - slopes[h_] * (i - j).abs()
+            return score
+
+    flex = _compiled_flex()
+    return (lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)), (q, k, v)
 
 
 @functools.cache
@@ -68,15 +108,15 @@ def _compiled_flex():
     return torch.compile(_flex.flex_attention, dynamic=False)
 
 
-def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int) -> dict:
+def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
     off = {"RINGFLASH_FUSED_FORWARD": "0", "RINGFLASH_FUSED_BACKWARD": "0"}
     env = off if name == "ringflash-triton" else {}
     with mock.patch.dict(os.environ, env):
-        return _bench_one(name, b, s, h, d, causal, hk)
+        return _bench_one(name, b, s, h, d, causal, hk, softcap, alibi)
 
 
-def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int) -> dict:
-    fn, leaves = make_runner(name, b, s, h, d, causal, hk)
+def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
+    fn, leaves = make_runner(name, b, s, h, d, causal, hk, softcap, alibi)
     dout = torch.randn_like(fn())
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     with torch.no_grad():
@@ -98,7 +138,35 @@ def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int)
     }
 
 
-def check_against_sdpa(b: int, s: int, h: int, d: int, causal: bool, hk: int) -> float:
+def check_scores(s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool) -> float:
+    """Relative error of ringflash's output with a softcap and/or ALiBi against float32 eager
+    attention, on the first 1024 queries of one sequence (scores scaled up so that a cap bites)."""
+    q = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) * (4 if softcap else 1)
+    k, v = (torch.randn(1, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slopes = alibi_slopes(h) if alibi else None
+    with torch.no_grad():
+        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
+        ours = _FlashAttention.apply(q, k, v, problem)[0]
+        n = min(s, 1024)
+        qf = q[0, :n].float().transpose(0, 1)
+        kf, vf = (t[0].float().repeat_interleave(h // hk, dim=1).transpose(0, 1) for t in (k, v))
+        scores = qf @ kf.transpose(1, 2) / d**0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi:
+            dist = (torch.arange(n, device="cuda")[:, None] - torch.arange(s, device="cuda")[None, :]).abs()
+            scores = scores - slopes[:, None, None] * dist
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, s, device="cuda", dtype=torch.bool).triu(1), -torch.inf)
+        ref = (scores.softmax(-1) @ vf).transpose(0, 1)
+    return ((ours[0, :n].float() - ref).norm() / ref.norm()).item()
+
+
+def check_against_sdpa(
+    b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float = 0.0, alibi: bool = False
+) -> float:
+    if softcap or alibi:
+        return check_scores(s, h, d, causal, hk, softcap, alibi)
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with torch.no_grad():
@@ -118,6 +186,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--softcaps", type=float, nargs="+", default=[0.0], help="logit softcaps, 0 = none")
+    p.add_argument("--alibi", choices=["both", "yes", "no"], default="no", help="rows with ALiBi")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--quick", action="store_true", help="one small config, for a smoke test")
     p.add_argument("--json", help="write raw results here")
@@ -130,31 +200,32 @@ def main() -> None:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     hk = args.kv_heads or args.heads
     rows = []
-    for d in args.head_dims:
-        for causal in causals:
-            for s in args.seqlens:
-                b = max(1, args.tokens // s)
-                row = {
-                    "S": s,
-                    "B": b,
-                    "D": d,
-                    "causal": causal,
-                    "err": check_against_sdpa(b, s, args.heads, d, causal, hk),
-                }
-                for name in args.backends:
-                    print(
-                        f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} {name}",
-                        file=sys.stderr,
-                    )
-                    try:
-                        row[name] = bench_one(name, b, s, args.heads, d, causal, hk)
-                    except Exception as e:  # a backend that cannot run a shape shows n/a
-                        print(
-                            f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr
-                        )
-                        row[name] = None
-                    torch.cuda.empty_cache()
-                rows.append(row)
+    alibis = {"both": [False, True], "yes": [True], "no": [False]}[args.alibi]
+    configs = itertools.product(args.head_dims, causals, args.seqlens, args.softcaps, alibis)
+    for d, causal, s, softcap, alibi in configs:
+        b = max(1, args.tokens // s)
+        row = {
+            "S": s,
+            "B": b,
+            "D": d,
+            "causal": causal,
+            "softcap": softcap,
+            "alibi": alibi,
+            "err": check_against_sdpa(b, s, args.heads, d, causal, hk, softcap, alibi),
+        }
+        for name in args.backends:
+            print(
+                f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} softcap={softcap} "
+                f"alibi={alibi} {name}",
+                file=sys.stderr,
+            )
+            try:
+                row[name] = bench_one(name, b, s, args.heads, d, causal, hk, softcap, alibi)
+            except Exception as e:  # a backend that cannot run a shape shows n/a
+                print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+                row[name] = None
+            torch.cuda.empty_cache()
+        rows.append(row)
 
     def cell(r):
         return "n/a" if r is None else f"{r['fwd']:.0f} / {r['bwd']:.0f} / {r['fwd_bwd']:.0f}"
@@ -168,10 +239,12 @@ def main() -> None:
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.date.today()}, bf16, {args.heads}/{hk} heads; TFLOP/s fwd / bwd / fwd+bwd")  # fmt: skip
-    cols = ["S", "B", "D", "causal", *args.backends, "vs flash", "vs cuDNN", "peak GiB ours / flash", "check"]
+    cols = ["S", "B", "D", "causal", "softcap", "ALiBi", *args.backends]
+    cols += ["vs flash", "vs cuDNN", "peak GiB ours / flash", "check"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
-        cells = [row["S"], row["B"], row["D"], "yes" if row["causal"] else "no"]
+        cells = [row["S"], row["B"], row["D"], "yes" if row["causal"] else "no", f"{row['softcap']:g}"]
+        cells += ["yes" if row["alibi"] else "no"]
         cells += [cell(row.get(n)) for n in args.backends]
         cells += [
             ratio(row, "flash"),

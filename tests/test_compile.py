@@ -65,45 +65,56 @@ print("fits")
 # the two 1-warp workers at 24, one TMA reduce-add group per dQ tile, one tile loop (5 x 8 wgmma
 # per warpgroup, causal or not) whose wgmma ptxas did not serialize, and at most an address or
 # two reloaded from local memory per tile (GQA's per-head loop spills a few more at head changes).
+# The softcap + ALiBi build spills at most 8 registers per tile (0-12 over the 16 variants on
+# 2026-11-24; the worst before its logits were reordered: 37, at a 30% loss of backward speed).
 _FUSED = r"""
 import re
 from ringflash.kernels.offline_compile import (
     SHARED_MEMORY_LIMIT, compile_fused_backward, disassemble, loop_spills, serialized_wgmma,
 )
 
-for causal, group, accumulate in ((False, 1, False), (True, 1, True), (True, 4, True)):
-    k = compile_fused_backward(causal, group, accumulate)
+for causal, group, accumulate, softcap in (
+    (False, 1, False, False), (True, 1, True, False), (True, 4, True, False), (False, 1, False, True)
+):
+    k = compile_fused_backward(causal, group, accumulate, softcap, alibi=softcap)
     ptx = k.asm["ptx"]
     regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     assert regs == [24, 240], regs
     assert ptx.count("cp.async.bulk.commit_group") == 1, ptx.count("cp.async.bulk.commit_group")
     assert ptx.count("wgmma.mma_async") == 32, ptx.count("wgmma.mma_async")
+    assert ("tanh.approx.f32" in ptx) == softcap
     sass = disassemble(k)
-    assert not serialized_wgmma(sass), (causal, group)
+    assert not serialized_wgmma(sass), (causal, group, softcap)
     stores, loads = loop_spills(sass)
-    assert stores <= (2 if group == 1 else 6) and loads <= (2 if group == 1 else 6), (group, stores, loads)
+    most = 8 if softcap else 2 if group == 1 else 6
+    assert stores <= most and loads <= most, (group, softcap, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
 print("fused ok")
 """
 
 # The warp-specialized Hopper forward (kernels/hopper_forward.py): both compute warpgroups at 240
 # registers and the loader at 24, the products of both warpgroups' code paths (S and P V in the
-# loop, S before it, P V after it: 4 x 8 wgmma per warpgroup), no spills inside the key-tile loop.
+# loop, S before it, P V after it: 4 x 8 wgmma per warpgroup), no spills inside the key-tile loop
+# (at most one with softcap and ALiBi).
 _FORWARD = r"""
 import re
 from ringflash.kernels.offline_compile import (
     SHARED_MEMORY_LIMIT, compile_fused_forward, disassemble, loop_spills, serialized_wgmma,
 )
 
-for causal, group, out_dtype in ((False, 1, "bf16"), (True, 4, "fp32")):
-    k = compile_fused_forward(causal, group, out_dtype)
+for causal, group, out_dtype, softcap in (
+    (False, 1, "bf16", False), (True, 4, "fp32", False), (True, 4, "fp32", True)
+):
+    k = compile_fused_forward(causal, group, out_dtype, softcap, alibi=softcap)
     ptx = k.asm["ptx"]
+    assert ("tanh.approx.f32" in ptx) == softcap
     regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {24, 240} <= regs, regs
     assert ptx.count("wgmma.mma_async") == 64, ptx.count("wgmma.mma_async")
     sass = disassemble(k)
     assert not serialized_wgmma(sass), causal
-    assert loop_spills(sass) == (0, 0), loop_spills(sass)
+    stores, loads = loop_spills(sass)
+    assert stores <= softcap and loads <= softcap, (softcap, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
 print("forward ok")
 """

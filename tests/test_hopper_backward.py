@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import TOLERANCE, reference_attention, rel_err
-from sm90 import SM90, cuda_randn
+from sm90 import ALIBI_CASES, SM90, alibi_inputs, cuda_randn
 
 import ringflash
 from ringflash.kernels import (
@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.gpu, SM90]
 D = 128
 
 
-def _reference_grads(q, k, v, dout, causal):
+def _reference_grads(q, k, v, dout, causal, **kw):
     qd, kd, vd = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    out, _ = reference_attention(qd, kd, vd, causal=causal)
+    out, _ = reference_attention(qd, kd, vd, causal=causal, **kw)
     out.backward(dout.double().cpu())
     return qd.grad, kd.grad, vd.grad
 
@@ -136,3 +136,56 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert fused()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap, q_scale", [(5.0, 4.0), (30.0, 16.0)])
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal"),
+    [(2, 384, 384, 4, 4, False), (1, 512, 512, 8, 2, True), (1, 256, 512, 4, 1, False)],
+)
+def test_fused_backward_with_softcap_matches_float64(
+    dtype, softcap, q_scale, batch, seqlen_q, seqlen_k, heads, kv_heads, causal
+):
+    """Scores large enough that the cap bites (see test_hopper_forward.SOFTCAPS); gradients
+    compared with float64 and with the uncapped float64 gradients (which they must not match)."""
+    q = (cuda_randn(batch, seqlen_q, heads, D, dtype=torch.float32, seed=31) * q_scale).to(dtype)
+    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=32)
+    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=33)
+    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=34)
+    problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap)
+    assert uses_fused_backward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    grads = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, problem), problem)
+    expected = _reference_grads(q, k, v, dout, causal, softcap=softcap)
+    uncapped = _reference_grads(q, k, v, dout, causal)
+    for name, got, exp, unc in zip(("dq", "dk", "dv"), grads, expected, uncapped):
+        assert got.dtype == dtype, name
+        assert rel_err(unc, exp) > 0.1, name  # the cap changes this gradient
+        err = rel_err(got, exp)
+        assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "softcap", "positions"), ALIBI_CASES
+)
+def test_fused_backward_with_alibi_matches_float64(
+    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
+):
+    q, k, v, slopes, kw, ref_kw = alibi_inputs(
+        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=50
+    )
+    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=55)
+    problem = build_problem(q, k, v, None, causal, (-1, -1), **kw)
+    assert uses_fused_backward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    grads = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, problem), problem)
+    ref_kw.pop("causal")
+    expected = _reference_grads(q, k, v, dout, causal, alibi_slopes=slopes.cpu(), **ref_kw)
+    without = _reference_grads(q, k, v, dout, causal, **ref_kw)
+    for name, got, exp, wo in zip(("dq", "dk", "dv"), grads, expected, without):
+        assert got.dtype == dtype, name
+        assert rel_err(wo, exp) > 0.1, name  # the bias changes this gradient
+        err = rel_err(got, exp)
+        assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import TOLERANCE, reference_attention, rel_err
-from sm90 import SM90, cuda_randn
+from sm90 import ALIBI_CASES, SM90, alibi_inputs, cuda_randn
 
 from ringflash.kernels import TokenPositions, attention_forward, build_problem, uses_fused_forward
 
@@ -117,3 +117,69 @@ def test_fused_forward_is_chosen_only_where_it_applies(monkeypatch):
         assert fused()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# (softcap, query magnitude): scaled scores of std ~4 against a cap of 5, and of std ~16 against
+# Gemma-2's 30 (tanh(16/30) = 0.49): the cap changes the answer in both (asserted).
+SOFTCAPS = [(5.0, 4.0), (30.0, 16.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap, q_scale", SOFTCAPS)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal"),
+    [(2, 384, 384, 4, 4, False), (1, 512, 512, 8, 2, True), (1, 256, 640, 4, 1, False)],
+)
+def test_fused_forward_with_softcap_matches_float64(
+    dtype, softcap, q_scale, batch, seqlen_q, seqlen_k, heads, kv_heads, causal
+):
+    q = (cuda_randn(batch, seqlen_q, heads, D, dtype=torch.float32, seed=21) * q_scale).to(dtype)
+    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=22)
+    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=23)
+    problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap)
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    exp_out, exp_lse = reference_attention(qd, kd, vd, causal=causal, softcap=softcap)
+    uncapped, _ = reference_attention(qd, kd, vd, causal=causal)
+    assert rel_err(uncapped, exp_out) > 0.1  # the cap bites
+    err = rel_err(out.double().cpu(), exp_out)
+    assert err < TOLERANCE[dtype], f"out: rel err {err:.2e}"
+    assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "softcap", "positions"), ALIBI_CASES
+)
+def test_fused_forward_with_alibi_matches_float64(
+    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
+):
+    q, k, v, slopes, kw, ref_kw = alibi_inputs(
+        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=40
+    )
+    problem = build_problem(q, k, v, None, causal, (-1, -1), **kw)
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    exp_out, exp_lse = reference_attention(qd, kd, vd, alibi_slopes=slopes.cpu(), **ref_kw)
+    without, _ = reference_attention(qd, kd, vd, **ref_kw)
+    assert rel_err(without, exp_out) > 0.1  # the bias changes the answer
+    err = rel_err(out.double().cpu(), exp_out)
+    assert err < TOLERANCE[dtype], f"out: rel err {err:.2e}"
+    assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
+
+
+def test_fused_forward_gate_with_softcap_and_alibi():
+    q, k, v = (cuda_randn(1, 256, 2, D, seed=s) for s in range(3))
+    slopes = torch.full((2,), 0.25, device="cuda")
+
+    def fused(**kw):
+        return uses_fused_forward(build_problem(q, k, v, None, False, (-1, -1), **kw), q, k, v)
+
+    assert fused(softcap=20.0)
+    assert fused(alibi_slopes=slopes, softcap=20.0)
+    far = TokenPositions(2**22)  # positions past float32's exact range for the bias
+    assert fused(alibi_slopes=slopes, q_positions=TokenPositions(2**21), k_positions=TokenPositions(0))
+    assert not fused(alibi_slopes=slopes, q_positions=far, k_positions=TokenPositions(0))
+    assert fused(q_positions=far, k_positions=TokenPositions(0))  # without ALiBi positions do not matter
