@@ -411,8 +411,6 @@ def attention_backward(
         raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
     if compute_dq and compute_dkdv and lse.stride(-1) == 1 and uses_fused_backward(problem, q, k, v):
         return _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)
-    if problem.softcap or problem.alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes are not implemented in the Triton kernels yet")
     vl = problem.varlen
     q4, k4, v4, do4 = (as_4d(t, vl) for t in (q, k, v, dout))
     if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:

@@ -198,8 +198,6 @@ def attention_forward(
     if lse.stride(-1) == 1 and uses_fused_forward(problem, q, k, v):
         hopper_module("hopper_forward").fused_forward(q, k, v, problem, out, lse)
         return out, lse
-    if problem.softcap or problem.alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes are not implemented in the Triton kernels yet")
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))
