@@ -15,6 +15,9 @@ import subprocess
 import sys
 
 import pytest
+import triton
+
+from ringflash.kernels.hopper_path import GLUON_TRITON
 
 _SPECIALIZED = r"""
 import itertools
@@ -126,10 +129,18 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path):
     assert len(out.strip().splitlines()) == 3 * 3 + 1  # every (kernel, head_dim) ran
 
 
+GLUON = pytest.mark.skipif(
+    not triton.__version__.startswith(GLUON_TRITON),
+    reason=f"the Gluon kernels are built with Triton {GLUON_TRITON}x only (kernels/hopper_path.py)",
+)
+
+
+@GLUON
 def test_fused_backward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FUSED, tmp_path).strip().endswith("fused ok")
 
 
+@GLUON
 def test_fused_forward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FORWARD, tmp_path).strip().endswith("forward ok")
 
