@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> None:
         f"ringflash demo: ring attention on {WORLD} ranks on {where}, layout={args.layout}, causal={causal}",
         f"  sequence {args.seqlen} tokens, {args.heads} q heads / {kv_heads} kv heads, "
         f"head_dim {args.head_dim}",
-        "  forward+backward, twice (the first compiles the kernels"
-        + ("" if ON_GPU else "; about 15 s on the interpreter")
-        + "), then a float64 reference in plain torch ...",
+        "  ring forward+backward"
+        + (" (twice: the first compiles the kernels)" if ON_GPU else " (the interpreter: tens of seconds)")
+        + ", then float64 attention in plain torch to check it against ...",
     )
     ringflash.use_high_priority_comm()
     dist.init_process_group(backend, device_id=device if ON_GPU else None)
@@ -102,16 +102,16 @@ def run(args: argparse.Namespace) -> None:
         out.backward(dout)
         return out
 
-    ring_step()  # warm-up (compiles the kernels)
-    for t in (q, k, v):
-        t.grad = None
-    if ON_GPU:
-        torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = ring_step()
-    if ON_GPU:
-        torch.cuda.synchronize()
+    for _ in range(2 if ON_GPU else 1):  # on a GPU, a warm-up compiles the kernels first
+        for t in (q, k, v):
+            t.grad = None
+        if ON_GPU:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = ring_step()
+        if ON_GPU:
+            torch.cuda.synchronize()
     elapsed = torch.tensor(time.perf_counter() - t0, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
 
