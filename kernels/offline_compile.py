@@ -196,7 +196,7 @@ def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HO
 def serialized_wgmma(sass: str) -> bool:
     """Whether ptxas serialized the kernel's wgmma: a wait for all groups (``WARPGROUP.DEPBAR.LE
     gsb0, 0x0``) after every HGMMA. It does so silently at times (no C7512 in its log); the fused
-    backward lost 8-13% of its causal speed that way until one session's profile showed it."""
+    backward lost 8-13% of its causal speed that way until a profile showed it."""
     return sass.count("HGMMA") > 0 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= sass.count("HGMMA")
 
 

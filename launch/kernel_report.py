@@ -4,7 +4,7 @@
     python launch/kernel_report.py --head-dims 128 --kernels dkdv --tiles 64,128,8,3 64,64,8,2
 
 Compiles each kernel for sm_90 as a launch would (bf16, causal, or fp32 with --fp32) and runs
-ptxas -v on it. Use it before a GPU session to drop tile shapes that do not fit in shared
+ptxas -v on it. Use it before a GPU run to drop tile shapes that do not fit in shared
 memory; spill counts alone do not rank tiles (docs/performance.md), so speed still needs the GPU
 (launch/tune_attention.py). Run it without TRITON_INTERPRET=1.
 """

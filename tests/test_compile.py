@@ -4,7 +4,7 @@ that Triton specializes at launch (a value of 1 becomes a compile-time constant)
 The CPU tests run the kernels under the Triton interpreter, which never specializes, so a kernel
 that is correct there can still fail to compile on a GPU (e.g. reassigning an argument that
 arrived as the constant 1). Compiling for a GPU target needs no GPU: Triton ships ptxas. The
-check runs in a subprocess because the test session imports the kernels in interpreter mode.
+check runs in a subprocess because the test process imports the kernels in interpreter mode.
 The same build also gives each tile config's shared memory, checked against the chip's limit.
 """
 
