@@ -7,7 +7,7 @@ GPU launch would, and see:
 - registers per thread and bytes spilled to local memory (``ptxas -v``). Spills alone do not
   rank tiles: on an H200 (2026-11-23) a head_dim-256 dK/dV tile spilling 4.2 KB ran 3.6x faster
   than one spilling 8.2 KB, but TMA-load variants of the head_dim-128 dK/dV kernel that cut its
-  1.8 KB spill to 0.04-0.8 KB ran slower (docs/performance.md). Time candidates on a GPU.
+  1.8 KB spill to 0.04-0.8 KB ran slower (docs/experiments.md). Time candidates on a GPU.
 
 Import this in a process without TRITON_INTERPRET=1: under the interpreter ``triton.jit``
 returns interpreted functions, which cannot be compiled.
