@@ -65,8 +65,6 @@ def say(*lines: str) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import ringflash
-
     if ON_GPU:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -85,6 +83,8 @@ def run(args: argparse.Namespace) -> None:
         + (" (twice: the first compiles the kernels)" if ON_GPU else " (the interpreter: tens of seconds)")
         + ", then float64 attention in plain torch to check it against ...",
     )
+    import ringflash  # here, so that a broken install is reported like any other failure
+
     ringflash.use_high_priority_comm()
     dist.init_process_group(backend, device_id=device if ON_GPU else None)
 
