@@ -85,7 +85,7 @@ def _dkdv_tiles(
     Why last tile first: under a causal mask the dK/dV programs of a launch start at different
     query tiles (their diagonals) but all end at the last one. Walking backwards, programs
     that run together read the same Q/dO tiles at about the same time, which the L2 cache
-    serves (measured on an H200: 1-3% faster dK/dV, docs/performance.md)."""
+    serves (measured on an H200: 1-3% faster dK/dV, docs/experiments.md)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM

@@ -1,7 +1,7 @@
 """Tile sizes and launch parameters for the attention kernels.
 
 Chosen by head dimension from ``launch/tune_attention.py`` sweeps on an H200
-(docs/performance.md) rather than ``triton.autotune``: the backward kernels accumulate into
+(docs/experiments.md) rather than ``triton.autotune``: the backward kernels accumulate into
 caller buffers, which an autotuner's repeated launches would corrupt, and a fixed table keeps
 launches deterministic.
 """
@@ -79,7 +79,7 @@ def backward_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
     if head_dim <= 64:
         # Not (64, 128, 4, 2), an earlier sweep's causal pick: four warps holding two 128x64
         # float32 accumulators spill registers; it ran at 70-120 TFLOP/s in every shape probed
-        # on 2026-11-23 (MHA and GQA, 16K-64K tokens), this one at 461-496 (docs/performance.md).
+        # on 2026-11-23 (MHA and GQA, 16K-64K tokens), this one at 461-496 (docs/experiments.md).
         cfg = TileConfig(64, 64, 4, 3)
     elif head_dim <= 128:
         cfg = TileConfig(64, 128, 8, 3)

@@ -18,7 +18,7 @@ A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
 
-Measured on an H200 (docs/performance.md, Ninth to Twelfth sessions): exact like the Triton
+Measured on an H200 (docs/performance.md; history in docs/experiments.md): exact like the Triton
 kernels against float64; at head_dim 128 its backward runs 0.90-0.98x cuDNN's and 1.18-1.34x
 the Triton kernels' (causal or not, MHA and GQA 32/8). At head_dim 64 it tied with the Triton
 kernels, so only 128 takes this path.

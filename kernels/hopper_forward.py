@@ -10,7 +10,7 @@ One program per (128-row query tile, query head, sequence), its warps specialize
   S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and computes the softmax of S_j while
   P V runs. The warpgroups run free of each other: making them take turns at issuing their
   products (FlashAttention-3's ping-pong, through an mbarrier pair) measured no faster on an
-  H200 (medians within -3%..+1% over 5 interleaved rounds, docs/performance.md).
+  H200 (medians within -3%..+1% over 5 interleaved rounds, docs/experiments.md).
 
 A softcap (constexpr SOFTCAP: ``tanh.approx.f32`` per score) and ALiBi (HAS_ALIBI: a bias from
 global positions) are built in only where a problem has them (docs/experiments.md, 2026-11-24).

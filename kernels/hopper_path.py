@@ -13,6 +13,7 @@ import os
 from types import ModuleType
 
 import torch
+import triton
 
 from .configs import INTERPRET
 from .problem import AttentionProblem
@@ -22,12 +23,19 @@ TILE = 128  # both kernels' lengths must be multiples of this
 # ALiBi's position differences go through float32 (in the forward via the exponent bits of
 # 1.5 * 2^23): exact while |pq - pk| and every position stay below this.
 ALIBI_POSITION_LIMIT = 2**22
+# The Triton release the Gluon kernels are built and measured with: Gluon is experimental and
+# changes between releases (under 3.8 the fused backward's build spills more), so any other
+# release runs the Triton kernels.
+GLUON_TRITON = "3.6."
 
 
 @functools.cache
 def hopper_module(name: str) -> ModuleType | None:
-    """``ringflash.kernels.<name>`` imported on first use, or None where this Triton lacks the
-    Gluon features it uses (Gluon cannot run under the interpreter anyway)."""
+    """``ringflash.kernels.<name>`` imported on first use, or None where this Triton is not
+    ``GLUON_TRITON`` or lacks the Gluon features it uses (Gluon cannot run under the interpreter
+    anyway)."""
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return None
     try:
         return importlib.import_module(f"{__package__}.{name}")
     except (ImportError, AttributeError):

@@ -7,7 +7,7 @@ GPU launch would, and see:
 - registers per thread and bytes spilled to local memory (``ptxas -v``). Spills alone do not
   rank tiles: on an H200 (2026-11-23) a head_dim-256 dK/dV tile spilling 4.2 KB ran 3.6x faster
   than one spilling 8.2 KB, but TMA-load variants of the head_dim-128 dK/dV kernel that cut its
-  1.8 KB spill to 0.04-0.8 KB ran slower (docs/performance.md). Time candidates on a GPU.
+  1.8 KB spill to 0.04-0.8 KB ran slower (docs/experiments.md). Time candidates on a GPU.
 
 Import this in a process without TRITON_INTERPRET=1: under the interpreter ``triton.jit``
 returns interpreted functions, which cannot be compiled.
@@ -216,7 +216,7 @@ def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HO
 def serialized_wgmma(sass: str) -> bool:
     """Whether ptxas serialized the kernel's wgmma: a wait for all groups (``WARPGROUP.DEPBAR.LE
     gsb0, 0x0``) after every HGMMA. It does so silently at times (no C7512 in its log); the fused
-    backward lost 8-13% of its causal speed that way until one session's profile showed it."""
+    backward lost 8-13% of its causal speed that way until a profile showed it."""
     return sass.count("HGMMA") > 0 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= sass.count("HGMMA")
 
 

@@ -87,7 +87,7 @@ def row_pointers(base, first, rows, stride, WIDE: tl.constexpr):
     WIDE (for sequences that reach 2^31 elements from their start; ``problem.wide_offsets``)
     moves the base to the tile's first row with a 64-bit offset, rows inside the tile in 32
     bits. Otherwise all offsets are 32-bit: on an H200 the WIDE form in every loop made the
-    kernels 5-10% slower (docs/performance.md), so it is compiled only for inputs that need it.
+    kernels 5-10% slower (docs/experiments.md), so it is compiled only for inputs that need it.
     """
     if WIDE:
         return base + tl.cast(first, tl.int64) * stride + rows[:, None] * stride

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# DeepSpeed + ringflash training session on a 2-GPU machine, run through the device tool (never CI):
+# DeepSpeed + ringflash training runs on a 2-GPU machine (never CI):
 #   bash launch/gpu_train.sh              # every stage: a b c d e (~10 min on 2x H200)
-#   bash launch/gpu_train.sh a b c        # some stages (e.g. two calls: "a b c", then "d e")
+#   bash launch/gpu_train.sh a b c        # some stages (e.g. "a b c" now, "d e" later)
 #   LONG=1 bash launch/gpu_train.sh d     # the length probe also tries 512K (~2 more minutes)
 # Stages:
 #   a  tests/test_deepspeed.py + test_loss.py on the GPUs (NCCL; the 4-rank cases skip on 2 GPUs)
@@ -19,9 +19,9 @@
 #      seed 1 reached 0.58 accuracy per 100 steps, seed 0 0.15-0.17 (bf16, fp32). This form
 #      (2026-11-23, 2x H200, 497 s): last-20-step accuracy 0.54 at 256, 0.51 at 2K, 0.36 at 64K
 #      (chance 1/64); docs/performance.md and docs/recall_64k_2xh200.png
-# The machine lacks DeepSpeed and some of its pure-python deps: they come from .whl/ (pass
-# carry [".whl"] to the device tool). Every run has its own time limit, and BUDGET (seconds,
-# default 560) caps the whole call: runs that no longer fit are skipped, never cut mid-way.
+# On a machine without DeepSpeed and some of its pure-python deps, put their wheels in .whl/
+# (installed from there, offline). Every run has its own time limit, and BUDGET (seconds,
+# default 560) caps the whole script: runs that no longer fit are skipped, never cut mid-way.
 # Logs and JSON go to $OUT; a table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."

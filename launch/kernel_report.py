@@ -5,8 +5,8 @@
     python launch/kernel_report.py --softcap --alibi          # the same with both score features
 
 Compiles each kernel for sm_90 as a launch would (bf16, causal, or fp32 with --fp32) and runs
-ptxas -v on it. Use it before a GPU session to drop tile shapes that do not fit in shared
-memory; spill counts alone do not rank tiles (docs/performance.md), so speed still needs the GPU
+ptxas -v on it. Use it before a GPU run to drop tile shapes that do not fit in shared
+memory; spill counts alone do not rank tiles (docs/experiments.md), so speed still needs the GPU
 (launch/tune_attention.py). Run it without TRITON_INTERPRET=1.
 """
 

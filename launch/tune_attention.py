@@ -5,10 +5,10 @@
     python launch/tune_attention.py --head-dims 64 --heads 16 --kv-heads 4 --causal yes --kernels bwd_kv
     python launch/tune_attention.py --head-dims 256 --kernels bwd_kv --tiles 32,64,4,1 64,64,8,2
 
-The winners go into kernels/configs.py by hand (with the numbers in docs/performance.md), so
+The winners go into kernels/configs.py by hand (with the numbers in docs/experiments.md), so
 that launches stay deterministic and free of autotuning passes. Sweep the shapes you train
 (GQA, long sequences) as well as the default: a dK/dV tile picked at 16K tokens with 16 MHA
-heads ran 2-6x slower with GQA at 64K (docs/performance.md, 2026-11-23). Candidates that
+heads ran 2-6x slower with GQA at 64K (docs/experiments.md, 2026-11-23). Candidates that
 overflow shared memory can be dropped without a GPU (launch/kernel_report.py); its register and
 spill counts do not predict speed on their own.
 """

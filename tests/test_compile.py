@@ -4,7 +4,7 @@ that Triton specializes at launch (a value of 1 becomes a compile-time constant)
 The CPU tests run the kernels under the Triton interpreter, which never specializes, so a kernel
 that is correct there can still fail to compile on a GPU (e.g. reassigning an argument that
 arrived as the constant 1). Compiling for a GPU target needs no GPU: Triton ships ptxas. The
-check runs in a subprocess because the test session imports the kernels in interpreter mode.
+check runs in a subprocess because the test process imports the kernels in interpreter mode.
 The same build also gives each tile config's shared memory, checked against the chip's limit.
 """
 
@@ -15,6 +15,9 @@ import subprocess
 import sys
 
 import pytest
+import triton
+
+from ringflash.kernels.hopper_path import GLUON_TRITON
 
 _SPECIALIZED = r"""
 import itertools
@@ -140,10 +143,18 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path):
     assert len(out.strip().splitlines()) == 3 * 3 + 1  # every (kernel, head_dim) ran
 
 
+GLUON = pytest.mark.skipif(
+    not triton.__version__.startswith(GLUON_TRITON),
+    reason=f"the Gluon kernels are built with Triton {GLUON_TRITON}x only (kernels/hopper_path.py)",
+)
+
+
+@GLUON
 def test_fused_backward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FUSED, tmp_path).strip().endswith("fused ok")
 
 
+@GLUON
 def test_fused_forward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FORWARD, tmp_path).strip().endswith("forward ok")
 

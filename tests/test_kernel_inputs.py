@@ -189,6 +189,18 @@ def test_bad_dense_inputs(device, make, exc, match):
         ringflash.flash_attn_func(**kwargs)
 
 
+@pytest.mark.skipif(not configs.INTERPRET, reason="bfloat16 is supported on a GPU")
+@pytest.mark.parametrize("entry", ["flash_attn_func", "build_problem"])
+def test_bfloat16_under_the_interpreter_names_the_dtypes_that_work(entry):
+    """The interpreter's bf16 matmul gives garbage (errors of 1e8), so bf16 is refused there."""
+    q, k, v = (t.bfloat16() for t in _qkv("cpu"))
+    with pytest.raises(TypeError, match=r"q is bfloat16.*interpreter.*use float16 or float32"):
+        if entry == "flash_attn_func":
+            ringflash.flash_attn_func(q, k, v, causal=True)
+        else:
+            build_problem(q, k, v, None, True, (-1, -1))
+
+
 def test_bad_inputs_rejected_by_build_problem_too(device):
     """The low-level entry validates the same way (the ring engine calls it directly)."""
     q, k, v = _qkv(device)
