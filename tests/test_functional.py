@@ -314,3 +314,61 @@ def test_merge_sinks_edge_cases(device):
         merge_sinks(out, lse, torch.zeros(2, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="merge_sinks needs out"):
         merge_sinks(out, lse.transpose(1, 2), sinks)
+
+
+# --------------------------------------------------------------------------------------------
+# softcap and ALiBi through the public functions
+
+
+@pytest.mark.xfail(
+    raises=NotImplementedError, strict=True, reason="softcap and ALiBi are not implemented in the kernels yet"
+)
+@pytest.mark.parametrize(
+    ("feature", "varlen"),
+    [("softcap", False), ("alibi", False), ("alibi-batch", False), ("all", True)],
+    ids=["softcap", "alibi", "alibi-batch", "varlen-softcap-alibi-sinks"],
+)
+def test_softcap_and_alibi_match_float64(device, feature, varlen):
+    """softcap= and alibi_slopes= as in flash-attn: out, LSE and every gradient against float64,
+    with GQA and causal (plus a window or packed sequences); scores large enough for the cap to
+    bite and slopes large enough to matter. The probabilities of return_attn_probs too."""
+    b = 2 if feature == "alibi-batch" else 1
+    q, k, v, dout, dlse = _inputs(b, 13, 13, 4, 2, 16, device, seed=7, scale=2.5)
+    kw = dict(causal=True, window_size=(8, -1) if feature == "alibi-batch" else (-1, -1))
+    if feature in ("softcap", "all"):
+        kw["softcap"] = 1.5
+    if feature in ("alibi", "all"):
+        kw["alibi_slopes"] = torch.tensor([0.9, 0.5, 0.25, 0.125], device=device)
+    if feature == "alibi-batch":
+        kw["alibi_slopes"] = torch.tensor([[0.9, 0.5, 0.3, 0.1], [0.05, 0.2, 0.4, 0.7]], device=device)
+    sinks = _sinks(4, device) if varlen else None
+    cu_list = [0, 6, 13]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+
+    def run(q, k, v):
+        if varlen:
+            out, lse = ringflash.flash_attn_varlen_func(
+                q[0], k[0], v[0], cu, cu, 7, 7, sinks=sinks, return_lse=True, **kw
+            )
+            return out[None], lse[None]
+        return ringflash.flash_attn_func(q, k, v, return_lse=True, **kw)
+
+    def ref(q, k, v, **extra):
+        ref_kw = {**kw, "sinks": sinks, **extra}
+        if varlen:
+            return reference_attention_packed(q, k, v, cu_list, **ref_kw)
+        return reference_attention(q, k, v, **ref_kw)
+
+    out, _ = _check(run, ref, (q, k, v), dout, dlse, ("dq", "dk", "dv"))
+    plain = ref(q, k, v, softcap=0.0, alibi_slopes=None)[0]
+    assert rel_err(out, plain) > 0.1  # the features change the answer
+    if varlen:
+        probs = ringflash.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 7, 7, return_attn_probs=True, sinks=sinks, **kw
+        )[2]
+        ref_probs = _reference_probs(q, k, cu_list, sinks=sinks, **kw)[0]
+        _close("probs 0", probs[0, :, :6, :6], ref_probs[:, :6, :6])
+        _close("probs 1", probs[1], ref_probs[:, 6:, 6:])
+    else:
+        probs = ringflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)[2]
+        _close("probs", probs, _reference_probs(q, k, **kw))
