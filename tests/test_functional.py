@@ -320,9 +320,6 @@ def test_merge_sinks_edge_cases(device):
 # softcap and ALiBi through the public functions
 
 
-@pytest.mark.xfail(
-    raises=NotImplementedError, strict=True, reason="softcap and ALiBi are not implemented in the kernels yet"
-)
 @pytest.mark.parametrize(
     ("feature", "varlen"),
     [("softcap", False), ("alibi", False), ("alibi-batch", False), ("all", True)],
