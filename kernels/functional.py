@@ -188,7 +188,6 @@ def flash_attn_func(
         TypeError: a tensor of the wrong type or dtype, or a non-bool flag.
         ValueError: shapes, devices, window, scale, softcap, alibi_slopes or sinks that do not
             fit (the message names the argument); dropout_p != 0; head_dim > 256.
-        NotImplementedError: softcap or alibi_slopes where the kernels do not implement them yet.
     """
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

@@ -17,16 +17,16 @@ from ringflash.kernels import merge_sinks
 TOL = TOLERANCE[torch.float32]
 
 
-def _randn(gen, shape, device, scale=1.0):
-    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(device, torch.float32)
+def _randn(gen, shape, device, scale=1.0, dtype=torch.float32):
+    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(device, dtype)
 
 
-def _inputs(b, sq, sk, h, hk, d, device, seed=0, scale=1.0):
+def _inputs(b, sq, sk, h, hk, d, device, seed=0, scale=1.0, dtype=torch.float32):
     """Fresh random q, k, v, dout (batch, seqlen, heads, head_dim) and dlse (batch, heads, seqlen_q);
     ``scale`` multiplies q and k, so that the scores reach where softcap and sinks matter."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (
-        _randn(g, (b, s, n, d), device, sc)
+        _randn(g, (b, s, n, d), device, sc, dtype)
         for s, n, sc in ((sq, h, scale), (sk, hk, scale), (sk, hk, 1.0), (sq, h, 1.0))
     )
     return q, k, v, dout, _randn(g, (b, h, sq), device)
@@ -44,7 +44,7 @@ def _close(name, got, expected, tol=TOL):
     assert err < tol, f"{name}: rel err {err:.2e} >= {tol:.0e}"
 
 
-def _check(run, ref, tensors, dout, dlse, names):
+def _check(run, ref, tensors, dout, dlse, names, tol=TOL):
     """``run(*leaves) -> (out, lse)`` against ``ref(*float64 leaves) -> (out, lse)``: out, lse and
     the gradients of every tensor in ``tensors`` under the loss <out, dout> + <lse, dlse>, which
     must all be finite. Returns (out, lse) of ``run``."""
@@ -57,7 +57,7 @@ def _check(run, ref, tensors, dout, dlse, names):
         (ref_out, ref_lse), ref_leaves, (dout.to("cpu", torch.float64), dlse.to("cpu", torch.float64))
     )
     for name, got, exp in zip(("out", "lse", *names), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
-        _close(name, got, exp)
+        _close(name, got, exp, tol)
         assert torch.isfinite(got).all() or name == "lse", name
     return out.detach(), lse.detach()
 
@@ -369,3 +369,30 @@ def test_softcap_and_alibi_match_float64(device, feature, varlen):
     else:
         probs = ringflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)[2]
         _close("probs", probs, _reference_probs(q, k, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_everything_at_once_in_half_precision_on_gpu(dtype):
+    """bf16/fp16 at a real size: head_dim 111 (padded), GQA, causal with a window, softcap, ALiBi
+    and sinks through flash_attn_func, and the same sequences packed through the varlen form."""
+    q, k, v, dout, dlse = _inputs(2, 1000, 1000, 8, 2, 111, "cuda", seed=11, scale=2.0, dtype=dtype)
+    slopes = torch.linspace(0.01, 0.2, 8, device="cuda")
+    sinks = _sinks(8, "cuda")
+    kw = dict(causal=True, window_size=(300, -1), softcap=5.0, alibi_slopes=slopes)
+
+    def run(q, k, v, sinks):
+        return ringflash.flash_attn_func(q, k, v, sinks=sinks, return_lse=True, **kw)
+
+    def ref(q, k, v, sinks):
+        return reference_attention(q, k, v, sinks=sinks, **kw)
+
+    names = ("dq", "dk", "dv", "dsinks")
+    out, lse = _check(run, ref, (q, k, v, sinks), dout, dlse, names, tol=TOLERANCE[dtype])
+    cu = torch.tensor([0, 1000, 2000], dtype=torch.int32, device="cuda")
+    packed = [t.reshape(2000, *t.shape[2:]) for t in (q, k, v)]
+    out_v, lse_v = ringflash.flash_attn_varlen_func(
+        *packed, cu, cu, 1000, 1000, sinks=sinks, return_lse=True, **kw
+    )
+    _close("varlen out", out_v, out.reshape(2000, 8, 111), TOLERANCE[dtype])
+    _close("varlen lse", lse_v, lse.transpose(0, 1).reshape(8, 2000), TOLERANCE[dtype])
