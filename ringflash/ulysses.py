@@ -68,12 +68,15 @@ def whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_le
     head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1; with one
     ring rank every layout is the natural token order)."""
     if doc_lens is None:
-        return flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_lse=True)
+        return flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, return_lse=True
+        )
     cu = cumulative_lengths(doc_lens, q.device)
     n = max(doc_lens)
     out, lse = flash_attn_varlen_func(
-        q[0], k[0], v[0], cu, cu, n, n, softmax_scale, causal, window_size, return_lse=True
-    )
+        q[0], k[0], v[0], cu, cu, n, n, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        return_lse=True,
+    )  # fmt: skip
     return out[None], lse[None]
 
 
