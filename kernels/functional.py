@@ -4,29 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .backward import attention_backward, attention_delta
-from .forward import attention_forward
-from .problem import AttentionProblem, build_problem
-
-
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, problem: AttentionProblem):
-        out, lse = attention_forward(q, k, v, problem)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        problem = ctx.problem
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        delta = attention_delta(out, dout, problem)
-        dq, dk, dv = attention_backward(dout, q, k, v, lse, delta, problem)
-        return dq, dk, dv, None
+from .ops import flash_attention
 
 
 def flash_attn_func(
@@ -56,8 +34,7 @@ def flash_attn_func(
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, and if ``return_lse`` the
         float32 LSE (batch, heads_q, seqlen_q); rows that see no key give out 0, LSE -inf.
     """
-    problem = build_problem(q, k, v, softmax_scale, causal, window_size)
-    out, lse = _FlashAttention.apply(q, k, v, problem)
+    out, lse = flash_attention(q, k, v, softmax_scale, causal, window_size)
     return (out, lse) if return_lse else out
 
 
@@ -86,10 +63,9 @@ def flash_attn_varlen_func(
     Returns:
         out (total_q, heads_q, head_dim), and if ``return_lse`` the float32 LSE (heads_q, total_q).
     """
-    problem = build_problem(
+    out, lse = flash_attention(
         q, k, v, softmax_scale, causal, window_size,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )  # fmt: skip
-    out, lse = _FlashAttention.apply(q, k, v, problem)
     return (out, lse) if return_lse else out

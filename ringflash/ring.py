@@ -25,10 +25,9 @@ from .kernels import (
     attention_backward,
     attention_delta,
     attention_forward,
-    build_problem,
     uses_fused_backward,
 )
-from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
+from .layouts import cumulative_lengths, segments
 from .merge import merge_partial
 from .schedule import BlockTask, ring_schedule
 
@@ -274,25 +273,9 @@ def ring_flash_attn_func(
         out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; and
         the LSE if ``return_lse``. Every rank of the group must call this with the same shapes.
     """
-    comm = RingComm(group)
-    check_layout(layout)
-    base = build_problem(q, k, v, softmax_scale, causal, window_size)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "ring attention needs q and k/v shards of the same local length, "
-            f"got {q.shape[1]} and {k.shape[1]}"
-        )
-    total = q.shape[1] * comm.world_size
-    if cu_seqlens is None:
-        check_total_length(layout, total, comm.world_size, "full sequence length")
-        doc_lens = (total,)
-    else:
-        if q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
-        doc_lens = document_lengths(cu_seqlens, total, layout, comm.world_size)
-    plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
-    k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
-    out, lse = _RingFlashAttention.apply(q, k, v, base, plan, comm)
+    from .ops import ring_attention  # ops.py builds on this module
+
+    out, lse = ring_attention(q, k, v, softmax_scale, causal, window_size, group, layout, cu_seqlens)
     return (out, lse) if return_lse else out
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .comm import all_to_all, resolve_group
 from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
+from .kernels.ops import use_ops
 from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_flash_attn_func
@@ -136,6 +137,15 @@ def sp_attn_func(
         return ring_flash_attn_func(
             q, k, v, softmax_scale, causal, window_size, group, layout, return_lse, cu_seqlens
         )
+    if use_ops(q):  # traced: one opaque op; it checks the arguments when it runs
+        from .ops import ulysses_attention  # ops.py builds on this module
+
+        if sp_mode == "hybrid" and ulysses_size is None:
+            raise ValueError('sp_mode="hybrid" needs ulysses_size')
+        u = 0 if sp_mode == "ulysses" else ulysses_size
+        args = (softmax_scale, causal, window_size, group, layout, u, cu_seqlens)
+        out, lse = ulysses_attention(q, k, v, *args)
+        return (out, lse) if return_lse else out
     group = resolve_group(group)
     world = dist.get_world_size(group)
     if sp_mode == "ulysses":
