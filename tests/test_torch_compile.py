@@ -100,9 +100,9 @@ def test_lse_gradient_matches_reference(path):
     op called directly and the compiled op, against float64; the window keeps one row keyless
     (LSE -inf, gradient 0)."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (3 * torch.randn(2, 12, h, 16, generator=g) for h in (4, 2, 2))
+    q, k, v = (3 * torch.randn(2, n, h, 16, generator=g) for n, h in ((12, 4), (8, 2), (8, 2)))
     dout, dlse = torch.randn(2, 12, 4, 16, generator=g), torch.randn(2, 4, 12, generator=g)
-    window = (2, -3)  # query 2 sees keys [0, -1]... and the first rows see none
+    window = (2, 0)  # bottom-right aligned: queries at positions -4 and -3 see no key
 
     def attention(q, k, v):
         if path == "op":
