@@ -9,7 +9,7 @@ positions (``TokenPositions``).
 from .backward import attention_backward, attention_delta, uses_fused_backward
 from .forward import attention_forward, uses_fused_forward
 from .functional import flash_attn_func, flash_attn_varlen_func
-from .merge import merge_attention_partial
+from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window
 
@@ -23,10 +23,12 @@ __all__ = [
     "attention_forward",
     "block_visibility",
     "build_problem",
+    "check_sinks",
     "check_window",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "merge_attention_partial",
+    "merge_sinks",
     "uses_fused_backward",
     "uses_fused_forward",
 ]

@@ -10,21 +10,31 @@ from .problem import AttentionProblem, build_problem
 
 
 class _FlashAttention(torch.autograd.Function):
+    """(out, lse) of attention, both differentiable.
+
+    A gradient on the LSE only changes delta: d lse_i / d S_ij = P_ij and dS = P * (dP - delta),
+    so backpropagating dlse as well is delta_i -= dlse_i; calls that ignore the LSE skip it.
+    """
+
     @staticmethod
     def forward(ctx, q, k, v, problem: AttentionProblem):
         out, lse = attention_forward(q, k, v, problem)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         problem = ctx.problem
-        if dout.stride(-1) != 1:
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         delta = attention_delta(out, dout, problem)
+        if dlse is not None:
+            delta.sub_(dlse)
         dq, dk, dv = attention_backward(dout, q, k, v, lse, delta, problem)
         return dq, dk, dv, None
 
