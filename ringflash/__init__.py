@@ -1,6 +1,7 @@
 """ringflash: exact attention over sequences too long for one GPU.
 
-Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` (Triton FlashAttention-2 with LSE).
+Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` and their qkv/kv-packed forms
+(Triton FlashAttention-2 with LSE, flash-attn 2.x's signatures).
 Sequence parallel: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
 ``stripe_flash_attn_func`` and their ``*_varlen_func`` forms (ring-flash-attn's names, arguments and
 shard layouts), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
@@ -16,7 +17,14 @@ Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 from .batch import shard_batch
 from .comm import use_high_priority_comm
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
-from .kernels import flash_attn_func, flash_attn_varlen_func
+from .kernels import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .loss import sequence_parallel_chunked_cross_entropy, sequence_parallel_cross_entropy
 from .merge import merge_partial
@@ -39,7 +47,11 @@ __all__ = [
     "SequenceParallelAttention",
     "SP_MODES",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "gather_sequence",
     "layout_indices",
     "merge_partial",

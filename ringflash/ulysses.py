@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from .comm import all_to_all, resolve_group
 from .consistency import check_ranks_agree
-from .kernels import build_problem, check_window
-from .kernels.functional import _FlashAttention
+from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, ulysses_ring_mesh
-from .ring import apply_sinks, attention_returns, call_signature, check_dropout, check_sinks, ring_attention
+from .ring import attention_returns, call_signature, check_dropout, check_sinks, ring_attention
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
@@ -84,23 +83,18 @@ def whole_sequence_attention(
     head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1; with one
     ring rank every layout is the natural token order). softcap, alibi_slopes ((heads,) or
     (batch, heads)), sinks (heads,), deterministic: as in ``ring_flash_attn_func``."""
-    options = dict(softcap=softcap, deterministic=deterministic)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic)  # fmt: skip
     if doc_lens is None:
-        problem = build_problem(
-            q, k, v, softmax_scale, causal, window_size, alibi_slopes=alibi_slopes, **options
-        )
-        out, lse = _FlashAttention.apply(q, k, v, problem)
-    else:
-        cu = cumulative_lengths(doc_lens, q.device)
-        n = max(doc_lens)
-        if alibi_slopes is not None:  # one slope per head, the same for every document
-            alibi_slopes = alibi_slopes.reshape(-1, alibi_slopes.shape[-1])[0].expand(len(doc_lens), -1)
-        problem = build_problem(q[0], k[0], v[0], softmax_scale, causal, window_size, cu_seqlens_q=cu,
-                                cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, alibi_slopes=alibi_slopes,
-                                **options)  # fmt: skip
-        out, lse = _FlashAttention.apply(q[0], k[0], v[0], problem)
-        out, lse = out[None], lse[None]
-    return apply_sinks(out, lse, sinks)
+        return flash_attn_func(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options)
+    cu = cumulative_lengths(doc_lens, q.device)
+    n = max(doc_lens)
+    if alibi_slopes is not None:  # one slope per head, the same for every document
+        alibi_slopes = alibi_slopes.reshape(-1, alibi_slopes.shape[-1])[0].expand(len(doc_lens), -1)
+    out, lse = flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, n, n, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options
+    )
+    return out[None], lse[None]
 
 
 def _head_slice(x: torch.Tensor | None, mesh: UlyssesRingMesh) -> torch.Tensor | None:
