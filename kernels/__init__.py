@@ -1,17 +1,29 @@
 """Single-device Triton FlashAttention (imported as ``ringflash.kernels``).
 
-Knows nothing of torch.distributed. ``flash_attn_func``/``flash_attn_varlen_func`` are the
-autograd-aware entry points; ``attention_forward``/``attention_backward`` with
-``build_problem`` are the low-level calls the ring engine uses, with masks in global token
-positions (``TokenPositions``).
+Knows nothing of torch.distributed. ``flash_attn_func``/``flash_attn_varlen_func`` and their
+packed forms (flash-attn 2.x's names and signatures) are the autograd-aware entry points;
+``attention_forward``/``attention_backward`` with ``build_problem`` are the low-level calls the
+ring engine uses, with masks in global token positions (``TokenPositions``);
+``merge_attention_partial`` and ``merge_sinks`` are the merge rule; ``pad_head_dim`` serves
+head dims that are not multiples of 8.
 """
 
 from .backward import attention_backward, attention_delta, uses_fused_backward
 from .forward import attention_forward, uses_fused_forward
-from .functional import flash_attn_func, flash_attn_varlen_func
-from .merge import merge_attention_partial
+from .functional import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    pad_head_dim,
+    padded_head_dim,
+)
+from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window
+from .probs import attention_probs
 
 __all__ = [
     "AttentionProblem",
@@ -21,12 +33,21 @@ __all__ = [
     "attention_backward",
     "attention_delta",
     "attention_forward",
+    "attention_probs",
     "block_visibility",
     "build_problem",
+    "check_sinks",
     "check_window",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "merge_attention_partial",
+    "merge_sinks",
+    "pad_head_dim",
+    "padded_head_dim",
     "uses_fused_backward",
     "uses_fused_forward",
 ]

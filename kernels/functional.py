@@ -1,41 +1,166 @@
-"""Autograd-aware single-device attention with flash-attn's call signatures."""
+"""Autograd-aware single-device attention with flash-attn 2.x's call signatures.
+
+Every public function takes flash-attn's arguments in flash-attn's positional order, so code
+written for flash-attn runs after changing only the import; ringflash's additions (``sinks``,
+``return_lse``) are keyword-only. All six share ``_attention``, which runs
+``ops.flash_attention`` (custom operators when traced by torch.compile).
+"""
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.nn.functional as F
+
+from .merge import check_sinks, merge_sinks
 from .ops import flash_attention
+from .problem import MAX_HEAD_DIM, build_problem
+from .probs import attention_probs
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head_dim the kernels run at: ``head_dim`` rounded up to a multiple of 8 (16-byte rows).
+
+    Raises:
+        ValueError: head_dim outside [1, MAX_HEAD_DIM] (256, as in flash-attn).
+    """
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    return -(-head_dim // 8) * 8
+
+
+def pad_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v with their last (head_dim) dimension zero-padded to ``padded_head_dim`` (unchanged
+    when it is a multiple of 8 already). Zero columns change no score and give zero output
+    columns, so slicing ``out[..., :head_dim]`` afterwards is exact, and autograd slices the
+    gradients back. Pass ``softmax_scale`` from the original head_dim. Inputs that are not
+    tensors of one head_dim come back as they are, for ``build_problem`` to name what is wrong.
+
+    Raises:
+        ValueError: head_dim outside [1, 256].
+    """
+    if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in (q, k, v)):
+        return q, k, v
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return q, k, v
+    pad = padded_head_dim(head_dim) - head_dim
+    if pad == 0:
+        return q, k, v
+    return tuple(F.pad(t, (0, pad)) for t in (q, k, v))
+
+
+def _check_unsupported(dropout_p: object, block_table: object = None) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(
+            f"dropout_p={dropout_p}: attention dropout is not implemented in ringflash; pass dropout_p=0.0"
+        )
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache) is not supported; pass block_table=None")
+
+
+def _attention(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+    return_attn_probs, sinks, return_lse, **varlen,
+):  # fmt: skip
+    """The one implementation behind the six public functions; ``varlen`` holds cu_seqlens_q/k
+    and max_seqlen_q/k for the packed forms."""
+    _check_unsupported(dropout_p, varlen.pop("block_table", None))
+    head_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() > 0 else None
+    if softmax_scale is None and head_dim:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    qp, kp, vp = pad_head_dim(q, k, v)
+    if not isinstance(return_attn_probs, bool) or not isinstance(return_lse, bool):
+        raise TypeError("return_attn_probs and return_lse must be bools")
+    kw = dict(softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    out, lse = flash_attention(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
+    if qp is not q:
+        out = out[..., :head_dim]
+    if sinks is not None:
+        check_sinks(sinks, q.shape[-2], q.device)
+        out, lse = merge_sinks(out, lse, sinks)
+    if return_attn_probs:
+        problem = build_problem(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
+        return out, lse, attention_probs(q, k, lse.detach(), problem)
+    return (out, lse) if return_lse else out
 
 
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention without materializing the score matrix, differentiable.
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Exact attention without materializing the score matrix, differentiable; flash-attn 2.x's
+    ``flash_attn_func`` with the same arguments in the same order.
+
+    Grouped-query attention (GQA/MQA): query head h uses key/value head h // (heads_q // heads_k).
+    With causal=True the mask is aligned to the bottom-right corner of the score matrix, as in
+    flash-attn; for seqlen_q = 2 and seqlen_k = 5 (1 = keep):
+        1 1 1 1 0
+        1 1 1 1 1
+    and for seqlen_q = 5, seqlen_k = 2 the first three rows see no key (out 0, LSE -inf):
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+    A window lets query i see keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), float16/bfloat16/float32, CUDA (or CPU with
-            TRITON_INTERPRET=1).
-        k, v: (batch, seqlen_k, heads_k, head_dim), same dtype/device; heads_q % heads_k == 0
-            (GQA/MQA). head_dim: a multiple of 8 up to 256.
-        softmax_scale: defaults to 1/sqrt(head_dim).
-        causal: mask keys after the query; with seqlen_q != seqlen_k the mask is aligned to
-            the bottom-right corner, as in flash-attn.
-        window_size: (left, right) sliding window, -1 = unbounded; query i sees keys
-            [i - left, i + right] (bottom-right aligned).
-        return_lse: also return the row logsumexp.
+            TRITON_INTERPRET=1 set before import; float16/float32 there).
+        k, v: (batch, seqlen_k, heads_k, head_dim), same dtype and device; heads_q % heads_k == 0.
+            head_dim: any in [1, 256]; one that is not a multiple of 8 is zero-padded internally
+            (a copy of q, k, v), the output and gradients are sliced back.
+        dropout_p: must be 0.0 (attention dropout is not implemented).
+        softmax_scale: scale of q k^T; defaults to 1/sqrt(head_dim) (the caller's head_dim).
+        causal: mask keys after the query (bottom-right aligned, see above).
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: > 0: scores -> softcap * tanh(scores / softcap) before the mask (Gemma-2); 0 = off.
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q): bias -slope * |i + seqlen_k -
+            seqlen_q - j| added to the score of query i and key j (after the softcap).
+        deterministic: use only kernels that sum gradients in a fixed order (bitwise
+            reproducible backward); the forward is always deterministic.
+        return_attn_probs: also return the LSE and the attention probabilities, as flash-attn's
+            (out, softmax_lse, S_dmask); the probabilities are recomputed in torch from q, k and
+            the LSE (float32, O(seqlen_q * seqlen_k) memory: for tests, not training) and are
+            exact, masked pairs 0.
+        sinks: (heads_q,) any float dtype, learned: one extra logit per query head in every
+            row's softmax denominator, with no value (gpt-oss's ``s_aux``); differentiable.
+        return_lse: also return the LSE (ringflash's; flash-attn returns it only with
+            return_attn_probs).
 
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim) in q's dtype, and if ``return_lse`` the
-        float32 LSE (batch, heads_q, seqlen_q); rows that see no key give out 0, LSE -inf.
+        out (batch, seqlen_q, heads_q, head_dim) in q's dtype; with ``return_lse`` (out, lse);
+        with ``return_attn_probs`` (out, lse, probs). lse: float32 (batch, heads_q, seqlen_q),
+        the natural-log logsumexp of each row's scaled scores (sinks included), differentiable;
+        -inf (with sinks: the sink) where a row sees no key, whose out is 0. probs: float32
+        (batch, heads_q, seqlen_q, seqlen_k), not differentiable.
+
+    Raises:
+        TypeError: a tensor of the wrong type or dtype, or a non-bool flag.
+        ValueError: shapes, devices, window, scale, softcap, alibi_slopes or sinks that do not
+            fit (the message names the argument); dropout_p != 0; head_dim > 256.
+        NotImplementedError: softcap or alibi_slopes where the kernels do not implement them yet.
     """
-    out, lse = flash_attention(q, k, v, softmax_scale, causal, window_size)
-    return (out, lse) if return_lse else out
+    return _attention(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, sinks, return_lse,
+    )  # fmt: skip
 
 
 def flash_attn_varlen_func(
@@ -46,26 +171,189 @@ def flash_attn_varlen_func(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over packed variable-length sequences; never attends across a sequence boundary.
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Attention over packed variable-length sequences, never across a sequence boundary;
+    flash-attn 2.x's ``flash_attn_varlen_func`` with the same arguments in the same order.
 
     Args:
         q: (total_q, heads_q, head_dim); k, v: (total_k, heads_k, head_dim).
-        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) cumulative lengths starting at 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence on each side.
-        Other arguments as in ``flash_attn_func``; masks align each sequence's queries to the
-        end of its keys.
+        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) cumulative lengths starting at 0, on
+            q's device.
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence on each side.
+        block_table: must be None (a paged KV cache is not supported).
+        Other arguments as in ``flash_attn_func``; masks and ALiBi distances align each
+        sequence's queries to the end of its keys.
 
     Returns:
-        out (total_q, heads_q, head_dim), and if ``return_lse`` the float32 LSE (heads_q, total_q).
+        out (total_q, heads_q, head_dim); with ``return_lse`` (out, lse), lse float32
+        (heads_q, total_q); with ``return_attn_probs`` (out, lse, probs), probs float32
+        (num_seqs, heads_q, max_seqlen_q, max_seqlen_k), sequence i in [i, :, :len_q, :len_k].
+
+    Raises:
+        As ``flash_attn_func``; also ValueError for cu_seqlens/max_seqlen that do not fit and
+        for a block_table.
     """
-    out, lse = flash_attention(
-        q, k, v, softmax_scale, causal, window_size,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    return _attention(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, sinks, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+
+
+def _unpack(name: str, packed: object, parts: int, varlen: bool) -> tuple[torch.Tensor, ...]:
+    """Views of the ``parts`` tensors stacked in dim -3 of a packed qkv/kv tensor; autograd
+    gathers their gradients back into the packed tensor's gradient."""
+    ndim = 4 if varlen else 5
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[-3] != parts:
+        layout = "total_tokens" if varlen else "batch, seqlen"
+        raise ValueError(
+            f"{name} must be {ndim}-D ({layout}, {parts}, heads, head_dim), got shape {tuple(packed.shape)}"
+        )
+    return packed.unbind(-3)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``flash_attn_func`` on q, k, v stacked in one tensor, flash-attn's signature.
+
+    Args:
+        qkv: (batch, seqlen, 3, heads, head_dim); its gradient is (q, k, v)'s stacked the same way.
+        Other arguments as in ``flash_attn_func``.
+
+    Returns and Raises:
+        As ``flash_attn_func``.
+    """
+    q, k, v = _unpack("qkv", qkv, 3, varlen=False)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``flash_attn_func`` with k and v stacked in one tensor, flash-attn's signature.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim).
+        kv: (batch, seqlen_k, 2, heads_k, head_dim), heads_q % heads_k == 0.
+        Other arguments as in ``flash_attn_func``.
+
+    Returns and Raises:
+        As ``flash_attn_func``.
+    """
+    k, v = _unpack("kv", kv, 2, varlen=False)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``flash_attn_varlen_func`` on packed q, k, v stacked in one tensor, flash-attn's signature.
+
+    Args:
+        qkv: (total_tokens, 3, heads, head_dim).
+        cu_seqlens: int32 (num_seqs + 1,) cumulative lengths, for queries and keys alike.
+        max_seqlen: int >= the longest sequence.
+        Other arguments as in ``flash_attn_func``.
+
+    Returns and Raises:
+        As ``flash_attn_varlen_func``.
+    """
+    q, k, v = _unpack("qkv", qkv, 3, varlen=True)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``flash_attn_varlen_func`` with k and v stacked in one tensor, flash-attn's signature.
+
+    Args:
+        q: (total_q, heads_q, head_dim); kv: (total_k, 2, heads_k, head_dim).
+        Other arguments as in ``flash_attn_varlen_func``.
+
+    Returns and Raises:
+        As ``flash_attn_varlen_func``.
+    """
+    k, v = _unpack("kv", kv, 2, varlen=True)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip

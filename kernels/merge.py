@@ -1,4 +1,5 @@
-"""The online-softmax merge of two attention partials, as one fused pass over memory."""
+"""The merge rule of attention partials: two partials over disjoint key blocks (one fused pass
+over memory), and attention sinks (one extra logit per head, with no value, merged last)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,57 @@ def merge_attention_partial(
         lse.stride(0), lse.stride(1), block_lse.stride(0), block_lse.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_R=block_r,
     )  # fmt: skip
+
+
+def check_sinks(sinks: object, heads: int, device: torch.device) -> torch.Tensor:
+    """gpt-oss's attention sinks: a floating-point tensor (heads,) on ``device``, else a clear error."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor (heads,) or None, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape ({heads},) (one logit per query head), got {tuple(sinks.shape)}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but the attention output is on {device}")
+    return sinks
+
+
+def merge_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one sink logit per head to every row's softmax denominator (gpt-oss's ``s_aux``).
+
+    A sink is a key that every query sees, with score ``sinks[h]`` and value 0, so with
+    lse' = logaddexp(lse, sink):
+        out' = out * exp(lse - lse');   lse' as the new LSE
+    Rows that saw no key (lse = -inf) give out' = 0, lse' = sink, without NaN forward or backward.
+
+    Plain differentiable torch ops: with a differentiable ``lse`` (``flash_attn_func``'s is) the
+    sinks' gradient comes out right, -sum over rows of exp(sink - lse') * rowsum(dout' * out').
+    Apply it once, to the attention over all keys (after any ``merge_attention_partial``).
+
+    out: (batch, seqlen, heads, head_dim) or varlen (total, heads, head_dim), any float dtype;
+    lse: float32 (batch, heads, seqlen) or (heads, total); sinks: (heads,), any float dtype.
+    Returns (out' in out's dtype, lse' float32), new tensors; the inputs are not modified.
+    """
+    if out.dim() not in (3, 4) or lse.shape != out.shape[:-3] + (out.shape[-2], out.shape[-3]):
+        raise ValueError(
+            f"merge_sinks needs out (batch, seqlen, heads, head_dim) with lse (batch, heads, seqlen), or "
+            f"out (total, heads, head_dim) with lse (heads, total); got out {tuple(out.shape)}, "
+            f"lse {tuple(lse.shape)}"
+        )
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    sink = check_sinks(sinks, lse.shape[-2], lse.device).float()[:, None]
+    # logaddexp by hand around the detached row max (the gradient does not depend on it), so
+    # that a row with lse = sink = -inf gives lse' = -inf, out' = 0 and zero gradients, not NaN.
+    top = torch.maximum(lse, sink).detach()
+    empty = torch.isneginf(top)
+    top = top.masked_fill(empty, 0.0)
+    keys = torch.exp(lse - top)
+    total = (keys + torch.exp(sink - top)).clamp_min(1.0)  # >= 1 unless the row is empty
+    lse_new = (top + torch.log(total)).masked_fill(empty, float("-inf"))
+    scale = (keys / total).transpose(-1, -2)[..., None]
+    return (out.float() * scale).to(out.dtype), lse_new

@@ -64,6 +64,37 @@ def group_from_name(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group over the ranks of ``group`` whose collectives run on CPU tensors without touching a
+    device stream: ``group`` itself when its backend has gloo (``gloo``, ``cpu:gloo,cuda:nccl``),
+    else a gloo group over the same ranks, created by the first call (which every rank of
+    ``group`` makes, as it does every call here) and cached."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
+def host_values_agree(value: int, group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` passed the same ``value`` (|value| < 2^62): one all-reduce
+    (MAX of value and -value) of 16 bytes on the host."""
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=host_group(group))
+    return int(pair[0]) == -int(pair[1])  # max == min
+
+
+def host_all_gather_object(obj: object, group: dist.ProcessGroup) -> list:
+    """Every rank's picklable ``obj``, in group-rank order, gathered on the host."""
+    objs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objs, obj, group=host_group(group))
+    return objs
+
+
 def use_high_priority_comm() -> None:
     """Give the NCCL process groups created after this call high-priority CUDA streams.
 

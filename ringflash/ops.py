@@ -3,17 +3,19 @@
 Under ``torch.compile`` the ring and Ulysses/hybrid entry points run as opaque ops, so a
 compiled model traces them without a graph break and Inductor leaves the kernels and the
 communication inside alone. The process group travels as its registered name
-(``comm.group_name``), layouts and modes as strings, packed documents' ``cu_seqlens`` as a
-tensor or an int list; all validation and planning happen inside the real implementations.
+(``comm.group_name``), layouts as strings, packed documents' ``cu_seqlens`` as a tensor or an
+int list; validation, the ranks' agreement check and planning happen inside the real
+implementations, when the op runs. Sinks stay outside (``merge_sinks``, plain torch ops), so the
+LSE is differentiable: a gradient on it enters the backward as delta_i -= dlse_i.
 
     ring_attn_forward(q, k, v, group_name, layout, ...) -> (out, lse)
-    ring_attn_backward(dout, q, k, v, out, lse, group_name, layout, ...) -> (dq, dk, dv)
+    ring_attn_backward(dout, q, k, v, out, lse, dlse, group_name, layout, ...) -> (dq, dk, dv)
     ulysses_attn_forward(q, k, v, group_name, layout, ulysses_size, ...)
-        -> (out, lse, q_h, k_h, v_h, out_h, lse_h)   (the last five: head layout, for the backward)
-    ulysses_attn_backward(dout, q_h, k_h, v_h, out_h, lse_h, group_name, ...) -> (dq, dk, dv)
+        -> (out, lse, qkv_h, out_h, lse_h)   (the last three: head layout, for the backward)
+    ulysses_attn_backward(dout, dlse, qkv_h, out_h, lse_h, heads_k, group_name, ...) -> (dq, dk, dv)
 
-The LSE these ops return is not differentiable (as in the eager path). In eager mode, plain
-tensors take the autograd.Function path of ring.py/ulysses.py instead (``kernels.ops.use_ops``).
+In eager mode, plain tensors take the autograd.Function path of ring.py/ulysses.py instead
+(``kernels.ops.use_ops``). ALiBi with Ulysses/hybrid is not available under compile yet.
 """
 
 from __future__ import annotations
@@ -24,63 +26,55 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import RingComm, group_from_name, group_name
+from .comm import group_from_name, group_name
+from .consistency import check_ranks_agree
 from .kernels import attention_forward, build_problem
-from .kernels.ops import _backward_impl, check_scalar_args, use_ops
-from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths
+from .kernels.ops import _backward_impl, check_scalar_args
+from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import check_ulysses_size, ulysses_ring_mesh
-from .ring import RingPlan, _RingFlashAttention, ring_backward, ring_forward, ring_plan
+from .ring import call_signature, ring_backward, ring_forward, ring_setup
 from .ulysses import _kv_heads_for, _lse_to_seq, heads_to_seq, seq_to_heads
-
-
-def ring_setup(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: dist.ProcessGroup,
-    layout: str,
-    cu_seqlens: Tensor | Sequence[int] | None,
-    softmax_scale: float | None,
-    causal: bool,
-    window_size: tuple[int, int],
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
-):
-    """Validate a ring call and plan it: (base problem, plan, comm). Shapes as in
-    ``ring_flash_attn_func``."""
-    comm = RingComm(group)
-    check_layout(layout)
-    base = build_problem(
-        q,
-        k,
-        v,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-    )
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "ring attention needs q and k/v shards of the same local length, "
-            f"got {q.shape[1]} and {k.shape[1]}"
-        )
-    total = q.shape[1] * comm.world_size
-    if cu_seqlens is None:
-        check_total_length(layout, total, comm.world_size, "full sequence length")
-        doc_lens = (total,)
-    else:
-        if q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
-        doc_lens = document_lengths(cu_seqlens, total, layout, comm.world_size)
-    plan: RingPlan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
-    return base, plan, comm
 
 
 def _cu(cu_seqlens: Tensor | None, cu_seqlens_list: list[int] | None):
     return cu_seqlens if cu_seqlens is not None else cu_seqlens_list
+
+
+def _ring_plan(
+    q,
+    k,
+    v,
+    group_name,
+    layout,
+    cu_seqlens,
+    cu_seqlens_list,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    check_ranks,
+):
+    """``ring.ring_setup`` on the op arguments: validation, the ranks' agreement, the plan."""
+    base, plan, comm, _ = ring_setup(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=None,
+        deterministic=deterministic,
+        group=group_from_name(group_name),
+        layout=layout,
+        cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
+        check_ranks=check_ranks,
+    )
+    return base, plan, comm
 
 
 @torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=())
@@ -99,21 +93,22 @@ def _ring_forward_op(
     softcap: float,
     alibi_slopes: Tensor | None,
     deterministic: bool,
+    check_ranks: bool,
 ) -> tuple[Tensor, Tensor]:
-    _, plan, comm = ring_setup(
-        q,
-        k,
-        v,
-        group_from_name(group_name),
+    args = (
+        group_name,
         layout,
-        _cu(cu_seqlens, cu_seqlens_list),
+        cu_seqlens,
+        cu_seqlens_list,
         softmax_scale,
         causal,
-        (window_left, window_right),
+        window_left,
+        window_right,
         softcap,
         alibi_slopes,
         deterministic,
     )
+    _, plan, comm = _ring_plan(q, k, v, *args, check_ranks)
     return ring_forward(q, k.contiguous(), v.contiguous(), plan, comm)
 
 
@@ -131,6 +126,7 @@ def _ring_backward_op(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    dlse: Tensor | None,
     group_name: str,
     layout: str,
     cu_seqlens: Tensor | None,
@@ -143,21 +139,22 @@ def _ring_backward_op(
     alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    base, plan, comm = ring_setup(
-        q,
-        k,
-        v,
-        group_from_name(group_name),
+    args = (
+        group_name,
         layout,
-        _cu(cu_seqlens, cu_seqlens_list),
+        cu_seqlens,
+        cu_seqlens_list,
         softmax_scale,
         causal,
-        (window_left, window_right),
+        window_left,
+        window_right,
         softcap,
         alibi_slopes,
         deterministic,
     )
-    return ring_backward(dout.contiguous(), q, k.contiguous(), v.contiguous(), out, lse, base, plan, comm)
+    base, plan, comm = _ring_plan(q, k, v, *args, False)  # the forward checked the ranks
+    k, v = k.contiguous(), v.contiguous()
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, base, plan, comm, dlse=dlse)
 
 
 @_ring_backward_op.register_fake
@@ -166,15 +163,17 @@ def _ring_backward_fake(dout, q, k, v, *_):
 
 
 def _ring_setup_context(ctx, inputs, output) -> None:
-    q, k, v, *args = inputs
+    q, k, v, *args, _check_ranks = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = args
-    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
-def _ring_backward(ctx, dout, _dlse):
-    dq, dk, dv = _ring_backward_op(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, *(None,) * len(ctx.args)
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = _ring_backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+    return dq, dk, dv, *(None,) * (len(ctx.args) + 1)
 
 
 _ring_forward_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -205,56 +204,28 @@ def _sp_args(
     )
 
 
-def ring_attention(
+def ring_attention_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     softmax_scale: float | None,
     causal: bool,
     window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
     group,
     layout: str,
     cu_seqlens: Tensor | Sequence[int] | None,
-    *,
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
+    check_ranks: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of ``ring_flash_attn_func``: through the ``ringflash::ring_attn_forward`` op
-    when traced, else its eager autograd.Function. Arguments and shapes as there."""
-    if use_ops(q):
-        return _ring_forward_op(
-            q,
-            k,
-            v,
-            *_sp_args(
-                group,
-                layout,
-                cu_seqlens,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-            ),
-        )
-    base, plan, comm = ring_setup(
-        q,
-        k,
-        v,
-        group,
-        layout,
-        cu_seqlens,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
+    """(out, lse) of ``ring.ring_attention`` (without sinks) through the
+    ``ringflash::ring_attn_forward`` op, both differentiable. Arguments and shapes as there."""
+    args = _sp_args(
+        group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
     )
-    # P2P sends need dense buffers
-    return _RingFlashAttention.apply(q, k.contiguous(), v.contiguous(), base, plan, comm)
+    return _ring_forward_op(q, k, v, *args, check_ranks)
 
 
 def _ulysses_mesh(group: dist.ProcessGroup, ulysses_size: int):
@@ -291,6 +262,27 @@ def _head_split(qkv_h: Tensor, heads_q: int) -> list[Tensor]:
     return list(torch.split(qkv_h, [heads_q, hk, hk], dim=2))
 
 
+def _head_ring(q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic):
+    """The ring over ``mesh.ring_group`` in head layout: (base, plan, comm); ranks checked already."""
+    base, plan, comm, _ = ring_setup(
+        q_h,
+        k_h,
+        v_h,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        sinks=None,
+        deterministic=deterministic,
+        group=mesh.ring_group,
+        layout=layout,
+        cu_seqlens=cu,
+        check_ranks=False,
+    )
+    return base, plan, comm
+
+
 @torch.library.custom_op("ringflash::ulysses_attn_forward", mutates_args=())
 def _ulysses_forward_op(
     q: Tensor,
@@ -306,15 +298,28 @@ def _ulysses_forward_op(
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes with Ulysses/hybrid sequence parallelism")
-    mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
+    group = group_from_name(group_name)
     cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
-    if cu is not None and q.shape[0] != 1:
-        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    options = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        deterministic=deterministic,
+    )
+    error = None
+    try:
+        if cu is not None and q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        mesh_size = dist.get_world_size(group)
+        check_ulysses_size(ulysses_size or mesh_size, mesh_size)
+    except (ValueError, TypeError) as e:
+        error = e
+    signature = call_signature(q, k, v, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu, **options)
+    check_ranks_agree(group, signature, error)
+    mesh = _ulysses_mesh(group, ulysses_size)
     kv_heads = _kv_heads_for(q.shape[2], k.shape[2], mesh.ulysses_size)
     with torch.no_grad():
         if kv_heads != k.shape[2]:
@@ -324,19 +329,8 @@ def _ulysses_forward_op(
         qkv_h = torch.cat([q_h, k_h, v_h], dim=2)  # one saved tensor for the backward
         q_h, k_h, v_h = _head_split(qkv_h, q_h.shape[2])
         if mesh.ring_size > 1:
-            _, plan, comm = ring_setup(
-                q_h,
-                k_h,
-                v_h,
-                mesh.ring_group,
-                layout,
-                cu,
-                softmax_scale,
-                causal,
-                window,
-                softcap,
-                None,
-                deterministic,
+            _, plan, comm = _head_ring(
+                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
             )
             out_h, lse_h = ring_forward(q_h, k_h.contiguous(), v_h.contiguous(), plan, comm)
         else:
@@ -383,6 +377,7 @@ def heads_to_seq_many(tensors: list[Tensor], group: dist.ProcessGroup) -> list[T
 @torch.library.custom_op("ringflash::ulysses_attn_backward", mutates_args=())
 def _ulysses_backward_op(
     dout: Tensor,
+    dlse: Tensor | None,
     qkv_h: Tensor,
     out_h: Tensor,
     lse_h: Tensor,
@@ -397,41 +392,34 @@ def _ulysses_backward_op(
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
     cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
     q_h, k_h, v_h = _head_split(qkv_h, out_h.shape[2])
-    (dout_h,) = seq_to_heads([dout], mesh.ulysses_group)
     with torch.no_grad():
+        (dout_h,) = seq_to_heads([dout], mesh.ulysses_group)
+        dlse_h = None
+        if dlse is not None:  # (B, H, n) -> (B, H/U, U*n), as the LSE went the other way
+            (dlse_h,) = seq_to_heads([dlse.transpose(1, 2).unsqueeze(-1)], mesh.ulysses_group)
+            dlse_h = dlse_h.squeeze(-1).transpose(1, 2).contiguous()
         if mesh.ring_size > 1:
-            base, plan, comm = ring_setup(
-                q_h,
-                k_h,
-                v_h,
-                mesh.ring_group,
-                layout,
-                cu,
-                softmax_scale,
-                causal,
-                window,
-                softcap,
-                None,
-                deterministic,
+            base, plan, comm = _head_ring(
+                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
             )
+            k_h, v_h = k_h.contiguous(), v_h.contiguous()
             grads = ring_backward(
-                dout_h.contiguous(), q_h, k_h.contiguous(), v_h.contiguous(), out_h, lse_h, base, plan, comm
+                dout_h.contiguous(), q_h, k_h, v_h, out_h, lse_h, base, plan, comm, dlse=dlse_h
             )
         else:
             problem, varlen = _whole_problem(
                 q_h, k_h, v_h, layout, cu, softmax_scale, causal, window, softcap, deterministic
             )
             if varlen:
-                grads = _backward_impl(dout_h[0], q_h[0], k_h[0], v_h[0], out_h[0], lse_h[0], None, problem)
-                grads = [g[None] for g in grads]
+                row0 = [None if t is None else t[0] for t in (dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h)]
+                grads = [g[None] for g in _backward_impl(*row0, problem)]
             else:
-                grads = _backward_impl(dout_h, q_h, k_h, v_h, out_h, lse_h, None, problem)
+                grads = _backward_impl(dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, problem)
         dq, dk, dv = heads_to_seq_many(list(grads), mesh.ulysses_group)
     if dk.shape[2] != heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
         b, n, _, d = dk.shape
@@ -440,47 +428,51 @@ def _ulysses_backward_op(
 
 
 @_ulysses_backward_op.register_fake
-def _ulysses_backward_fake(dout, qkv_h, out_h, lse_h, heads_k, *_):
+def _ulysses_backward_fake(dout, dlse, qkv_h, out_h, lse_h, heads_k, *_):
     b, n, hq, d = dout.shape
     return dout.new_empty(dout.shape), dout.new_empty((b, n, heads_k, d)), dout.new_empty((b, n, heads_k, d))
 
 
 def _ulysses_setup_context(ctx, inputs, output) -> None:
     q, k, v, *args = inputs
-    _, lse, *saved = output
+    _, _, *saved = output
     ctx.save_for_backward(*saved)
-    ctx.heads_k, ctx.args = k.shape[2], args
-    ctx.mark_non_differentiable(lse, *saved)
+    ctx.heads_k, ctx.out_shape, ctx.args = k.shape[2], output[0].shape, args
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
 
 
-def _ulysses_backward(ctx, dout, *_):
-    dq, dk, dv = _ulysses_backward_op(dout, *ctx.saved_tensors, ctx.heads_k, *ctx.args)
+def _ulysses_backward(ctx, dout, dlse, *_):
+    qkv_h, out_h, lse_h = ctx.saved_tensors
+    if dout is None:  # only the LSE was used
+        dout = out_h.new_zeros(ctx.out_shape)
+    dq, dk, dv = _ulysses_backward_op(dout, dlse, qkv_h, out_h, lse_h, ctx.heads_k, *ctx.args)
     return dq, dk, dv, *(None,) * len(ctx.args)
 
 
 _ulysses_forward_op.register_autograd(_ulysses_backward, setup_context=_ulysses_setup_context)
 
 
-def ulysses_attention(
+def ulysses_attention_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     softmax_scale: float | None,
     causal: bool,
     window_size: tuple[int, int],
+    softcap: float,
+    deterministic: bool,
     group,
     layout: str,
     ulysses_size: int,
     cu_seqlens: Tensor | Sequence[int] | None,
-    *,
-    softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
-    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``sp_attn_func`` in "ulysses" (``ulysses_size`` 0: the whole group) or
-    "hybrid" mode through the ``ringflash::ulysses_attn_forward`` op. Shapes as there."""
+    "hybrid" mode (without sinks and ALiBi) through the ``ringflash::ulysses_attn_forward`` op,
+    both differentiable. Shapes as there; the op checks that the ranks agree when it runs."""
     args = _sp_args(
-        group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, None, deterministic
     )
-    out, lse, *_ = _ulysses_forward_op(q, k, v, *args[:2], ulysses_size, *args[2:])
+    out, lse, *_ = _ulysses_forward_op(q, k, v, *args[:2], ulysses_size, *args[2:-2], args[-1])
     return out, lse

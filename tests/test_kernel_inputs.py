@@ -62,13 +62,9 @@ DENSE_CASES = [
         ValueError,
         r"k head_dim 32 differs from q head_dim 16",
     ),
-    _case(
-        "head-dim-12", _same_dim(12), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 12"
-    ),
-    _case("head-dim-4", _same_dim(4), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 4"),
-    _case(
-        "head-dim-264", _same_dim(264), ValueError, r"head_dim must be a multiple of 8 in \[8, 256\], got 264"
-    ),
+    _case("head-dim-264", _same_dim(264), ValueError, r"head_dim must be in \[1, 256\], got 264"),
+    _case("head-dim-260", _same_dim(260), ValueError, r"head_dim must be in \[1, 256\], got 260"),
+    _case("head-dim-0", _same_dim(0), ValueError, r"head_dim must be in \[1, 256\], got 0"),
     _case(
         "heads-not-divisible",
         lambda q, k, v: dict(q=torch.cat([q, q[:, :, :1]], 2)),

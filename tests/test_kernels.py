@@ -97,7 +97,9 @@ def check_against_reference(q, k, v, dout, causal=False, window=FULL, scale=None
     and dq 0; keys that no query sees get dk = dv = 0. Returns (out, lse, (dq, dk, dv)).
     """
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # detach keeps the strides
-    out, lse = ringflash.flash_attn_func(q, k, v, scale, causal, window, return_lse=True)
+    out, lse = ringflash.flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=window, return_lse=True
+    )
     b, sq, h, d = q.shape
     sk = k.shape[1]
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
@@ -305,7 +307,7 @@ def test_return_lse_false_and_determinism(device):
     out = ringflash.flash_attn_func(q, k, v, causal=True)
     assert isinstance(out, torch.Tensor)
     out2, lse = ringflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    assert torch.equal(out, out2) and lse.requires_grad  # differentiable: see test_torch_compile
+    assert torch.equal(out, out2) and lse.requires_grad  # the LSE is differentiable
     g1 = torch.autograd.grad(out, (q, k, v), dout)
     g2 = torch.autograd.grad(out2, (q, k, v), dout)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "backward must be deterministic"
