@@ -204,3 +204,17 @@ def test_compiled_sequence_parallel_block_matches_eager(rank_pool, sp_mode, ulys
     """Ring, Ulysses (K/V heads replicated for the 2 ranks) and a hybrid whose inner attention is
     the ring, on 2 gloo ranks: no graph break, one compiled frame for two lengths, eager's numbers."""
     assert rank_pool(2).run(_sp_compiled_matches_eager, sp_mode, ulysses_size) == [(1, 0), (1, 0)]
+
+
+@pytest.mark.gpu
+def test_compiled_1b_step_is_no_slower_than_eager():
+    """launch/bench_compile.py's default run: a 1B-shaped decoder at 16K tokens on one GPU."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+    import bench_compile
+
+    summary = bench_compile.run(bench_compile.parse_args([]))
+    print(summary)
+    assert summary["compiled_over_eager"] <= 1.02, summary
