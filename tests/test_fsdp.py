@@ -85,6 +85,12 @@ def test_fsdp2_sequence_parallel_step_matches_single_process(rank_pool, compile_
 
 def _fsdp_rejects(groups_size: int) -> str:
     groups = ringflash.sequence_parallel_groups(groups_size)
+    again = ringflash.sequence_parallel_groups(mesh=groups.mesh)  # groups taken from a given mesh
+    rank = dist.get_rank()
+    assert (again.sp_size, again.dp_size, again.sp_rank, again.dp_rank) == (SP, 2, rank % SP, rank // SP)
+    assert dist.get_process_group_ranks(again.sp_group) == dist.get_process_group_ranks(groups.sp_group)
+    with pytest.raises(ValueError, match="mesh_dim_names"):
+        ringflash.sequence_parallel_groups(mesh=groups.mesh["sp"])
     with pytest.raises(TypeError, match="do not pass mesh"):
         rf_fsdp.fully_shard(_decoder(_LocalAttention()), groups, mesh=groups.mesh)
     with pytest.raises(ValueError, match="not a dimension of the mesh"):
