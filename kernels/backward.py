@@ -7,7 +7,11 @@ Three launches, no atomics (deterministic):
      afterwards;
   3. dQ: one program per (query tile, query head, sequence), walking the visible key tiles.
 Both walk with the same ``visible_tiles`` spans as the forward. With ``accumulate=True`` the
-kernels add into the given gradient buffers (the ring engine's float32 accumulators).
+kernels add into the given gradient buffers (the ring engine's float32 accumulators). A softcap
+and ALiBi (scores.py) are recomputed from q . k and the positions exactly as in the forward;
+the softcap's derivative 1 - tanh^2 multiplies dS (nothing extra is stored), and ALiBi, a
+constant bias, changes only P. Both are constexpr-gated: calls without them run the plain
+kernels.
 
 On an H100/H200 at head_dim 128 a call that wants dQ and dK/dV together runs the fused Gluon
 kernel of hopper_backward.py instead (five products per tile pair instead of seven), where
@@ -21,9 +25,10 @@ import triton
 import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
-from .forward import LOG2E, as_4d, dot_precision, lse_strides
+from .forward import as_4d, dot_precision, lse_strides
 from .hopper_path import enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
+from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
 
 
@@ -67,14 +72,15 @@ def _store_grad(ptrs, value, mask, ACCUMULATE: tl.constexpr):
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
-    stride_lh, lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GROUP: tl.constexpr,
+    stride_lh, lo, hi, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale, softcap_log2,
+    ALIBI_H0, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
     """Add the query tiles in [lo, hi) of every query head of the GQA group (the *_base pointers
-    are at its first head) to dk/dv, last tile first. One flat loop, tile-major and head-minor:
-    the group's heads are visited at the same positions.
+    and ALIBI_H0, its slopes, are at its first head) to dk/dv, last tile first. One flat loop,
+    tile-major and head-minor: the group's heads are visited at the same positions.
 
     Why last tile first: under a causal mask the dK/dV programs of a launch start at different
     query tiles (their diagonals) but all end at the last one. Walking backwards, programs
@@ -98,9 +104,16 @@ def _dkdv_tiles(
         q = tl.load(q_rows + offs_d[None, :], mask=io_mask, other=0.0)
         lse2 = tl.load(lse_base + g * stride_lh + rows, mask=row_mask, other=0.0) * 1.4426950408889634
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(ALIBI_H0 + g) * 1.4426950408889634
+        # Keys are this program's rows, queries its columns.
+        s_t, th_t = log2_scores(
+            qk_t, qk_scale, softcap_log2, slope_log2, key_pos, q_start, q_stride, rows, HAS_SOFTCAP, HAS_ALIBI
+        )
+        p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
-            # Keys are this program's rows, queries its columns: the window's sides swap.
+            # The window's sides swap too.
             vis = visibility_mask(
                 key_pos, q_start + q_stride * rows, rows, len_q, win_right, win_left, HAS_RIGHT, HAS_LEFT
             )
@@ -110,23 +123,23 @@ def _dkdv_tiles(
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(delta_base + g * stride_lh + rows, mask=row_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), th_t, HAS_SOFTCAP)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
-    win_left, win_right,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
+    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -167,21 +180,27 @@ def _dkdv_kernel(
         do_base = DO + pb * stride_db + h0 * stride_dh + q0.to(tl.int64) * stride_ds
         lse_base = LSE + pb * stride_lb + h0 * stride_lh + q0
         delta_base = DELTA + pb * stride_lb + h0 * stride_lh + q0
+        alibi_h0 = ALIBI
+        if HAS_ALIBI:
+            alibi_h0 = ALIBI + b.to(tl.int64) * tl.num_programs(1) * GROUP + h0
         # The spans last to first, as the tiles inside them (see _dkdv_tiles).
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, full_end, end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            softcap_log2, alibi_h0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, GROUP,
+            BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, full_start, full_end, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            softcap_log2, alibi_h0, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, GROUP,
+            BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh, stride_dh,
             stride_lh, start, full_start, key_pos, q_start, q_stride, len_q, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            softcap_log2, alibi_h0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, GROUP,
+            BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
         )  # fmt: skip
         dk = dk * softmax_scale
         dk_ptrs = DK + pb * stride_dkb + hk64 * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
@@ -193,8 +212,9 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
-    lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale,
+    lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
@@ -213,28 +233,31 @@ def _dq_tiles(
             row_pointers(v_base, start_n, offs_n, stride_vs, WIDE) + offs_d[None, :], mask=kv_mask, other=0.0
         )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        s, th = log2_scores(
+            qk, qk_scale, softcap_log2, slope_log2, row_pos, k_start, k_stride, cols, HAS_SOFTCAP, HAS_ALIBI
+        )
+        p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             col_pos = k_start + k_stride * cols
             vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        ds = softcap_grad(p * (dp - delta[:, None]), th, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
-    win_left, win_right,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
+    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -274,21 +297,25 @@ def _dq_kernel(
         start, full_start, full_end, end = visible_tiles(
             row_lo, row_hi, k_start, k_stride, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N
         )
+        slope_log2 = alibi_slope_log2(ALIBI, b, h, tl.num_programs(1), HAS_ALIBI)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, full_start, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_start, full_end, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_end, end, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         dq = dq * softmax_scale
         dq_ptrs = DQ + pb * stride_dqb + h64 * stride_dqh + qrow[:, None] * stride_dqs + offs_d[None, :]
@@ -370,8 +397,6 @@ def attention_backward(
     dK/dV while dQ is still being computed: the other kernel's buffers are then neither needed
     nor touched, and come back as given (None if not given).
     """
-    if problem.softcap or problem.alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes are not implemented in the kernels yet")
     if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
         raise ValueError(
             "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"
@@ -395,15 +420,16 @@ def attention_backward(
                     g.zero_()
         return dq, dk, dv
     b = problem.bounds
+    alibi = alibi_tensor(problem)
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
-        IS_VARLEN=vl, HAS_LEFT=b.left is not None,
-        HAS_RIGHT=b.right is not None, ACCUMULATE=accumulate, DOT_PRECISION=dot_precision(q.dtype),
+        IS_VARLEN=vl, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
+        **score_constexprs(problem), ACCUMULATE=accumulate, DOT_PRECISION=dot_precision(q.dtype),
         WIDE=wide_offsets(problem.max_seqlen_q, q, dout, dq)
         or wide_offsets(problem.max_seqlen_k, k, v, dk, dv),
     )  # fmt: skip
     scalars = (
-        problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, problem.softmax_scale * LOG2E,
+        problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, *score_scales(problem),
         *problem.position_args(), b.left or 0, b.right or 0,
     )  # fmt: skip
     qkv_strides = (
@@ -415,7 +441,7 @@ def attention_backward(
     if compute_dkdv:
         dk4, dv4 = as_4d(dk, vl), as_4d(dv, vl)
         _dkdv_kernel[grid](
-            q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
             *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
@@ -425,7 +451,7 @@ def attention_backward(
     if compute_dq:
         dq4 = as_4d(dq, vl)
         _dq_kernel[grid](
-            q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
             *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,

@@ -3,7 +3,10 @@
 One program per (query tile, query head, sequence). It walks the key tiles that its queries can
 see (``tiling.visible_tiles``), applies the mask only on tiles that straddle a boundary, keeps a
 running max and sum in the log2 domain (``log2(e)`` folded into the scale, so ``exp2`` is used)
-and rescales once at the end.
+and rescales once at the end. Scores may be softcapped (``softcap * tanh(score / softcap)``) and
+ALiBi-biased (``-slope * |pq - pk|`` in global positions, on every tile, mask-free ones too)
+as in flash-attn (scores.py); both are constexpr-gated, so calls without them run the plain
+kernel.
 
 On an H100/H200 at head_dim 128 ``attention_forward`` runs the warp-specialized Gluon kernel of
 hopper_forward.py instead, where ``uses_fused_forward`` says it can.
@@ -18,16 +21,17 @@ import triton.language as tl
 from .configs import block_d, forward_config
 from .hopper_path import enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
+from .scores import LOG2E as LOG2E  # re-exported: the Hopper kernels take it from here
+from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
-    lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale,
+    lo, hi, row_pos, k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
@@ -45,12 +49,16 @@ def _fwd_tiles(
         if MASKED:
             col_pos = k_start + k_stride * cols
             vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
-            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        # ALiBi biases every tile, the mask-free ones too.
+        qk, _ = log2_scores(
+            qk, qk_scale, softcap_log2, slope_log2, row_pos, k_start, k_stride, cols, HAS_SOFTCAP, HAS_ALIBI
+        )
+        if MASKED:
+            qk = tl.where(vis, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen nothing yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            qk = qk * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = m_new
         p = tl.math.exp2(qk - m_use[:, None])
@@ -66,14 +74,15 @@ def _fwd_tiles(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
+    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, qk_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
+    seqlen_q, seqlen_k, qk_scale, softcap_log2, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -103,23 +112,27 @@ def _fwd_kernel(
         start, full_start, full_end, end = visible_tiles(
             row_lo, row_hi, k_start, k_stride, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_N
         )
+        slope_log2 = alibi_slope_log2(ALIBI, b, h, tl.num_programs(1), HAS_ALIBI)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, full_start, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_start, full_end, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            False, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_end, end, row_pos,
-            k_start, k_stride, len_k, win_left, win_right, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE,
+            k_start, k_stride, len_k, win_left, win_right, qk_scale, softcap_log2, slope_log2,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+            WIDE,
         )  # fmt: skip
         # Rows that saw no key: output 0 and LSE -inf, never NaN.
         seen = l_i > 0.0
@@ -177,8 +190,6 @@ def attention_forward(
     Returns (out, lse); lse is the natural-log logsumexp of each query row, -inf where the row
     sees no key. On an H100/H200 the Hopper kernel runs where ``uses_fused_forward`` says so.
     """
-    if problem.softcap or problem.alibi_slopes is not None:
-        raise NotImplementedError("softcap and alibi_slopes are not implemented in the kernels yet")
     if out is None:
         out = torch.empty_like(q)
     check_token_stride(out=out)
@@ -197,16 +208,16 @@ def attention_forward(
         return out, lse
     b = problem.bounds
     _fwd_kernel[grid](
-        q4, k4, v4, o4, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
+        q4, k4, v4, o4, lse, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi_tensor(problem),
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         *lse_strides(lse, vl),
-        problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale * LOG2E,
-        *problem.position_args(),
+        problem.max_seqlen_q, problem.max_seqlen_k, *score_scales(problem), *problem.position_args(),
         b.left or 0, b.right or 0,
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=vl,
-        HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None, **score_constexprs(problem),
+        DOT_PRECISION=dot_precision(q.dtype),
         WIDE=wide_offsets(problem.max_seqlen_q, q, out) or wide_offsets(problem.max_seqlen_k, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -66,8 +66,8 @@ def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
     return_attn_probs, sinks, return_lse, **varlen,
 ):  # fmt: skip
-    """The one implementation behind the six public functions; ``varlen`` holds cu_seqlens_q/k
-    and max_seqlen_q/k for the packed forms."""
+    """The one implementation behind the six public functions; ``varlen`` holds cu_seqlens_q/k,
+    max_seqlen_q/k and block_table for the varlen forms."""
     _check_unsupported(dropout_p, varlen.pop("block_table", None))
     head_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() > 0 else None
     if softmax_scale is None and head_dim:
@@ -155,7 +155,6 @@ def flash_attn_func(
         TypeError: a tensor of the wrong type or dtype, or a non-bool flag.
         ValueError: shapes, devices, window, scale, softcap, alibi_slopes or sinks that do not
             fit (the message names the argument); dropout_p != 0; head_dim > 256.
-        NotImplementedError: softcap or alibi_slopes where the kernels do not implement them yet.
     """
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

@@ -30,7 +30,7 @@ from .forward import _fwd_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = {90: 232448}  # bytes per program (H100/H200: 227 KiB)
-_FP32_ARGS = {"qk_scale", "softmax_scale", "LSE", "DELTA"}
+_FP32_ARGS = {"qk_scale", "softmax_scale", "softcap_log2", "LSE", "DELTA", "ALIBI"}
 KERNELS = {"forward": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
 
@@ -51,12 +51,15 @@ def compile_kernel(
     target: GPUTarget = HOPPER,
 ) -> triton.compiler.CompiledKernel:
     """Compile ``kernel`` for ``target``. Tensor arguments are ``dtype`` (float32 for the LSE,
-    delta and scales); integer arguments named in ``ones`` are specialized to the constant 1,
-    as Triton does at launch when such an argument equals 1."""
+    delta, ALiBi slopes and scales); integer arguments named in ``ones`` are specialized to the
+    constant 1, as Triton does at launch when such an argument equals 1; other arguments given in
+    ``constexprs`` to their value there (arguments launched as None: ``ALIBI=None``)."""
     sig, consts = {}, {}
     for name, param in zip(kernel.arg_names, kernel.params):
         if param.is_constexpr:
             consts[name] = constexprs[name]
+        elif name in constexprs:
+            sig[name], consts[name] = "constexpr", constexprs[name]
         elif name in ones:
             sig[name], consts[name] = "constexpr", 1
         elif name.startswith("CU_"):
@@ -102,17 +105,24 @@ def resource_usage(compiled: triton.compiler.CompiledKernel, target: GPUTarget =
 
 
 def table_launch(
-    name: str, head_dim: int, causal: bool, fp32: bool = False, group: int = 1
-) -> tuple[triton.JITFunction, dict, TileConfig]:
+    name: str, head_dim: int, causal: bool, fp32: bool = False, group: int = 1,
+    softcap: bool = False, alibi: bool = False,
+) -> tuple[triton.JITFunction, dict, TileConfig]:  # fmt: skip
     """(kernel, constexprs, TileConfig) of a dense launch with the ``configs`` table's tiles, as
-    ``attention_forward``/``attention_backward`` make it."""
+    ``attention_forward``/``attention_backward`` make it, with a softcap and ALiBi slopes when
+    asked (scores.py)."""
     config_of = {"forward": forward_config, "dkdv": backward_kv_config, "dq": backward_q_config}[name]
     cfg: TileConfig = config_of(head_dim, fp32)
     constexprs = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=causal,
         DOT_PRECISION="ieee" if fp32 else "tf32", ACCUMULATE=False, WIDE=False,
+        HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
     )  # fmt: skip
+    if not softcap:
+        constexprs["softcap_log2"] = None  # as launches pass them (scores.score_scales)
+    if not alibi:
+        constexprs["ALIBI"] = None
     return KERNELS[name], constexprs, cfg
 
 

@@ -2,6 +2,7 @@
 
     python launch/kernel_report.py                          # the configs table, head_dim 64/128/256
     python launch/kernel_report.py --head-dims 128 --kernels dkdv --tiles 64,128,8,3 64,64,8,2
+    python launch/kernel_report.py --softcap --alibi          # the same with both score features
 
 Compiles each kernel for sm_90 as a launch would (bf16, causal, or fp32 with --fp32) and runs
 ptxas -v on it. Use it before a GPU session to drop tile shapes that do not fit in shared
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
     p.add_argument("--fp32", action="store_true", help="float32 inputs (slow to compile: FMA code)")
     p.add_argument("--gqa-group", type=int, default=1, help="query heads per KV head")
+    p.add_argument("--softcap", action="store_true", help="kernels built with logit softcapping")
+    p.add_argument("--alibi", action="store_true", help="kernels built with ALiBi biases")
     p.add_argument(
         "--tiles", nargs="+", default=None, metavar="M,N,WARPS,STAGES",
         help="tile configs to report instead of the table's (block_m,block_n,num_warps,num_stages)",
@@ -47,13 +50,15 @@ def main() -> None:
     except ValueError as e:
         p.error(f"--tiles: {e}")
     limit = oc.SHARED_MEMORY_LIMIT[90]
-    print(f"sm_90, {'fp32' if args.fp32 else 'bf16'}, causal={args.causal}, GQA group {args.gqa_group}")
+    features = "".join((", softcap" if args.softcap else "", ", ALiBi" if args.alibi else ""))
+    dtype = "fp32" if args.fp32 else "bf16"
+    print(f"sm_90, {dtype}, causal={args.causal}, GQA group {args.gqa_group}{features}")
     print("| kernel | head_dim | block_m, block_n, warps, stages | registers | spill bytes | shared KiB |")
     print("|---|---|---|---|---|---|")
     for name in args.kernels:
         for head_dim in args.head_dims:
             kernel, constexprs, table_cfg = oc.table_launch(
-                name, head_dim, args.causal == "yes", args.fp32, args.gqa_group
+                name, head_dim, args.causal == "yes", args.fp32, args.gqa_group, args.softcap, args.alibi
             )
             for cfg in tiles or [table_cfg]:
                 constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)

@@ -53,6 +53,17 @@ def cu_seqlens_values(cu_seqlens: object) -> object:
     return describe(cu_seqlens)
 
 
+def call_signature(q: object, k: object, v: object, **options: object) -> dict[str, object]:
+    """What every rank of a group must agree on: q/k/v shapes and dtypes, whether gradients will
+    flow (the backward communicates too), every option; cu_seqlens by value."""
+    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
+    signature = {name: describe(t) for name, t in (("q", q), ("k", k), ("v", v))}
+    signature["grad"] = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    for name, value in options.items():
+        signature[name] = cu_seqlens_values(value) if name == "cu_seqlens" else describe(value)
+    return signature
+
+
 def _digest(signature: dict[str, object]) -> int:
     text = repr(sorted(signature.items())).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import group_from_name, group_name
-from .consistency import check_ranks_agree
+from .consistency import call_signature, check_ranks_agree
 from .kernels import attention_forward, build_problem
 from .kernels.ops import _backward_impl, check_scalar_args
 from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import check_ulysses_size, ulysses_ring_mesh
-from .ring import call_signature, ring_backward, ring_forward, ring_setup
+from .ring import ring_backward, ring_forward, ring_setup
 from .ulysses import _kv_heads_for, _lse_to_seq, heads_to_seq, seq_to_heads
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .consistency import check_ranks_agree, cu_seqlens_values, describe
+from .consistency import call_signature, check_ranks_agree
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -31,7 +31,7 @@ from .kernels import (
 )
 from .kernels.ops import use_ops
 from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
-from .merge import merge_partial
+from .merge import merge_partial, merge_sinks
 from .schedule import BlockTask, ring_schedule
 
 _UNMASKED = MaskBounds(None, None)
@@ -282,11 +282,7 @@ def check_dropout(dropout_p: object) -> None:
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
     """The final (out, lse) with the sinks joining every row's softmax (``merge_sinks``), or as
     they are. Differentiable in out, lse and sinks."""
-    if sinks is None:
-        return out, lse
-    from .merge import merge_sinks
-
-    return merge_sinks(out, lse, sinks)
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
 def ring_setup(
@@ -388,17 +384,6 @@ def ring_attention(
     return apply_sinks(out, lse, sinks)
 
 
-def call_signature(q: object, k: object, v: object, **options: object) -> dict[str, object]:
-    """What every rank of a group must agree on: q/k/v shapes and dtypes, whether gradients will
-    flow (the backward communicates too), every option; cu_seqlens by value."""
-    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
-    signature = {name: describe(t) for name, t in (("q", q), ("k", k), ("v", v))}
-    signature["grad"] = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    for name, value in options.items():
-        signature[name] = cu_seqlens_values(value) if name == "cu_seqlens" else describe(value)
-    return signature
-
-
 def ring_plan(
     base: AttentionProblem,
     layout: str,
@@ -433,11 +418,15 @@ def _ring_entry(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
     return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse,
 ):  # fmt: skip
-    check_dropout(dropout_p)
+    error = None
+    try:
+        check_dropout(dropout_p)
+    except (ValueError, TypeError) as e:
+        error = e  # raised after the rank check, which every rank must join
     out, lse = ring_attention(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, error=error,
     )  # fmt: skip
     return attention_returns(out, lse, return_attn_probs, return_lse)
 

@@ -77,7 +77,7 @@ def _varlen_entry(
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
         bounds = _local_bounds(cu_seqlens, q.shape[0], max_seqlen)
-        if alibi_slopes is not None and alibi_slopes.dim() != 1:
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:
             raise ValueError(
                 "alibi_slopes for the ring varlen functions must be (heads_q,), one slope per head for "
                 f"every document; got shape {tuple(alibi_slopes.shape)}"

@@ -22,15 +22,18 @@ from ringflash.kernels.offline_compile import KERNELS, compile_kernel
 
 # Integer arguments that can arrive as 1 (positions of a stripe, a one-token sequence).
 ONES = ("q_start0", "q_stride", "k_start0", "k_stride", "q_per_len", "k_per_len", "seqlen_q", "seqlen_k")
+OFF = dict(softcap_log2=None, ALIBI=None)
 
-# Dense unmasked, and varlen with window bounds and 64-bit tile offsets: each with and without
+# Dense unmasked without softcap and ALiBi (whose arguments a launch then passes as None),
+# and varlen with window bounds, 64-bit tile offsets, softcap and ALiBi: each with and without
 # the specializations.
 for kernel, ones, varlen in itertools.product(KERNELS.values(), ((), ONES), (False, True)):
-    window = varlen
+    window = features = varlen
     compile_kernel(
         kernel,
         dict(GROUP=2, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_VARLEN=varlen,
-             HAS_LEFT=window, HAS_RIGHT=window, DOT_PRECISION="tf32", ACCUMULATE=varlen, WIDE=varlen),
+             HAS_LEFT=window, HAS_RIGHT=window, DOT_PRECISION="tf32", ACCUMULATE=varlen, WIDE=varlen,
+             HAS_SOFTCAP=features, HAS_ALIBI=features, **({} if features else OFF)),
         ones,
     )
 print("compiled")

@@ -38,6 +38,7 @@ def _disagreeing_calls():
         "bad layout on one rank": lambda: ringflash.ring_flash_attn_func(
             *agreed, layout="zigzag" if rank == 0 else "spiral"
         ),
+        "dropout on one rank": lambda: ringflash.ring_flash_attn_func(*agreed, 0.1 if rank else 0.0),
         "packed": lambda: ringflash.ring_flash_attn_func(
             *(t[:, :8] for t in agreed), cu_seqlens=[0, 4, 16] if rank == 0 else [0, 8, 16]
         ),
@@ -57,6 +58,7 @@ def test_disagreeing_ranks_raise_on_every_rank(rank_pool):
         assert "layout: rank 0: 'zigzag', rank 1: 'spiral'" in errors["bad layout on one rank"]
         assert "layout must be one of" in errors["bad layout on one rank"]  # rank 1's own error, shown to all
         assert "cu_seqlens: rank 0: (0, 4, 16), rank 1: (0, 8, 16)" in errors["packed"]
+        assert "error: rank 0: None, rank 1: 'ValueError: dropout_p=0.1" in errors["dropout on one rank"]
 
 
 def _check_cost(calls: int) -> float:

@@ -17,16 +17,16 @@ from ringflash.kernels import merge_sinks
 TOL = TOLERANCE[torch.float32]
 
 
-def _randn(gen, shape, device, scale=1.0):
-    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(device, torch.float32)
+def _randn(gen, shape, device, scale=1.0, dtype=torch.float32):
+    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(device, dtype)
 
 
-def _inputs(b, sq, sk, h, hk, d, device, seed=0, scale=1.0):
+def _inputs(b, sq, sk, h, hk, d, device, seed=0, scale=1.0, dtype=torch.float32):
     """Fresh random q, k, v, dout (batch, seqlen, heads, head_dim) and dlse (batch, heads, seqlen_q);
     ``scale`` multiplies q and k, so that the scores reach where softcap and sinks matter."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (
-        _randn(g, (b, s, n, d), device, sc)
+        _randn(g, (b, s, n, d), device, sc, dtype)
         for s, n, sc in ((sq, h, scale), (sk, hk, scale), (sk, hk, 1.0), (sq, h, 1.0))
     )
     return q, k, v, dout, _randn(g, (b, h, sq), device)
@@ -44,7 +44,7 @@ def _close(name, got, expected, tol=TOL):
     assert err < tol, f"{name}: rel err {err:.2e} >= {tol:.0e}"
 
 
-def _check(run, ref, tensors, dout, dlse, names):
+def _check(run, ref, tensors, dout, dlse, names, tol=TOL):
     """``run(*leaves) -> (out, lse)`` against ``ref(*float64 leaves) -> (out, lse)``: out, lse and
     the gradients of every tensor in ``tensors`` under the loss <out, dout> + <lse, dlse>, which
     must all be finite. Returns (out, lse) of ``run``."""
@@ -57,7 +57,7 @@ def _check(run, ref, tensors, dout, dlse, names):
         (ref_out, ref_lse), ref_leaves, (dout.to("cpu", torch.float64), dlse.to("cpu", torch.float64))
     )
     for name, got, exp in zip(("out", "lse", *names), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
-        _close(name, got, exp)
+        _close(name, got, exp, tol)
         assert torch.isfinite(got).all() or name == "lse", name
     return out.detach(), lse.detach()
 
@@ -314,3 +314,85 @@ def test_merge_sinks_edge_cases(device):
         merge_sinks(out, lse, torch.zeros(2, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="merge_sinks needs out"):
         merge_sinks(out, lse.transpose(1, 2), sinks)
+
+
+# --------------------------------------------------------------------------------------------
+# softcap and ALiBi through the public functions
+
+
+@pytest.mark.parametrize(
+    ("feature", "varlen"),
+    [("softcap", False), ("alibi", False), ("alibi-batch", False), ("all", True)],
+    ids=["softcap", "alibi", "alibi-batch", "varlen-softcap-alibi-sinks"],
+)
+def test_softcap_and_alibi_match_float64(device, feature, varlen):
+    """softcap= and alibi_slopes= as in flash-attn: out, LSE and every gradient against float64,
+    with GQA and causal (plus a window or packed sequences); scores large enough for the cap to
+    bite and slopes large enough to matter. The probabilities of return_attn_probs too."""
+    b = 2 if feature == "alibi-batch" else 1
+    q, k, v, dout, dlse = _inputs(b, 13, 13, 4, 2, 16, device, seed=7, scale=2.5)
+    kw = dict(causal=True, window_size=(8, -1) if feature == "alibi-batch" else (-1, -1))
+    if feature in ("softcap", "all"):
+        kw["softcap"] = 1.5
+    if feature in ("alibi", "all"):
+        kw["alibi_slopes"] = torch.tensor([0.9, 0.5, 0.25, 0.125], device=device)
+    if feature == "alibi-batch":
+        kw["alibi_slopes"] = torch.tensor([[0.9, 0.5, 0.3, 0.1], [0.05, 0.2, 0.4, 0.7]], device=device)
+    sinks = _sinks(4, device) if varlen else None
+    cu_list = [0, 6, 13]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+
+    def run(q, k, v):
+        if varlen:
+            out, lse = ringflash.flash_attn_varlen_func(
+                q[0], k[0], v[0], cu, cu, 7, 7, sinks=sinks, return_lse=True, **kw
+            )
+            return out[None], lse[None]
+        return ringflash.flash_attn_func(q, k, v, return_lse=True, **kw)
+
+    def ref(q, k, v, **extra):
+        ref_kw = {**kw, "sinks": sinks, **extra}
+        if varlen:
+            return reference_attention_packed(q, k, v, cu_list, **ref_kw)
+        return reference_attention(q, k, v, **ref_kw)
+
+    out, _ = _check(run, ref, (q, k, v), dout, dlse, ("dq", "dk", "dv"))
+    plain = ref(q, k, v, softcap=0.0, alibi_slopes=None)[0]
+    assert rel_err(out, plain) > 0.1  # the features change the answer
+    if varlen:
+        probs = ringflash.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 7, 7, return_attn_probs=True, sinks=sinks, **kw
+        )[2]
+        ref_probs = _reference_probs(q, k, cu_list, sinks=sinks, **kw)[0]
+        _close("probs 0", probs[0, :, :6, :6], ref_probs[:, :6, :6])
+        _close("probs 1", probs[1], ref_probs[:, 6:, 6:])
+    else:
+        probs = ringflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)[2]
+        _close("probs", probs, _reference_probs(q, k, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_everything_at_once_in_half_precision_on_gpu(dtype):
+    """bf16/fp16 at a real size: head_dim 111 (padded), GQA, causal with a window, softcap, ALiBi
+    and sinks through flash_attn_func, and the same sequences packed through the varlen form."""
+    q, k, v, dout, dlse = _inputs(2, 1000, 1000, 8, 2, 111, "cuda", seed=11, scale=2.0, dtype=dtype)
+    slopes = torch.linspace(0.01, 0.2, 8, device="cuda")
+    sinks = _sinks(8, "cuda")
+    kw = dict(causal=True, window_size=(300, -1), softcap=5.0, alibi_slopes=slopes)
+
+    def run(q, k, v, sinks):
+        return ringflash.flash_attn_func(q, k, v, sinks=sinks, return_lse=True, **kw)
+
+    def ref(q, k, v, sinks):
+        return reference_attention(q, k, v, sinks=sinks, **kw)
+
+    names = ("dq", "dk", "dv", "dsinks")
+    out, lse = _check(run, ref, (q, k, v, sinks), dout, dlse, names, tol=TOLERANCE[dtype])
+    cu = torch.tensor([0, 1000, 2000], dtype=torch.int32, device="cuda")
+    packed = [t.reshape(2000, *t.shape[2:]) for t in (q, k, v)]
+    out_v, lse_v = ringflash.flash_attn_varlen_func(
+        *packed, cu, cu, 1000, 1000, sinks=sinks, return_lse=True, **kw
+    )
+    _close("varlen out", out_v, out.reshape(2000, 8, 111), TOLERANCE[dtype])
+    _close("varlen lse", lse_v, lse.transpose(0, 1).reshape(8, 2000), TOLERANCE[dtype])

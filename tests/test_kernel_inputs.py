@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -400,3 +401,64 @@ def test_varlen_empty_sequences_accepted(device):
     assert out.shape == q.shape and lse.shape == (2, 10)
     assert torch.isfinite(out).all()
     assert torch.isneginf(lse[:, :4]).all() and torch.isfinite(lse[:, 4:]).all()  # 2nd sequence has no keys
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(softcap=True), TypeError, r"softcap must be a float \(0.0 = off\), got bool"),
+        (dict(softcap="5"), TypeError, r"softcap must be a float \(0.0 = off\), got str"),
+        (dict(softcap=None), TypeError, r"softcap must be a float \(0.0 = off\), got NoneType"),
+        (dict(softcap=-1.0), ValueError, r"softcap must be 0.0 \(off\) or a positive finite float, got -1.0"),
+        (dict(softcap=math.inf), ValueError, r"softcap must be 0.0 \(off\) or a positive finite float"),
+        (dict(softcap=math.nan), ValueError, r"softcap must be 0.0 \(off\) or a positive finite float"),
+        (dict(alibi_slopes=[0.5, 0.25]), TypeError, r"alibi_slopes must be a torch.Tensor or None, got list"),
+        (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, r"alibi_slopes must be float32"),
+        (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError, r"alibi_slopes must be float32"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
+        (dict(alibi_slopes=torch.ones(2, 2)), ValueError, r"shape \(2,\) or \(1, 2\) .* got \(2, 2\)"),
+        (dict(alibi_slopes=torch.ones(1, 2, 1)), ValueError, r"alibi_slopes must have shape"),
+        (dict(alibi_slopes=torch.ones(2, device="meta")), ValueError, r"alibi_slopes is on meta but q is on"),
+        (dict(deterministic=1), TypeError, r"deterministic must be a bool, got int"),
+    ],
+    ids=str,
+)
+def test_bad_softcap_and_alibi(device, kwargs, exc, match):
+    q, k, v = _qkv(device)
+    with pytest.raises(exc, match=match):
+        build_problem(q, k, v, None, True, (-1, -1), **kwargs)
+
+
+def test_alibi_slopes_accepted_shapes(device):
+    """(heads,) and (batch, heads) slopes, any strides: the problem holds them as a contiguous
+    float32 (batch, heads_q) tensor (varlen: one row per sequence)."""
+    q, k, v = _qkv(device, b=3, h=4, hk=2)
+    per_head = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device)
+    prob = build_problem(q, k, v, None, True, (-1, -1), alibi_slopes=per_head)
+    assert prob.alibi_slopes.shape == (3, 4) and prob.alibi_slopes.is_contiguous()
+    assert (prob.alibi_slopes == per_head).all()
+    strided = torch.rand(4, 3, device=device).t()
+    prob = build_problem(q, k, v, None, True, (-1, -1), alibi_slopes=strided, softcap=30)
+    assert prob.alibi_slopes.is_contiguous() and torch.equal(prob.alibi_slopes, strided)
+    assert prob.softcap == 30.0 and isinstance(prob.softcap, float)
+    cu = _cu([0, 2, 8], device)
+    prob = build_problem(q[0], k[0], v[0], None, False, (-1, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                         max_seqlen_q=6, max_seqlen_k=6, alibi_slopes=per_head)  # fmt: skip
+    assert prob.alibi_slopes.shape == (2, 4)
+
+
+def test_launch_refuses_slopes_of_another_batch(device):
+    """A problem rebuilt with dataclasses.replace (as a ring step's varlen call is) whose slopes
+    no longer have a row per sequence: a ValueError, not a read past the slopes."""
+    q, k, v = _qkv(device, b=2)
+    prob = build_problem(q, k, v, None, True, (-1, -1), alibi_slopes=torch.ones(2, device=device))
+    cu = _cu([0, 3, 5, 8, 16], device)
+    varlen = replace(prob, batch=4, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8)
+    qv, kv, vv = (t.flatten(0, 1) for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"alibi_slopes must be a contiguous \(batch, heads_q\) = \(4, 2\)"):
+        attention_forward(qv, kv, vv, varlen)
+    _, lse = attention_forward(q, k, v, prob)
+    lse_v = lse.transpose(0, 1).flatten(1)  # (heads, tokens), as a varlen call's
+    for compute_dq in (True, False):
+        with pytest.raises(ValueError, match=r"alibi_slopes must be a contiguous"):
+            attention_backward(qv, qv, kv, vv, lse_v, lse_v, varlen, compute_dq=compute_dq)
