@@ -2,7 +2,8 @@
 
 Every public function takes flash-attn's arguments in flash-attn's positional order, so code
 written for flash-attn runs after changing only the import; ringflash's additions (``sinks``,
-``return_lse``) are keyword-only. All six share ``_attention``.
+``return_lse``) are keyword-only. All six share ``_attention``, which runs
+``ops.flash_attention`` (custom operators when traced by torch.compile).
 """
 
 from __future__ import annotations
@@ -12,41 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .backward import attention_backward, attention_delta
-from .forward import attention_forward
 from .merge import check_sinks, merge_sinks
-from .problem import MAX_HEAD_DIM, AttentionProblem, build_problem
+from .ops import flash_attention
+from .problem import MAX_HEAD_DIM, build_problem
 from .probs import attention_probs
-
-
-class _FlashAttention(torch.autograd.Function):
-    """(out, lse) of attention, both differentiable.
-
-    A gradient on the LSE only changes delta: d lse_i / d S_ij = P_ij and dS = P * (dP - delta),
-    so backpropagating dlse as well is delta_i -= dlse_i; calls that ignore the LSE skip it.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, problem: AttentionProblem):
-        out, lse = attention_forward(q, k, v, problem)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        problem = ctx.problem
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        delta = attention_delta(out, dout, problem)
-        if dlse is not None:
-            delta.sub_(dlse)
-        dq, dk, dv = attention_backward(dout, q, k, v, lse, delta, problem)
-        return dq, dk, dv, None
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -103,20 +73,17 @@ def _attention(
     if softmax_scale is None and head_dim:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     qp, kp, vp = pad_head_dim(q, k, v)
-    problem = build_problem(
-        qp, kp, vp, softmax_scale, causal, window_size, **varlen,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-    )  # fmt: skip
-    if sinks is not None:
-        check_sinks(sinks, problem.heads_q, q.device)
     if not isinstance(return_attn_probs, bool) or not isinstance(return_lse, bool):
         raise TypeError("return_attn_probs and return_lse must be bools")
-    out, lse = _FlashAttention.apply(qp, kp, vp, problem)
+    kw = dict(softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    out, lse = flash_attention(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
     if qp is not q:
         out = out[..., :head_dim]
     if sinks is not None:
+        check_sinks(sinks, q.shape[-2], q.device)
         out, lse = merge_sinks(out, lse, sinks)
     if return_attn_probs:
+        problem = build_problem(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
         return out, lse, attention_probs(q, k, lse.detach(), problem)
     return (out, lse) if return_lse else out
 

@@ -1,9 +1,16 @@
-"""Long-context causal-LM training with DeepSpeed (ZeRO 0-3) and sequence parallelism.
+"""Long-context causal-LM training with DeepSpeed (ZeRO 0-3) or FSDP2, and sequence parallelism.
 
     torchrun --nproc_per_node 2 launch/train.py --model 1b --seq-len 131072 --sp-size 2 \\
         --config launch/ds_configs/zero2.json --activation-checkpointing --steps 20
     deepspeed --num_gpus 2 launch/train.py ...          # DeepSpeed's launcher works too
     torchrun --nproc_per_node 2 launch/train.py         # no GPUs: tiny model on the CPU
+    torchrun --nproc_per_node 8 launch/train.py --engine fsdp2 --compile --sp-size 4 ...
+
+--engine fsdp2 shards parameters over all D x S ranks with torch's fully_shard (each decoder
+layer a unit; ringflash.integrations.fsdp sets the gradient scale) instead of DeepSpeed; it
+takes the optimizer settings and gradient_clipping/gradient_accumulation_steps from the same
+config, and saves no checkpoints. --compile compiles each decoder layer (torch.compile; the
+attention runs as ringflash's opaque custom ops), with Inductor on GPUs and aot_eager on the CPU.
 
 World = D x S ranks: sequence-parallel groups of --sp-size consecutive ranks, each training on
 one sequence sharded over its ranks; D data-parallel replicas. --sp-impl ringflash runs the
@@ -38,6 +45,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede importing ringflash
 
 from train_data import make_dataset, sample_index  # noqa: E402
+from train_fsdp import FSDP2Engine  # noqa: E402
 from train_model import PRESETS, CausalLMLoss, build_model, flops_per_token, matmul_params  # noqa: E402
 
 import ringflash  # noqa: E402
@@ -49,6 +57,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="deepspeed", choices=["deepspeed", "fsdp2"])
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument(
+        "--compile-backend", default="inductor" if ON_GPU else "aot_eager", help="torch.compile backend"
+    )
     p.add_argument("--config", default=os.path.join(HERE, "ds_configs", "zero2.json"), help="DeepSpeed JSON")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seq-len", type=int, default=65536 if ON_GPU else 256, help="tokens per sequence")
@@ -95,12 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_distributed() -> torch.device:
+def setup_distributed(engine: str) -> torch.device:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)  # plain `python launch/train.py` is a world of one
     os.environ.setdefault("MASTER_PORT", "29512")
-    import deepspeed
-
     if ON_GPU:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -109,11 +120,15 @@ def setup_distributed() -> torch.device:
     else:
         # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce used only for
         # inference. (The module, not `import deepspeed.comm.torch`: that name is torch itself.)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        if engine == "deepspeed":
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if engine == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return device
 
 
@@ -136,8 +151,6 @@ def load_config(args: argparse.Namespace) -> dict:
 
 def build(args: argparse.Namespace, device: torch.device, config: dict):
     """The engine, the sequence-parallel group, the data layout and the parameter counts."""
-    import deepspeed
-
     sp = args.sp_size or dist.get_world_size()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.sp_impl == "ringflash":
@@ -151,6 +164,8 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     else:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+        if args.engine != "deepspeed":
+            raise ValueError("--sp-impl deepspeed-ulysses needs --engine deepspeed")
         if sp < 2:
             raise ValueError("--sp-impl deepspeed-ulysses needs --sp-size >= 2")
         lm = build_model(args.model, args.seq_len, "sdpa", dtype, device, args.seed)
@@ -168,15 +183,30 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     counts = {"params": sum(p.numel() for p in lm.parameters()), "matmul_params": matmul_params(lm)}
     flops = flops_per_token(lm, args.seq_len)
+    layers = lm.get_decoder().layers
+    if args.compile:
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=args.compile_backend)
     model = CausalLMLoss(lm, sp_group, args.loss_chunk)
-    if args.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
-        )
+
+    def make_optimizer(params):
+        if args.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=args.lr, weight_decay=args.weight_decay)
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+
     warm = max(args.warmup, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    make_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))  # noqa: E731
+    if args.engine == "fsdp2":
+        engine = FSDP2Engine(
+            model, layers, ringflash.sequence_parallel_groups(sp), make_optimizer, make_scheduler,
+            accumulation=int(config.get("gradient_accumulation_steps", 1)),
+            grad_clip=float(config.get("gradient_clipping", 0.0)),
+        )  # fmt: skip
+        return engine, sp_group, sp, layout, ulysses, counts, flops
+    import deepspeed
+
+    opt = make_optimizer(model.parameters())
+    sched = make_scheduler(opt)
     if args.sp_impl == "ringflash":
         engine, *_ = rf_ds.initialize(model, config, sp, optimizer=opt, lr_scheduler=sched)
     else:
@@ -188,7 +218,9 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
 
 def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """Run (or resume) training; returns the summary and the per-step history (all steps)."""
-    device = setup_distributed()
+    if args.engine == "fsdp2" and (args.save_dir or args.resume):
+        raise ValueError("--engine fsdp2 saves and resumes no checkpoints: drop --save-dir/--resume")
+    device = setup_distributed(args.engine)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args)
     engine, sp_group, sp, layout, ulysses, counts, flops = build(args, device, config)
@@ -205,7 +237,8 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     say(
         f"train: {args.model} ({counts['params'] / 1e6:.1f}M params), {world} ranks = {dp_size} DP x {sp} SP "
         f"({args.sp_impl}{'/' + args.sp_mode if args.sp_impl == 'ringflash' else ''}), seq {args.seq_len}, "
-        f"ZeRO-{engine.zero_optimization_stage()}, AC {'on' if args.activation_checkpointing else 'off'}, "
+        f"{'FSDP2' if args.engine == 'fsdp2' else f'ZeRO-{engine.zero_optimization_stage()}'}"
+        f"{' compiled' if args.compile else ''}, AC {'on' if args.activation_checkpointing else 'off'}, "
         f"{args.dtype}, {'GPU' if ON_GPU else 'CPU'}, steps {start}->{args.steps}",
         flush=True,
     )
@@ -233,7 +266,10 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
                 else shard["target_ids"]
             )
             loss, recall = engine(shard["input_ids"], shard["position_ids"], targets, mask)
-            rf_ds.backward(engine, loss)
+            if args.engine == "fsdp2":
+                engine.backward(loss)
+            else:
+                rf_ds.backward(engine, loss)
             engine.step()
             stats[0] += loss.detach().float() / accum
             stats[1:] += recall
@@ -307,7 +343,7 @@ def summarize(args, engine, world, sp, tokens_per_step, counts, flops, run, hist
         "summary": "train", "model": args.model, **counts, "seq_len": args.seq_len, "world": world,
         "sp_size": sp, "dp_size": world // sp, "sp_impl": args.sp_impl,
         "sp_mode": args.sp_mode if args.sp_impl == "ringflash" else "ulysses",
-        "zero_stage": engine.zero_optimization_stage(),
+        "engine": args.engine, "compile": args.compile, "zero_stage": engine.zero_optimization_stage(),
         "activation_checkpointing": args.activation_checkpointing,
         "dtype": args.dtype, "device": torch.cuda.get_device_name() if ON_GPU else "cpu",
         "steps_run": len(run), "step_time_s": round(step_s, 4), "tokens_per_s": round(tps, 1),

@@ -2,8 +2,9 @@
 
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` and their qkv/kv-packed forms
 (Triton FlashAttention-2 with LSE, flash-attn 2.x's signatures).
-Sequence parallel: ``ring_flash_attn_func`` (ring; ``ring_flash_attn_varlen_func`` for packed
-documents), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
+Sequence parallel: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
+``stripe_flash_attn_func`` and their ``*_varlen_func`` forms (ring-flash-attn's names, arguments and
+shard layouts), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
 for ring / ulysses / hybrid) over a process group, with ``shard_sequence`` / ``gather_sequence``
 to move between full sequences and shards; ``use_high_priority_comm`` (call before
 ``init_process_group``) lets ring transfers start beside the attention kernels.
@@ -28,7 +29,12 @@ from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .loss import sequence_parallel_chunked_cross_entropy, sequence_parallel_cross_entropy
 from .merge import merge_partial
 from .modules import ReferenceDecoder, SequenceParallelAttention
-from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
+from .ring import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
+from .ring_varlen import (
+    ring_flash_attn_varlen_func,
+    stripe_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_func,
+)
 from .sharding import gather_sequence, shard_sequence
 from .ulysses import SP_MODES, sp_attn_func, ulysses_attn_func
 
@@ -58,7 +64,11 @@ __all__ = [
     "shard_batch",
     "shard_sequence",
     "sp_attn_func",
+    "stripe_flash_attn_func",
+    "stripe_flash_attn_varlen_func",
     "ulysses_attn_func",
     "use_high_priority_comm",
     "zigzag_indices",
+    "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_varlen_func",
 ]

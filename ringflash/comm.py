@@ -5,13 +5,22 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """``group`` or the default (world) group; errors clearly when torch.distributed is not set up."""
+
+GroupLike = Union[dist.ProcessGroup, "DeviceMesh", tuple["DeviceMesh", str], None]
+
+
+def resolve_group(group: GroupLike) -> dist.ProcessGroup:
+    """The process group of a ``group=`` argument: a ProcessGroup, a 1-D DeviceMesh, a
+    (DeviceMesh, dim name) pair, or None for the default (world) group. Errors clearly when
+    torch.distributed is not set up."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ringflash's sequence-parallel functions need torch.distributed: call "
@@ -19,9 +28,71 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         )
     if group is None:
         return dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    return group
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group is a {group.ndim}-D DeviceMesh {group.mesh_dim_names}: pass a 1-D mesh "
+                "(mesh[dim_name]) or a (mesh, dim_name) pair"
+            )
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        if dim not in (mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"group: {dim!r} is not a dimension of the mesh, whose are {mesh.mesh_dim_names}"
+            )
+        return mesh.get_group(dim)
+    raise TypeError(
+        "group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim_name) "
+        f"pair or None, got {type(group).__name__}"
+    )
+
+
+def group_name(group: GroupLike) -> str:
+    """The registered name of a group (``resolve_group``'s forms), by which custom ops take it."""
+    return resolve_group(group).group_name
+
+
+def group_from_name(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (inverse of ``group_name``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group over the ranks of ``group`` whose collectives run on CPU tensors without touching a
+    device stream: ``group`` itself when its backend has gloo (``gloo``, ``cpu:gloo,cuda:nccl``),
+    else a gloo group over the same ranks, created by the first call (which every rank of
+    ``group`` makes, as it does every call here) and cached."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
+def host_values_agree(value: int, group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` passed the same ``value`` (|value| < 2^62): one all-reduce
+    (MAX of value and -value) of 16 bytes on the host."""
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=host_group(group))
+    return int(pair[0]) == -int(pair[1])  # max == min
+
+
+def host_all_gather_object(obj: object, group: dist.ProcessGroup) -> list:
+    """Every rank's picklable ``obj``, in group-rank order, gathered on the host."""
+    objs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objs, obj, group=host_group(group))
+    return objs
 
 
 def use_high_priority_comm() -> None:
@@ -57,7 +128,7 @@ class PendingExchange:
 class RingComm:
     """Point-to-point exchange between neighbours of a ring over a process group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: GroupLike = None) -> None:
         self.group = resolve_group(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import resolve_group
 
@@ -13,7 +14,9 @@ from .comm import resolve_group
 @dataclass(frozen=True)
 class ParallelGroups:
     """Sequence-parallel groups are runs of ``sp_size`` consecutive ranks (e.g. one node);
-    data-parallel groups join the ranks at the same position of every sequence-parallel group."""
+    data-parallel groups join the ranks at the same position of every sequence-parallel group.
+    ``mesh``: the same as a 2-D DeviceMesh with dims ("dp", "sp") (``mesh["sp"]`` is the
+    sequence-parallel group, for ``group=`` arguments; FSDP2 shards over the whole of it)."""
 
     sp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
@@ -21,33 +24,46 @@ class ParallelGroups:
     dp_size: int
     sp_rank: int
     dp_rank: int
+    mesh: DeviceMesh | None = None
 
 
 _GROUPS: dict[int, ParallelGroups] = {}
 
 
-def sequence_parallel_groups(sp_size: int) -> ParallelGroups:
-    """Split the world into data-parallel x sequence-parallel groups; every rank of the world
-    must call this (with the same ``sp_size``) the first time. Cached per ``sp_size``."""
+def sequence_parallel_groups(sp_size: int | None = None, *, mesh: DeviceMesh | None = None) -> ParallelGroups:
+    """Split the world into data-parallel x sequence-parallel groups, as a (dp, sp) DeviceMesh.
+
+    sp_size: ranks per sequence; the mesh is built with ``init_device_mesh`` (every rank of the
+    world must make this call, with the same ``sp_size``, the first time; cached per sp_size).
+    mesh: instead, a 2-D DeviceMesh with dims named "dp" and "sp" (e.g. from
+    ``init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))``) to take the groups from.
+    """
     resolve_group(None)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    if mesh is not None:
+        if sp_size is not None:
+            raise ValueError("pass sp_size or mesh, not both")
+        return _groups_of(mesh)
+    world = dist.get_world_size()
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1 or world % sp_size:
         raise ValueError(f"sp_size must be a positive int dividing the world size {world}, got {sp_size!r}")
     if sp_size not in _GROUPS:
-        mine_sp = mine_dp = None
-        # new_group is collective over the world: every rank creates every group, in one order.
-        for start in range(0, world, sp_size):
-            g = dist.new_group(list(range(start, start + sp_size)))
-            if start <= rank < start + sp_size:
-                mine_sp = g
-        for offset in range(sp_size):
-            g = dist.new_group(list(range(offset, world, sp_size)))
-            if rank % sp_size == offset:
-                mine_dp = g
-        _GROUPS[sp_size] = ParallelGroups(
-            mine_sp, mine_dp, sp_size, world // sp_size, rank % sp_size, rank // sp_size
+        backend = str(dist.get_backend())
+        device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+        # Row-major (dp, sp): sequence-parallel groups are runs of sp_size consecutive ranks.
+        _GROUPS[sp_size] = _groups_of(
+            init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
         )
     return _GROUPS[sp_size]
+
+
+def _groups_of(mesh: DeviceMesh) -> ParallelGroups:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("dp", "sp"):
+        raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('dp', 'sp'), got {mesh!r}")
+    return ParallelGroups(
+        sp_group=mesh.get_group("sp"), dp_group=mesh.get_group("dp"),
+        sp_size=mesh.size(1), dp_size=mesh.size(0),
+        sp_rank=mesh.get_local_rank("sp"), dp_rank=mesh.get_local_rank("dp"), mesh=mesh,
+    )  # fmt: skip
 
 
 def reduce_gradients(module: torch.nn.Module, groups: ParallelGroups) -> None:

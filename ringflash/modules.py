@@ -9,8 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .layouts import document_lengths
-from .ulysses import sp_attn_func, whole_sequence_attention
+from .kernels.problem import check_alibi_slopes
+from .layouts import check_layout, document_lengths
+from .ring import check_sinks
+from .ulysses import SP_MODES, sp_attn_func, whole_sequence_attention
 
 
 class SequenceParallelAttention(nn.Module):
@@ -19,6 +21,9 @@ class SequenceParallelAttention(nn.Module):
     With ``group=None`` and no initialized torch.distributed it is single-device attention, so
     the same model runs with and without sequence parallelism. ``forward(..., cu_seqlens=...)``
     keeps attention inside packed documents (batch 1; ``shard_batch``'s ``cu_seqlens``).
+    softcap (float, 0 = off) and alibi_slopes (float32 (heads_q,), kept as a buffer) are fixed
+    at construction; sinks (heads_q,) are the caller's parameter, passed to ``forward``. Every
+    argument is validated when the layer runs; none is ignored.
     """
 
     def __init__(
@@ -30,17 +35,29 @@ class SequenceParallelAttention(nn.Module):
         layout: str = "zigzag",
         sp_mode: str = "ring",
         ulysses_size: int | None = None,
+        *,
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.causal, self.window_size, self.softmax_scale = causal, window_size, softmax_scale
         self.group, self.layout, self.sp_mode, self.ulysses_size = group, layout, sp_mode, ulysses_size
+        self.softcap = softcap
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return sequence_parallel_attention(
-            q, k, v, self.softmax_scale, self.causal, self.window_size, self.group,
-            self.layout, self.sp_mode, self.ulysses_size, cu_seqlens,
+            q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
+            group=self.group, layout=self.layout, sp_mode=self.sp_mode, ulysses_size=self.ulysses_size,
+            cu_seqlens=cu_seqlens, softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=sinks,
         )  # fmt: skip
 
 
@@ -48,6 +65,7 @@ def sequence_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     softmax_scale: float | None,
     causal: bool,
     window_size: tuple[int, int],
@@ -56,21 +74,30 @@ def sequence_parallel_attention(
     sp_mode: str,
     ulysses_size: int | None,
     cu_seqlens: torch.Tensor | Sequence[int] | None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sp_attn_func`` over ``group``, or single-device attention (dense, or varlen over packed
     documents) when there is no group and torch.distributed is not initialized. Shapes as in
     ``sp_attn_func``: (batch, local_seqlen, heads, head_dim)."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes)  # fmt: skip
     if group is not None or (dist.is_available() and dist.is_initialized()):
-        return sp_attn_func(
-            q, k, v, softmax_scale, causal, window_size, group, layout, sp_mode, ulysses_size,
-            cu_seqlens=cu_seqlens,
-        )  # fmt: skip
+        return sp_attn_func(q, k, v, group=group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size,
+                            cu_seqlens=cu_seqlens, sinks=sinks, **options)  # fmt: skip
+    check_layout(layout)
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
     doc_lens = None
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
         doc_lens = document_lengths(cu_seqlens, q.shape[1], "contiguous", 1)  # any lengths on one device
-    return whole_sequence_attention(q, k, v, softmax_scale, causal, window_size, doc_lens)[0]
+    if alibi_slopes is not None:
+        alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
+    return whole_sequence_attention(q, k, v, doc_lens=doc_lens, sinks=sinks, **options)[0]
 
 
 def _rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

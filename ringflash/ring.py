@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
+from .consistency import call_signature, check_ranks_agree
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -28,8 +29,9 @@ from .kernels import (
     build_problem,
     uses_fused_backward,
 )
+from .kernels.ops import use_ops
 from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
-from .merge import merge_partial
+from .merge import merge_partial, merge_sinks
 from .schedule import BlockTask, ring_schedule
 
 _UNMASKED = MaskBounds(None, None)
@@ -52,6 +54,8 @@ def _kernel_call(base: AttentionProblem, task: BlockTask, cu_local: torch.Tensor
     ks = slice(task.k_start, task.k_start + task.k_len)
     if task.masked:
         problem = replace(base, q_positions=task.q_positions, k_positions=task.k_positions)
+    elif task.q_positions is not None:  # ALiBi: the bias needs the global positions of every block
+        problem = replace(base, bounds=_UNMASKED, q_positions=task.q_positions, k_positions=task.k_positions)
     else:
         problem = replace(base, bounds=_UNMASKED, q_positions=TokenPositions(), k_positions=TokenPositions())
     if task.seq_lens is None:
@@ -59,8 +63,11 @@ def _kernel_call(base: AttentionProblem, task: BlockTask, cu_local: torch.Tensor
         return KernelCall((slice(None), qs), (slice(None), ks), (slice(None), slice(None), qs), qs, problem)
     # Packed documents: a varlen call over the (len, heads, dim) tokens of the single row.
     longest = max(task.seq_lens)
+    alibi = (
+        None if base.alibi_slopes is None else base.alibi_slopes.expand(len(task.seq_lens), -1).contiguous()
+    )
     problem = replace(problem, batch=len(task.seq_lens), max_seqlen_q=longest, max_seqlen_k=longest,
-                      cu_seqlens_q=cu_local, cu_seqlens_k=cu_local)  # fmt: skip
+                      cu_seqlens_q=cu_local, cu_seqlens_k=cu_local, alibi_slopes=alibi)  # fmt: skip
     return KernelCall((0, qs), (0, ks), (0, slice(None), qs), qs, problem)
 
 
@@ -131,9 +138,12 @@ def ring_backward(
     base: AttentionProblem,
     plan: RingPlan,
     comm: RingComm,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring backward from the final (out, lse); returns (dq, dk, dv) in the inputs' dtypes.
-    ``base``: the dense problem of the whole local shard (for delta).
+    ``base``: the dense problem of the whole local shard (for delta). ``dlse``: the gradient of
+    the returned LSE, if it has one (e.g. through attention sinks): since dlse_i / dscore_ij =
+    p_ij, it enters as delta_i -= dlse_i.
 
     Each shard's float32 dK/dV accumulator starts on the next rank and visits the others; its
     owner adds its own contribution last, after the accumulator's trip home. That saves one
@@ -147,6 +157,8 @@ def ring_backward(
     pairs in k's dtype more memory, one add pass per step, and the transfer overlaps the step.
     """
     delta = attention_delta(out, dout, base)
+    if dlse is not None:
+        delta -= dlse
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     f32 = dict(device=k.device, dtype=torch.float32)
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
@@ -232,68 +244,144 @@ class _RingFlashAttention(torch.autograd.Function):
         out, lse = ring_forward(q, k, v, plan, comm)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (base, plan, comm)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
 
 
-def ring_flash_attn_func(
+def check_sinks(sinks: object, heads_q: int, device: torch.device) -> torch.Tensor | None:
+    """``sinks``: None, or a floating (heads_q,) tensor on q's device (gpt-oss's learned sink
+    logits, one per query head)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(
+            f"sinks must be a floating torch.Tensor of shape ({heads_q},) or None, got {sinks!r:.80}"
+        )
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
+    return sinks
+
+
+def check_dropout(dropout_p: object) -> None:
+    """ringflash attention has no dropout: only 0.0 is accepted (flash-attn's 4th argument)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p}: ringflash attention has no dropout; pass 0.0")
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    """The final (out, lse) with the sinks joining every row's softmax (``merge_sinks``), or as
+    they are. Differentiable in out, lse and sinks."""
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
+
+
+def ring_setup(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    group: dist.ProcessGroup | None = None,
-    layout: str = "zigzag",
-    return_lse: bool = False,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over a sequence sharded across ``group``, differentiable.
-
-    Args:
-        q: this rank's shard (batch, local_seqlen, heads_q, head_dim) of the full sequence,
-            split by ``layout`` (see ``shard_sequence``); float16/bfloat16/float32.
-        k, v: this rank's shards (batch, local_seqlen, heads_k, head_dim); heads_q % heads_k == 0.
-        softmax_scale, causal, window_size: as in ``flash_attn_func``, over the full sequence.
-        group: the sequence-parallel process group (default: the world).
-        layout: "zigzag" (balanced causal work), "stripe" or "contiguous".
-        return_lse: also return the float32 LSE (batch, heads_q, local_seqlen).
-        cu_seqlens: packed documents (batch must be 1): int cumulative lengths (0, ..., total)
-            of the documents of the *full* sequence, the same on every rank; attention stays
-            inside each document, and each is split by ``layout`` on its own (shard with
-            ``shard_sequence(..., cu_seqlens=...)``). A CPU tensor or a list avoids a device sync.
-
-    Returns:
-        out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; and
-        the LSE if ``return_lse``. Every rank of the group must call this with the same shapes.
-    """
-    comm = RingComm(group)
-    check_layout(layout)
-    base = build_problem(q, k, v, softmax_scale, causal, window_size)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "ring attention needs q and k/v shards of the same local length, "
-            f"got {q.shape[1]} and {k.shape[1]}"
-        )
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    check_ranks: bool = True,
+    error: Exception | None = None,
+) -> tuple[AttentionProblem, RingPlan, RingComm, torch.Tensor | None]:
+    """Validate a ring call and plan it: (base problem, plan, comm, checked sinks); arguments as
+    in ``ring_attention``."""
+    try:
+        check_layout(layout)
+        base = build_problem(q, k, v, softmax_scale, causal, window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, deterministic=deterministic)  # fmt: skip
+        sinks = check_sinks(sinks, base.heads_q, q.device)
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                "ring attention needs q and k/v shards of the same local length, "
+                f"got {q.shape[1]} and {k.shape[1]}"
+            )
+        if cu_seqlens is not None and q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    except (ValueError, TypeError) as e:
+        error = error or e
+    try:
+        comm = RingComm(group)
+    except RuntimeError:
+        if error is not None:
+            raise error from None
+        raise
+    if check_ranks:
+        signature = call_signature(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, deterministic=deterministic, layout=layout,
+                                   cu_seqlens=cu_seqlens)  # fmt: skip
+        check_ranks_agree(comm.group, signature, error)
+    elif error is not None:
+        raise error
     total = q.shape[1] * comm.world_size
     if cu_seqlens is None:
         check_total_length(layout, total, comm.world_size, "full sequence length")
         doc_lens = (total,)
     else:
-        if q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
         doc_lens = document_lengths(cu_seqlens, total, layout, comm.world_size)
-    plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
+    return base, ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device), comm, sinks
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    check_ranks: bool = True,
+    error: Exception | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ring attention over local shards (batch, local_seqlen, heads, head_dim); the
+    machinery behind every ring entry point. Arguments wrong on their own raise first, then a
+    missing process group; ``check_ranks``: check that every rank passed the same arguments
+    (``consistency.check_ranks_agree``; callers that checked a larger group already skip it).
+    ``error``: an argument error the caller found; it is raised after the check, which this
+    rank must still join. Traced by torch.compile, the ring is one opaque custom op
+    (``ringflash/ops.py``) that checks and plans when it runs."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, deterministic=deterministic, group=group, layout=layout,
+                   cu_seqlens=cu_seqlens, check_ranks=check_ranks)  # fmt: skip
+    if use_ops(q):
+        from .ops import ring_attention_op  # ops.py builds on this module
+
+        if error is not None:
+            raise error
+        if sinks is not None:
+            check_sinks(sinks, q.shape[2], q.device)
+        return apply_sinks(*ring_attention_op(q, k, v, **options), sinks)
+    base, plan, comm, sinks = ring_setup(q, k, v, sinks=sinks, error=error, **options)
     k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
     out, lse = _RingFlashAttention.apply(q, k, v, base, plan, comm)
-    return (out, lse) if return_lse else out
+    return apply_sinks(out, lse, sinks)
 
 
 def ring_plan(
@@ -306,7 +394,8 @@ def ring_plan(
 ) -> RingPlan:
     """The kernel calls of every ring step for this rank (``ring_forward``/``ring_backward``
     take it): ``doc_lens`` of the full sequence, varlen calls when ``varlen`` (packed)."""
-    schedule = ring_schedule(layout, comm.rank, comm.world_size, doc_lens, base.bounds, varlen)
+    positions = base.alibi_slopes is not None
+    schedule = ring_schedule(layout, comm.rank, comm.world_size, doc_lens, base.bounds, varlen, positions)
     cu_local = None
     if varlen:  # every packed segment holds the same chunk length of each document
         seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
@@ -314,36 +403,144 @@ def ring_plan(
     return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
 
 
-def ring_flash_attn_varlen_func(
+def attention_returns(
+    out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool
+) -> torch.Tensor | tuple:
+    """ring-flash-attn's return convention: out, or (out, lse, None) with ``return_attn_probs``
+    (it never returns probabilities either: the third slot is None); ours: (out, lse) with
+    ``return_lse``."""
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def _ring_entry(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse,
+):  # fmt: skip
+    error = None
+    try:
+        check_dropout(dropout_p)
+    except (ValueError, TypeError) as e:
+        error = e  # raised after the rank check, which every rank must join
+    out, lse = ring_attention(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,
+        cu_seqlens=cu_seqlens, error=error,
+    )  # fmt: skip
+    return attention_returns(out, lse, return_attn_probs, return_lse)
+
+
+def ring_flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int],
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     group: dist.ProcessGroup | None = None,
-    layout: str = "zigzag",
+    *,
+    layout: str = "contiguous",
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention over packed documents, in flash-attn's varlen layout.
+) -> torch.Tensor | tuple:
+    """Exact attention over a sequence sharded across ``group``, differentiable; ring-flash-attn's
+    ``ring_flash_attn_func`` (same arguments, order, defaults and returns; contiguous shards).
 
     Args:
-        q: this rank's tokens (local_tokens, heads_q, head_dim), as
-            ``shard_sequence(x, dim=0, layout=layout, cu_seqlens=cu_seqlens)`` cuts them.
-        k, v: (local_tokens, heads_k, head_dim).
-        cu_seqlens: int cumulative lengths (0, ..., total) of the documents of the full packed
-            sequence, the same on every rank; each document a multiple of 2W (zigzag) or W.
-        Other arguments as in ``ring_flash_attn_func``.
+        q: this rank's shard (batch, local_seqlen, heads_q, head_dim) of the full sequence,
+            split by ``layout`` (``shard_sequence(x, group, layout=layout)``); float16/bfloat16/float32.
+        k, v: this rank's shards (batch, local_seqlen, heads_k, head_dim); heads_q % heads_k == 0.
+        dropout_p: must be 0.0 (no dropout; anything else is a ValueError).
+        softmax_scale, causal, window_size: as in ``flash_attn_func``, over the full sequence.
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q): bias -slope * |i - j| in global
+            token positions, as in flash-attn.
+        deterministic: only kernels that sum in a fixed order.
+        return_attn_probs: return (out, lse, None), as ring-flash-attn does (no probabilities).
+        group: the sequence-parallel process group (default: the world).
+        layout: how the sequence is split: "contiguous" (ring-flash-attn's ``ring_flash_attn_func``;
+            the default), "zigzag" (balanced causal work, ``zigzag_ring_flash_attn_func``) or
+            "stripe" (``stripe_flash_attn_func``). It must be the layout the shards were cut with
+            (``shard_sequence``'s default is "zigzag"): the data cannot tell.
+        cu_seqlens: packed documents (batch must be 1): int cumulative lengths (0, ..., total)
+            of the documents of the *full* sequence, the same on every rank; attention stays
+            inside each document, and each is split by ``layout`` on its own (shard with
+            ``shard_sequence(..., cu_seqlens=...)``). A CPU tensor or a list avoids a device sync.
+        softcap: scores -> softcap * tanh(scores / softcap) (Gemma-2); 0.0 = off.
+        sinks: (heads_q,) learned sink logits (gpt-oss): each joins every row's softmax
+            denominator with no value; applied once to the merged result. Its gradient is this
+            rank's rows' contribution: sum it over the group as for any replicated parameter
+            (``reduce_gradients`` does).
+        return_lse: return (out, lse).
 
     Returns:
-        out (local_tokens, heads_q, head_dim), and if ``return_lse`` the float32 LSE
-        (heads_q, local_tokens). Attention never crosses a document boundary.
+        out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; with
+        ``return_lse`` also the float32 LSE (batch, heads_q, local_seqlen) (including the sinks,
+        differentiable). Every rank of the group must call this with the same shapes and options,
+        else every rank raises ValueError naming what differs.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
-    out, lse = ring_flash_attn_func(
-        q[None], k[None], v[None], softmax_scale, causal, window_size, group, layout, True, cu_seqlens
-    )
-    return (out[0], lse[0]) if return_lse else out[0]
+    return _ring_entry(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+        return_attn_probs, group, layout=layout, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip
+
+
+def zigzag_ring_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple:
+    """``ring_flash_attn_func`` on zigzag shards (rank r holds chunks r and 2W-1-r of 2W), as
+    ring-flash-attn's ``zigzag_ring_flash_attn_func``; causal=False works too."""
+    return _ring_entry(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+        return_attn_probs, group, layout="zigzag", cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip
+
+
+def stripe_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple:
+    """``ring_flash_attn_func`` on stripe shards (token t on rank t mod W), as ring-flash-attn's
+    ``stripe_flash_attn_func``; windows and causal=False work too."""
+    return _ring_entry(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+        return_attn_probs, group, layout="stripe", cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip

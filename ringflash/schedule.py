@@ -7,7 +7,8 @@ call, so e.g. zigzag's off-diagonal steps are a single unmasked call. The ring r
 many steps as some rank still has visible keys for: a short sliding window stops it early.
 Packed documents: a segment holds the same chunk of every document, and a pair is one varlen
 call over all documents; it is skipped only if no document sees anything, and unmasked only if
-every document sees everything.
+every document sees everything. With ALiBi (``positions=True``) every task keeps its positions,
+since the bias depends on them even where nothing is masked, and nothing is coalesced.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from .layouts import Segment, segments
 @dataclass(frozen=True)
 class BlockTask:
     """Queries [q_start, q_start+q_len) of the local shard against keys [k_start, k_start+k_len)
-    of the visiting shard; positions are given only when the pair needs a mask. ``seq_lens``:
-    for packed documents, each document's length on both sides (a varlen call)."""
+    of the visiting shard; positions are given when the pair needs a mask (``masked``) or the
+    schedule was asked to keep them. ``seq_lens``: for packed documents, each document's length
+    on both sides (a varlen call)."""
 
     q_start: int
     q_len: int
@@ -32,10 +34,7 @@ class BlockTask:
     q_positions: TokenPositions | None = None
     k_positions: TokenPositions | None = None
     seq_lens: tuple[int, ...] | None = None
-
-    @property
-    def masked(self) -> bool:
-        return self.q_positions is not None
+    masked: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,11 @@ def _pair_visibility(qs: Segment, ks: Segment, bounds: MaskBounds) -> Visibility
 
 
 def block_tasks(
-    q_segs: list[Segment], k_segs: list[Segment], bounds: MaskBounds, varlen: bool = False
+    q_segs: list[Segment],
+    k_segs: list[Segment],
+    bounds: MaskBounds,
+    varlen: bool = False,
+    positions: bool = False,
 ) -> tuple[BlockTask, ...]:
     tasks = []
     for qs in q_segs:
@@ -63,11 +66,13 @@ def block_tasks(
                 continue
             task = BlockTask(qs.local_start, qs.length, ks.local_start, ks.length,
                              seq_lens=qs.seq_lens if varlen else None)  # fmt: skip
-            if vis is Visibility.PARTIAL:
-                task = replace(task, q_positions=qs.positions, k_positions=ks.positions)
+            if vis is Visibility.PARTIAL or positions:
+                task = replace(task, q_positions=qs.positions, k_positions=ks.positions,
+                               masked=vis is Visibility.PARTIAL)  # fmt: skip
             tasks.append(task)
-    # Packed chunks of one document are not adjacent in the shard: no coalescing.
-    return tuple(tasks) if varlen else _coalesce(tasks)
+    # Packed chunks of one document are not adjacent in the shard: no coalescing. Tasks that keep
+    # their positions are not coalesced either (two segments' positions are not one affine run).
+    return tuple(tasks) if varlen or positions else _coalesce(tasks)
 
 
 def _coalesce(tasks: list[BlockTask]) -> tuple[BlockTask, ...]:
@@ -95,14 +100,21 @@ def _coalesce(tasks: list[BlockTask]) -> tuple[BlockTask, ...]:
 
 @lru_cache(maxsize=256)
 def ring_schedule(
-    layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...], bounds: MaskBounds, varlen: bool
+    layout: str,
+    rank: int,
+    world_size: int,
+    doc_lens: tuple[int, ...],
+    bounds: MaskBounds,
+    varlen: bool,
+    positions: bool = False,
 ) -> RingSchedule:
     """The tasks of every ring step for ``rank``; the same step count on every rank of the ring.
 
     doc_lens: lengths of the full sequence's documents (one for an unpacked sequence); varlen:
-    make varlen tasks over the documents (packed inputs)."""
+    make varlen tasks over the documents (packed inputs); positions: every task carries its
+    global positions (ALiBi)."""
     segs = [segments(layout, r, world_size, doc_lens) for r in range(world_size)]
-    pairs = lambda r, i: block_tasks(segs[r], segs[(r - i) % world_size], bounds, varlen)  # noqa: E731
+    pairs = lambda r, i: block_tasks(segs[r], segs[(r - i) % world_size], bounds, varlen, positions)  # noqa: E731
     n_steps = 1
     for i in range(world_size):
         if any(pairs(r, i) for r in range(world_size)):

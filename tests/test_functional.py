@@ -11,7 +11,7 @@ import torch
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
-import ringflash.kernels.functional as functional
+import ringflash.kernels.ops as kernel_ops
 from ringflash.kernels import merge_sinks
 
 TOL = TOLERANCE[torch.float32]
@@ -102,8 +102,8 @@ def test_positional_order_is_flash_attns(device, monkeypatch):
     0.3, and deterministic (10th) reaches the kernels, as in flash-attn; varlen likewise."""
     q, k, v, _, _ = _inputs(1, 12, 12, 2, 1, 16, device)
     problems = []
-    forward = functional.attention_forward
-    monkeypatch.setattr(functional, "attention_forward", lambda *a: problems.append(a[3]) or forward(*a))
+    forward = kernel_ops.attention_forward  # the launcher behind flash_attn_func
+    monkeypatch.setattr(kernel_ops, "attention_forward", lambda *a: problems.append(a[3]) or forward(*a))
     ref_out, ref_lse = reference_attention(q, k, v, causal=True)
     out, lse, _ = ringflash.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, True, True)
     _close("out", out, ref_out)

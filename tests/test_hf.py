@@ -15,31 +15,48 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ = 64, 48
 
 
-def _model(model_type: str, attn_implementation: str):
+def _model(model_type: str, attn_implementation: str, feature: bool = True):
+    """A tiny model; ``feature=False`` drops Gemma-2's softcap / gpt-oss's sinks (to check that the
+    weights make them matter: initializer_range 0.2 and sink logits near the rows' LSE)."""
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0,
     )  # fmt: skip
     if model_type == "mistral":
         config = transformers.MistralConfig(sliding_window=8, **common)
+    elif model_type == "gemma2":  # softcap 1.0 on scores of a few units; local layers windowed
+        config = transformers.Gemma2Config(
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=None,
+            attn_logit_softcapping=1.0 if feature else None, initializer_range=0.2, **common,
+        )  # fmt: skip
+    elif model_type == "gpt_oss":  # attention sinks, one learned logit per head; MoE of 2 experts
+        config = transformers.GptOssConfig(
+            head_dim=16, num_local_experts=2, num_experts_per_tok=2, sliding_window=8, initializer_range=0.2,
+            **common,
+        )  # fmt: skip
     else:
         config = transformers.LlamaConfig(**common)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(
+    model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation
     ).float()
+    if model_type == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(4) + 2.0 if feature else torch.full((4,), -1e4))
+    return model
 
 
-def _ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+def _ids(batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))[:batch]
 
 
-def _hf_step(model_type: str, layout: str):
+def _hf_step(model_type: str, layout: str, batch: int):
     import ringflash.integrations.hf as rf_hf
 
     groups = sequence_parallel_groups(torch.distributed.get_world_size())
     model = _model(model_type, rf_hf.enable(group=groups.sp_group, layout=layout)).to(worker_device())
-    shard = shard_batch({"input_ids": _ids().to(worker_device())}, groups.sp_group, layout=layout)
+    shard = shard_batch({"input_ids": _ids(batch).to(worker_device())}, groups.sp_group, layout=layout)
     logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False).logits
     loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
     loss.backward()
@@ -47,17 +64,28 @@ def _hf_step(model_type: str, layout: str):
     return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(
-    ("model_type", "layout", "world"),
-    [("llama", "zigzag", 2), ("mistral", "stripe", 2), ("llama", "zigzag", 4)],
-)
-def test_hf_model_sequence_parallel_step(rank_pool, model_type, layout, world):
-    results = rank_pool(world).run(_hf_step, model_type, layout)
-    model = _model(model_type, "eager")
-    ids = _ids()
+def _eager_step(model_type: str, batch: int, feature: bool = True):
+    model = _model(model_type, "eager", feature)
+    ids = _ids(batch)
     logits = model(input_ids=ids, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
+    return model, loss
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layout", "world"),
+    [("llama", "zigzag", 2), ("mistral", "stripe", 2), ("llama", "zigzag", 4), ("gemma2", "zigzag", 2),
+     ("gpt_oss", "contiguous", 2)],
+)  # fmt: skip
+def test_hf_model_sequence_parallel_step(rank_pool, model_type, layout, world):
+    """Gemma-2 (softcap) and gpt-oss (sinks, whose gradients are compared too) included."""
+    batch = 1 if model_type in ("gemma2", "gpt_oss") else 2  # batch 1: the interpreter is slow
+    results = rank_pool(world).run(_hf_step, model_type, layout, batch)
+    model, loss = _eager_step(model_type, batch)
+    if model_type in ("gemma2", "gpt_oss"):  # the feature matters: without it the test would fail
+        _, without = _eager_step(model_type, batch, feature=False)
+        assert abs(without.item() - loss.item()) > 100 * 1e-5 * loss.item()
     for rank, (sp_loss, grads) in enumerate(results):
         assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
         assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
@@ -114,3 +142,22 @@ def test_hf_rejects_unsupported_features(device):
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
     with pytest.raises(ValueError, match="attention weights"):
         model(input_ids=ids, use_cache=False, output_attentions=True)
+
+
+def test_hf_refuses_keywords_it_cannot_honour(device):
+    """An attention keyword that is neither used nor known to be irrelevant is refused, not
+    swallowed; None values and the known plumbing keywords pass."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ringflash.integrations.hf as rf_hf
+
+    attention = ALL_ATTENTION_FUNCTIONS[rf_hf.enable()]
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 8, 16, device=device)  # (batch, heads, seqlen, head_dim)
+    out, weights = attention(module, q, q, q, None, position_ids=torch.arange(8)[None], use_cache=False,
+                             head_mask=None)  # fmt: skip
+    assert out.shape == (1, 8, 2, 16) and weights is None
+    with pytest.raises(ValueError, match=r"cannot honour the keyword argument\(s\) \['alibi', 'head_mask'\]"):
+        attention(module, q, q, q, None, alibi=torch.zeros(2), head_mask=torch.ones(2))
+    with pytest.raises(ValueError, match="dropout"):
+        attention(module, q, q, q, None, dropout=0.1)

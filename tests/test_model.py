@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import errors_of, worker_device
+from reference import reference_attention, rel_err
 
 from ringflash.batch import shard_batch
 from ringflash.groups import reduce_gradients, sequence_parallel_groups
@@ -134,6 +135,30 @@ def test_single_device_packed_attention(device):
     assert torch.allclose(got, want, atol=1e-6)
     whole = SequenceParallelAttention()(q, k, v)
     assert not torch.allclose(got[:, 5:], whole[:, 5:], atol=1e-3)  # the documents do matter
+
+
+def test_single_device_layer_features(device):
+    """SequenceParallelAttention with softcap, ALiBi (a buffer) and sinks (forward's argument)
+    equals float64 attention, sinks' gradient included; bad values are refused, not ignored."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (2 * torch.randn(1, 12, 2, 16, generator=g) for _ in range(3))
+    slopes, sinks = torch.tensor([0.5, 0.25]), torch.randn(2, generator=g) + 2
+    layer = SequenceParallelAttention(softcap=1.0, alibi_slopes=slopes.to(device))
+    sinks_d = sinks.to(device).requires_grad_()
+    got = layer(q.to(device), k.to(device), v.to(device), sinks=sinks_d)
+    got.sum().backward()
+    sinks64 = sinks.detach().double().requires_grad_()
+    want = reference_attention(q, k, v, causal=True, softcap=1.0, alibi_slopes=slopes, sinks=sinks64)[0]
+    want.sum().backward()
+    assert rel_err(got, want) < 1e-4 and rel_err(sinks_d.grad, sinks64.grad) < 1e-4
+    errors = errors_of({
+        "softcap": lambda: SequenceParallelAttention(softcap=-1.0)(q.to(device), k.to(device), v.to(device)),
+        "sinks": lambda: layer(q.to(device), k.to(device), v.to(device), sinks=torch.zeros(3, device=device)),
+        "alibi": lambda: SequenceParallelAttention(alibi_slopes=slopes.double())(q, k, v),
+    })  # fmt: skip
+    assert "softcap must be 0.0 (off) or a positive" in errors["softcap"]
+    assert "sinks must have shape (heads_q,) = (2,)" in errors["sinks"]
+    assert "alibi_slopes must be float32" in errors["alibi"]
 
 
 def _shard_packed():

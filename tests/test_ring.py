@@ -172,25 +172,6 @@ def test_ring_packed_sliding_window_gqa_fp16(rank_pool, layout, causal, window):
     check_ring(rank_pool, case)
 
 
-def _packed_varlen_api(layout: str):
-    """ring_flash_attn_varlen_func (flash-attn's 3-D layout) equals the 4-D call with cu_seqlens."""
-    cu = torch.tensor([0, 8, 32, 40], dtype=torch.int32)  # a CPU tensor: no device sync
-    g = torch.Generator().manual_seed(4)
-    full = [torch.randn(40, h, 16, generator=g).to(worker_device()) for h in (4, 2, 2)]
-    q, k, v = (ringflash.shard_sequence(t, dim=0, layout=layout, cu_seqlens=cu) for t in full)
-    out, lse = ringflash.ring_flash_attn_varlen_func(q, k, v, cu, causal=True, layout=layout, return_lse=True)
-    out4, lse4 = ringflash.ring_flash_attn_func(
-        q[None], k[None], v[None], causal=True, layout=layout, return_lse=True, cu_seqlens=cu.tolist()
-    )
-    return out.shape, lse.shape, torch.equal(out, out4[0]) and torch.equal(lse, lse4[0])
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
-def test_ring_varlen_api(rank_pool, layout):
-    for out_shape, lse_shape, same in rank_pool(2).run(_packed_varlen_api, layout):
-        assert out_shape == (20, 4, 16) and lse_shape == (4, 20) and same
-
-
 @pytest.mark.multigpu
 @pytest.mark.parametrize("layout", ["zigzag", "stripe", "contiguous"])
 @pytest.mark.parametrize("world", [2, 4])

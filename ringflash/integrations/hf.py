@@ -1,4 +1,5 @@
-"""Hugging Face transformers: ``attn_implementation="sequence_parallel"`` for Llama/Qwen/Mistral-style models.
+"""Hugging Face transformers: ``attn_implementation="sequence_parallel"`` for models that call
+transformers' attention interface (Llama, Qwen, Mistral, Gemma, Phi-3, OLMo-2, GPT-NeoX, gpt-oss...).
 
     import ringflash.integrations.hf as rf_hf
     rf_hf.enable(group=sp_group)                      # once per process
@@ -14,15 +15,50 @@ The model sees only this rank's tokens; rotary embeddings follow ``position_ids`
 builds no mask for an implementation it has no mask function for, so no S x S mask is made.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
+
+Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window``,
+``softcap`` (Gemma-2), ``s_aux`` (gpt-oss attention sinks, which get their gradient),
+``is_causal`` and the packed-document ``cu_seq_lens_q``/``cu_seq_lens_k`` are used; the
+plumbing keywords in ``IGNORED`` do not change the attention's result and are ignored; any
+other keyword that is not None, and dropout, an attention mask or ``output_attentions=True``,
+raise ValueError. README "Hugging Face model families" lists which families were checked.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..modules import sequence_parallel_attention
 
 NAME = "sequence_parallel"
+
+# Keywords transformers (5.x) passes down to the attention function that do not change its
+# result: rotary positions are already applied to q/k (packed documents come through
+# cu_seq_lens_q), there is no KV cache in a sequence-parallel forward (a cache would make k longer
+# than q, which the ring refuses), max lengths follow from cu_seq_lens, MoE router output is
+# elsewhere.
+IGNORED = frozenset(
+    {"position_ids", "use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"}
+)
+
+
+def _check_keywords(kw: dict) -> None:
+    if kw.get("output_attentions"):
+        raise ValueError("ringflash attention cannot return attention weights (output_attentions=True)")
+    refused = sorted(
+        n for n, x in kw.items() if n not in IGNORED and n != "output_attentions" and x is not None
+    )
+    if refused:
+        raise ValueError(
+            f"ringflash attention cannot honour the keyword argument(s) {refused} passed by the model: "
+            "it refuses what it does not implement instead of ignoring it (see "
+            "ringflash.integrations.hf for what is supported)"
+        )
+
+
+def _softcap(softcap: object) -> float:
+    return 0.0 if softcap is None else softcap  # type: ignore[return-value]
 
 
 def enable(
@@ -40,11 +76,24 @@ def enable(
     from transformers import AttentionInterface
 
     def attention(
-        module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kw
-    ):
-        """Called with q/k/v (batch, heads, seqlen, head_dim); returns (batch, seqlen, heads, head_dim)."""
-        if kw.get("output_attentions"):
-            raise ValueError("ringflash attention cannot return attention weights (output_attentions=True)")
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        s_aux: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        **kw,
+    ) -> tuple[torch.Tensor, None]:
+        """Called with q/k/v (batch, heads, seqlen, head_dim); returns (batch, seqlen, heads,
+        head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap."""
+        _check_keywords(kw)
         if dropout:
             raise ValueError(
                 "ringflash attention does not support attention dropout; set attention_dropout=0"
@@ -53,17 +102,25 @@ def enable(
             raise ValueError(
                 "ringflash attention takes no attention mask: use pad-free batches (shard_batch)"
             )
-        causal = bool(getattr(module, "is_causal", True))
+        if cu_seq_lens_k is not None and (
+            cu_seq_lens_q is None
+            or not torch.equal(torch.as_tensor(cu_seq_lens_k), torch.as_tensor(cu_seq_lens_q))
+        ):
+            raise ValueError(
+                "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
+            )
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         window = (
             (sliding_window - 1, -1) if sliding_window else (-1, -1)
         )  # HF: the last `sliding_window` keys
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
         # under transformers' own keyword.
-        cu_seqlens = kw.get("cu_seq_lens_q")
         out = sequence_parallel_attention(
-            q, k, v, scaling, causal, window, group, layout, sp_mode, ulysses_size, cu_seqlens
-        )
+            q, k, v, softmax_scale=scaling, causal=causal, window_size=window, group=group, layout=layout,
+            sp_mode=sp_mode, ulysses_size=ulysses_size, cu_seqlens=cu_seq_lens_q, softcap=_softcap(softcap),
+            sinks=s_aux,
+        )  # fmt: skip
         return out, None
 
     AttentionInterface.register(NAME, attention)
@@ -78,4 +135,4 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["NAME", "enable", "is_available"]
+__all__ = ["IGNORED", "NAME", "enable", "is_available"]

@@ -1,0 +1,211 @@
+"""Single-device attention as ``torch.library`` custom operators (namespace ``ringflash``).
+
+``torch.compile`` traces a model that calls them without a graph break and treats them as
+opaque: Inductor neither inlines nor re-compiles the Triton kernels behind them. Each op takes
+only schema types (tensors, floats, ints, bools), builds its ``AttentionProblem`` inside, where
+the tensors are real: ``build_problem`` validates there, including the host-side check of
+``cu_seqlens`` that cannot run on the fake tensors of a trace. The fake implementations give the
+output shapes, with symbolic sequence lengths under ``mark_dynamic``.
+
+    flash_attn_forward(q, k, v, ...) -> (out, lse)
+    flash_attn_backward(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
+
+The LSE output is differentiable: a gradient on it enters the backward as delta_i -= dlse_i,
+since d lse_i / d s_ij = p_ij.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .backward import attention_backward, attention_delta
+from .forward import attention_forward
+from .problem import AttentionProblem, build_problem, check_softcap, check_window, resolve_scale
+
+
+def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+             window_left, window_right, softcap, alibi_slopes, deterministic):  # fmt: skip
+    varlen = {}
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)  # fmt: skip
+    return build_problem(
+        q, k, v, softmax_scale, causal, (window_left, window_right), **varlen,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
+    return attention_forward(q, k, v, problem)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *_):
+    if cu_seqlens_q is not None:  # (total_q, heads_q, head_dim) -> LSE (heads_q, total_q)
+        lse_shape = (q.shape[1], q.shape[0])
+    else:  # (batch, seqlen_q, heads_q, head_dim) -> LSE (batch, heads_q, seqlen_q)
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())
+def _backward_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
+    return _backward_impl(dout, q, k, v, out, lse, dlse, problem)
+
+
+def _backward_impl(dout, q, k, v, out, lse, dlse, problem: AttentionProblem):
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    delta = attention_delta(out, dout, problem)
+    if dlse is not None:
+        delta.sub_(dlse)
+    return attention_backward(dout, q, k, v, lse, delta, problem)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, *_):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, *scalars, alibi_slopes, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.scalars = (*scalars, deterministic)
+    ctx.set_materialize_grads(False)  # no LSE gradient stays None: no delta update
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    max_q, max_k, scale, causal, left, right, softcap, deterministic = ctx.scalars
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal,
+                              left, right, softcap, alibi_slopes, deterministic)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """(out, lse) of attention, both differentiable: the ops' eager twin for plain tensors, the
+    same kernels and backward without the dispatcher's per-call cost.
+
+    A gradient on the LSE only changes delta: d lse_i / d S_ij = P_ij and dS = P * (dP - delta),
+    so backpropagating dlse as well is delta_i -= dlse_i; calls that ignore the LSE skip it.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, problem: AttentionProblem):
+        out, lse = attention_forward(q, k, v, problem)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        return (*_backward_impl(dout, q, k, v, out, lse, dlse, ctx.problem), None)
+
+
+def check_scalar_args(
+    softmax_scale: object, causal: object, window_size: object, softcap: object, deterministic: object
+) -> tuple[float | None, bool, tuple[int, int], float, bool]:
+    """The non-tensor arguments checked and normalized to the op schema's types, before the op
+    is called (a wrong type would otherwise fail in the dispatcher with a schema message)."""
+    causal, window = check_window(causal, window_size)
+    if softmax_scale is not None:
+        softmax_scale = resolve_scale(softmax_scale, 1)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return softmax_scale, causal, window, check_softcap(softcap), deterministic
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of single-device attention through the ``ringflash::flash_attn_forward`` op,
+    both differentiable. Dense: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k,
+    heads_k, head_dim), LSE float32 (batch, heads_q, seqlen_q); varlen (``cu_seqlens_q/k`` int32
+    (num_seqs + 1,), ``max_seqlen_q/k`` ints): q (total_q, heads_q, head_dim), LSE (heads_q,
+    total_q). Arguments as in ``flash_attn_func``/``flash_attn_varlen_func``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    scale, causal, (left, right), softcap, deterministic = check_scalar_args(
+        softmax_scale, causal, window_size, softcap, deterministic
+    )
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        max_seqlen_q = max_seqlen_k = 0  # unused: the dense lengths come from the shapes
+    else:
+        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise ValueError(f"{name} must be an int >= the longest sequence, got {n!r}")
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
+            alibi_slopes, deterministic)  # fmt: skip
+    if use_ops(q):
+        return _forward_op(q, k, v, *args)
+    return _FlashAttention.apply(q, k, v, _problem(q, k, v, *args))
+
+
+def use_ops(x: Tensor) -> bool:
+    """Whether to call the custom ops (under ``torch.compile``/export, or for tensor subclasses
+    such as fake or functional tensors, whose dispatch needs them) or their eager twin."""
+    return torch.compiler.is_compiling() or type(x) is not Tensor

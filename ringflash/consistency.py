@@ -1,0 +1,97 @@
+"""Every rank of a group must call a sequence-parallel function with the same arguments.
+
+When they do not (different sequence lengths, dtypes, masks, layouts, packed documents...), the
+transfers that follow do not match: gloo aborts the process ("Received data size doesn't match
+expected size") and NCCL hangs or computes garbage. ``check_ranks_agree`` turns that into a
+ValueError on every rank, naming what differs and each rank's value.
+
+Why a check on every call rather than once per call signature: a cache cannot be made safe.
+A rank that finds its signature cached skips the exchange while a rank that does not (or that
+finds a *different* cached signature, e.g. after warm-up on two sequence lengths) joins it, so
+the first sits in the ring's transfers while the second waits in the check: the very hang this
+module exists to prevent. So every call makes one fixed-size exchange: an all-reduce of 16
+bytes (a 56-bit digest of the signature, MAX of d and -d) over a host-side (gloo) group,
+which needs no device synchronization and adds no kernel to the device stream. Only when the
+digests differ is the full signature gathered to say what differs.
+
+Cost: it blocks the host, never the device stream, so where the host runs ahead of the device
+(GPU training at the sequence lengths ring attention is for) it hides behind queued kernels.
+``tests/test_consistency.py`` times it: 1.5-1.9 ms per call over gloo with 2 ranks on a 2-core
+machine shared with other jobs, where each rank waits for CPU time; not yet measured on a GPU
+node. ``RINGFLASH_CHECK_RANKS=0`` (set the same on every rank) skips the exchange, for a setup
+known to be consistent; disagreeing ranks then fail as they would without this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from .comm import host_all_gather_object, host_values_agree
+
+
+def describe(x: object) -> object:
+    """A picklable, comparable summary of an argument: tensors by shape (values are not
+    compared: that would read device memory back), ints/floats/strings/tuples as they are."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tuple(describe(i) for i in x)
+    return type(x).__name__
+
+
+def cu_seqlens_values(cu_seqlens: object) -> object:
+    """The boundaries of ``cu_seqlens`` as a tuple of ints (a device tensor is read back, as
+    ``document_lengths`` does anyway), or a summary of an argument that is not one."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and not cu_seqlens.is_floating_point():
+        return tuple(cu_seqlens.tolist())
+    return describe(cu_seqlens)
+
+
+def call_signature(q: object, k: object, v: object, **options: object) -> dict[str, object]:
+    """What every rank of a group must agree on: q/k/v shapes and dtypes, whether gradients will
+    flow (the backward communicates too), every option; cu_seqlens by value."""
+    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
+    signature = {name: describe(t) for name, t in (("q", q), ("k", k), ("v", v))}
+    signature["grad"] = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    for name, value in options.items():
+        signature[name] = cu_seqlens_values(value) if name == "cu_seqlens" else describe(value)
+    return signature
+
+
+def _digest(signature: dict[str, object]) -> int:
+    text = repr(sorted(signature.items())).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+
+def check_ranks_agree(
+    group: dist.ProcessGroup, signature: dict[str, object], error: Exception | None = None
+) -> None:
+    """Raise ValueError on every rank of ``group`` unless every rank passed the same
+    ``signature`` (argument name -> ``describe``d value); then re-raise ``error``, the
+    argument error this rank found before the check (a rank whose arguments fail locally must
+    still join the check, or the others would wait for it forever; its error message is part
+    of its signature). Every rank of ``group`` must call this once per call."""
+    if os.environ.get("RINGFLASH_CHECK_RANKS", "1") == "0":
+        if error is not None:
+            raise error
+        return
+    if error is not None:
+        signature = {**signature, "error": f"{type(error).__name__}: {error}"}
+    if not host_values_agree(_digest(signature), group):
+        every = host_all_gather_object(signature, group)
+        names = sorted({n for s in every for n in s if len({repr(s.get(n)) for s in every}) > 1})
+        lines = [
+            f"  {n}: " + ", ".join(f"rank {r}: {s.get(n)!r}" for r, s in enumerate(every)) for n in names
+        ]
+        raise ValueError(
+            "the ranks of the sequence-parallel group called with different arguments (every rank "
+            "must pass the same shapes, dtype and options):\n" + "\n".join(lines)
+        )
+    if error is not None:
+        raise error

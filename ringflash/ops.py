@@ -1,0 +1,478 @@
+"""Sequence-parallel attention as ``torch.library`` custom operators (namespace ``ringflash``).
+
+Under ``torch.compile`` the ring and Ulysses/hybrid entry points run as opaque ops, so a
+compiled model traces them without a graph break and Inductor leaves the kernels and the
+communication inside alone. The process group travels as its registered name
+(``comm.group_name``), layouts as strings, packed documents' ``cu_seqlens`` as a tensor or an
+int list; validation, the ranks' agreement check and planning happen inside the real
+implementations, when the op runs. Sinks stay outside (``merge_sinks``, plain torch ops), so the
+LSE is differentiable: a gradient on it enters the backward as delta_i -= dlse_i.
+
+    ring_attn_forward(q, k, v, group_name, layout, ...) -> (out, lse)
+    ring_attn_backward(dout, q, k, v, out, lse, dlse, group_name, layout, ...) -> (dq, dk, dv)
+    ulysses_attn_forward(q, k, v, group_name, layout, ulysses_size, ...)
+        -> (out, lse, qkv_h, out_h, lse_h)   (the last three: head layout, for the backward)
+    ulysses_attn_backward(dout, dlse, qkv_h, out_h, lse_h, heads_k, group_name, ...) -> (dq, dk, dv)
+
+In eager mode, plain tensors take the autograd.Function path of ring.py/ulysses.py instead
+(``kernels.ops.use_ops``). ALiBi with Ulysses/hybrid is not available under compile yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import group_from_name, group_name
+from .consistency import call_signature, check_ranks_agree
+from .kernels import attention_forward, build_problem
+from .kernels.ops import _backward_impl, check_scalar_args
+from .layouts import check_layout, cumulative_lengths, document_lengths
+from .mesh import check_ulysses_size, ulysses_ring_mesh
+from .ring import ring_backward, ring_forward, ring_setup
+from .ulysses import _kv_heads_for, _lse_to_seq, heads_to_seq, seq_to_heads
+
+
+def _cu(cu_seqlens: Tensor | None, cu_seqlens_list: list[int] | None):
+    return cu_seqlens if cu_seqlens is not None else cu_seqlens_list
+
+
+def _ring_plan(
+    q,
+    k,
+    v,
+    group_name,
+    layout,
+    cu_seqlens,
+    cu_seqlens_list,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    check_ranks,
+):
+    """``ring.ring_setup`` on the op arguments: validation, the ranks' agreement, the plan."""
+    base, plan, comm, _ = ring_setup(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=None,
+        deterministic=deterministic,
+        group=group_from_name(group_name),
+        layout=layout,
+        cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
+        check_ranks=check_ranks,
+    )
+    return base, plan, comm
+
+
+@torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=())
+def _ring_forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    layout: str,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_list: list[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    check_ranks: bool,
+) -> tuple[Tensor, Tensor]:
+    args = (
+        group_name,
+        layout,
+        cu_seqlens,
+        cu_seqlens_list,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+    )
+    _, plan, comm = _ring_plan(q, k, v, *args, check_ranks)
+    return ring_forward(q, k.contiguous(), v.contiguous(), plan, comm)
+
+
+@_ring_forward_op.register_fake
+def _ring_forward_fake(q, *_):
+    b, n, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=())
+def _ring_backward_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    group_name: str,
+    layout: str,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_list: list[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    args = (
+        group_name,
+        layout,
+        cu_seqlens,
+        cu_seqlens_list,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+    )
+    base, plan, comm = _ring_plan(q, k, v, *args, False)  # the forward checked the ranks
+    k, v = k.contiguous(), v.contiguous()
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, base, plan, comm, dlse=dlse)
+
+
+@_ring_backward_op.register_fake
+def _ring_backward_fake(dout, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup_context(ctx, inputs, output) -> None:
+    q, k, v, *args, _check_ranks = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = args
+    ctx.set_materialize_grads(False)
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = _ring_backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+    return dq, dk, dv, *(None,) * (len(ctx.args) + 1)
+
+
+_ring_forward_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+
+
+def _sp_args(
+    group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+):
+    """The op arguments after the tensors, in schema types (the group as its name)."""
+    scale, causal, (left, right), softcap, deterministic = check_scalar_args(
+        softmax_scale, causal, window_size, softcap, deterministic
+    )
+    check_layout(layout)
+    cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
+    cu_list = None if cu_seqlens is None or cu_tensor is not None else [int(c) for c in cu_seqlens]
+    return (
+        group_name(group),
+        layout,
+        cu_tensor,
+        cu_list,
+        scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+    )
+
+
+def ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    group,
+    layout: str,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    check_ranks: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``ring.ring_attention`` (without sinks) through the
+    ``ringflash::ring_attn_forward`` op, both differentiable. Arguments and shapes as there."""
+    args = _sp_args(
+        group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+    )
+    return _ring_forward_op(q, k, v, *args, check_ranks)
+
+
+def _ulysses_mesh(group: dist.ProcessGroup, ulysses_size: int):
+    world = dist.get_world_size(group)
+    return ulysses_ring_mesh(group, check_ulysses_size(ulysses_size or world, world))
+
+
+def _whole_problem(q_h, k_h, v_h, layout, cu, scale, causal, window, softcap, deterministic):
+    """The problem of attention over whole sequences q_h (B, S, H, D) held by one rank, and
+    whether it is varlen over row 0 (packed documents, batch 1)."""
+    kw = dict(softcap=softcap, deterministic=deterministic)
+    if cu is None:
+        return build_problem(q_h, k_h, v_h, scale, causal, window, **kw), False
+    doc_lens = document_lengths(cu, q_h.shape[1], layout, 1)
+    cu_h, n = cumulative_lengths(doc_lens, q_h.device), max(doc_lens)
+    return build_problem(
+        q_h[0],
+        k_h[0],
+        v_h[0],
+        scale,
+        causal,
+        window,
+        cu_seqlens_q=cu_h,
+        cu_seqlens_k=cu_h,
+        max_seqlen_q=n,
+        max_seqlen_k=n,
+        **kw,
+    ), True
+
+
+def _head_split(qkv_h: Tensor, heads_q: int) -> list[Tensor]:
+    """q_h, k_h, v_h from the all-to-all's (B, U*n, hq + 2 hk, D) result."""
+    hk = (qkv_h.shape[2] - heads_q) // 2
+    return list(torch.split(qkv_h, [heads_q, hk, hk], dim=2))
+
+
+def _head_ring(q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic):
+    """The ring over ``mesh.ring_group`` in head layout: (base, plan, comm); ranks checked already."""
+    base, plan, comm, _ = ring_setup(
+        q_h,
+        k_h,
+        v_h,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        sinks=None,
+        deterministic=deterministic,
+        group=mesh.ring_group,
+        layout=layout,
+        cu_seqlens=cu,
+        check_ranks=False,
+    )
+    return base, plan, comm
+
+
+@torch.library.custom_op("ringflash::ulysses_attn_forward", mutates_args=())
+def _ulysses_forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    layout: str,
+    ulysses_size: int,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_list: list[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    group = group_from_name(group_name)
+    cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
+    options = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        deterministic=deterministic,
+    )
+    error = None
+    try:
+        if cu is not None and q.shape[0] != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        mesh_size = dist.get_world_size(group)
+        check_ulysses_size(ulysses_size or mesh_size, mesh_size)
+    except (ValueError, TypeError) as e:
+        error = e
+    signature = call_signature(q, k, v, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu, **options)
+    check_ranks_agree(group, signature, error)
+    mesh = _ulysses_mesh(group, ulysses_size)
+    kv_heads = _kv_heads_for(q.shape[2], k.shape[2], mesh.ulysses_size)
+    with torch.no_grad():
+        if kv_heads != k.shape[2]:
+            rep = kv_heads // k.shape[2]
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q_h, k_h, v_h = seq_to_heads([q, k, v], mesh.ulysses_group)
+        qkv_h = torch.cat([q_h, k_h, v_h], dim=2)  # one saved tensor for the backward
+        q_h, k_h, v_h = _head_split(qkv_h, q_h.shape[2])
+        if mesh.ring_size > 1:
+            _, plan, comm = _head_ring(
+                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
+            )
+            out_h, lse_h = ring_forward(q_h, k_h.contiguous(), v_h.contiguous(), plan, comm)
+        else:
+            problem, varlen = _whole_problem(
+                q_h, k_h, v_h, layout, cu, softmax_scale, causal, window, softcap, deterministic
+            )
+            if varlen:
+                out_h, lse_h = attention_forward(q_h[0], k_h[0], v_h[0], problem)
+                out_h, lse_h = out_h[None], lse_h[None]
+            else:
+                out_h, lse_h = attention_forward(q_h, k_h, v_h, problem)
+        # Contiguous, as the fake implementation promises (the all-to-all's views may not be).
+        out = heads_to_seq(out_h, mesh.ulysses_group).contiguous()
+        lse = _lse_to_seq(lse_h, mesh.ulysses_group).contiguous()
+    return out, lse, qkv_h, out_h.contiguous(), lse_h.contiguous()
+
+
+@_ulysses_forward_op.register_fake
+def _ulysses_forward_fake(q, k, v, group_name, layout, ulysses_size, *_):
+    mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
+    u = mesh.ulysses_size
+    b, n, hq, d = q.shape
+    hk = _kv_heads_for(hq, k.shape[2], u)
+    return (
+        q.new_empty(q.shape),
+        q.new_empty((b, hq, n), dtype=torch.float32),
+        q.new_empty((b, u * n, (hq + 2 * hk) // u, d)),
+        q.new_empty((b, u * n, hq // u, d)),
+        q.new_empty((b, hq // u, u * n), dtype=torch.float32),
+    )
+
+
+def heads_to_seq_many(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """[(B, U*n, h_i, D)] group tokens, my heads -> [(B, n, U*h_i, D)] local tokens, all heads:
+    the transpose of ``seq_to_heads``, one all-to-all for all tensors."""
+    u = dist.get_world_size(group)
+    per_rank = [t.shape[2] for t in tensors]
+    both = torch.cat(tensors, dim=2)
+    b, un, _, d = both.shape
+    y = heads_to_seq(both, group).view(b, un // u, u, sum(per_rank), d)
+    return [t.reshape(b, un // u, u * h, d) for t, h in zip(torch.split(y, per_rank, dim=3), per_rank)]
+
+
+@torch.library.custom_op("ringflash::ulysses_attn_backward", mutates_args=())
+def _ulysses_backward_op(
+    dout: Tensor,
+    dlse: Tensor | None,
+    qkv_h: Tensor,
+    out_h: Tensor,
+    lse_h: Tensor,
+    heads_k: int,
+    group_name: str,
+    layout: str,
+    ulysses_size: int,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_list: list[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
+    cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
+    q_h, k_h, v_h = _head_split(qkv_h, out_h.shape[2])
+    with torch.no_grad():
+        (dout_h,) = seq_to_heads([dout], mesh.ulysses_group)
+        dlse_h = None
+        if dlse is not None:  # (B, H, n) -> (B, H/U, U*n), as the LSE went the other way
+            (dlse_h,) = seq_to_heads([dlse.transpose(1, 2).unsqueeze(-1)], mesh.ulysses_group)
+            dlse_h = dlse_h.squeeze(-1).transpose(1, 2).contiguous()
+        if mesh.ring_size > 1:
+            base, plan, comm = _head_ring(
+                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
+            )
+            k_h, v_h = k_h.contiguous(), v_h.contiguous()
+            grads = ring_backward(
+                dout_h.contiguous(), q_h, k_h, v_h, out_h, lse_h, base, plan, comm, dlse=dlse_h
+            )
+        else:
+            problem, varlen = _whole_problem(
+                q_h, k_h, v_h, layout, cu, softmax_scale, causal, window, softcap, deterministic
+            )
+            if varlen:
+                row0 = [None if t is None else t[0] for t in (dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h)]
+                grads = [g[None] for g in _backward_impl(*row0, problem)]
+            else:
+                grads = _backward_impl(dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, problem)
+        dq, dk, dv = heads_to_seq_many(list(grads), mesh.ulysses_group)
+    if dk.shape[2] != heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
+        b, n, _, d = dk.shape
+        dk, dv = (g.reshape(b, n, heads_k, -1, d).sum(3) for g in (dk, dv))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_ulysses_backward_op.register_fake
+def _ulysses_backward_fake(dout, dlse, qkv_h, out_h, lse_h, heads_k, *_):
+    b, n, hq, d = dout.shape
+    return dout.new_empty(dout.shape), dout.new_empty((b, n, heads_k, d)), dout.new_empty((b, n, heads_k, d))
+
+
+def _ulysses_setup_context(ctx, inputs, output) -> None:
+    q, k, v, *args = inputs
+    _, _, *saved = output
+    ctx.save_for_backward(*saved)
+    ctx.heads_k, ctx.out_shape, ctx.args = k.shape[2], output[0].shape, args
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+
+
+def _ulysses_backward(ctx, dout, dlse, *_):
+    qkv_h, out_h, lse_h = ctx.saved_tensors
+    if dout is None:  # only the LSE was used
+        dout = out_h.new_zeros(ctx.out_shape)
+    dq, dk, dv = _ulysses_backward_op(dout, dlse, qkv_h, out_h, lse_h, ctx.heads_k, *ctx.args)
+    return dq, dk, dv, *(None,) * len(ctx.args)
+
+
+_ulysses_forward_op.register_autograd(_ulysses_backward, setup_context=_ulysses_setup_context)
+
+
+def ulysses_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    deterministic: bool,
+    group,
+    layout: str,
+    ulysses_size: int,
+    cu_seqlens: Tensor | Sequence[int] | None,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``sp_attn_func`` in "ulysses" (``ulysses_size`` 0: the whole group) or
+    "hybrid" mode (without sinks and ALiBi) through the ``ringflash::ulysses_attn_forward`` op,
+    both differentiable. Shapes as there; the op checks that the ranks agree when it runs."""
+    args = _sp_args(
+        group, layout, cu_seqlens, softmax_scale, causal, window_size, softcap, None, deterministic
+    )
+    out, lse, *_ = _ulysses_forward_op(q, k, v, *args[:2], ulysses_size, *args[2:-2], args[-1])
+    return out, lse

@@ -1,0 +1,76 @@
+"""Ranks that call a sequence-parallel function with different arguments all get a ValueError
+naming what differs, instead of a gloo abort, an NCCL hang or garbage; no order of calls hangs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from distributed import errors_of, worker_device
+
+import ringflash
+from ringflash.comm import host_values_agree
+
+
+def _qkv(seqlen: int):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(1, seqlen, 2, 16, generator=g).to(worker_device()) for _ in range(3)]
+
+
+def _disagreeing_calls():
+    rank = dist.get_rank()
+    agreed = _qkv(8)
+    mine = _qkv(8 if rank == 0 else 12)
+    errors = errors_of({
+        # different local lengths (gloo aborted with "Received data size doesn't match")
+        "seqlen": lambda: ringflash.ring_flash_attn_func(*mine, causal=True),
+        # the agreed call works, and is then repeated by one rank while the other changes an
+        # option: with a per-signature cache rank 0 would skip the check and hang in the ring
+        "agreed": lambda: ringflash.ring_flash_attn_func(*agreed, causal=True),
+        "causal": lambda: ringflash.ring_flash_attn_func(*agreed, causal=rank == 0),
+        "ulysses window": lambda: ringflash.sp_attn_func(
+            *agreed, causal=True, window_size=(3 + rank, 0), sp_mode="ulysses", layout="contiguous"
+        ),
+        "sinks on one rank": lambda: ringflash.zigzag_ring_flash_attn_func(
+            *agreed, causal=True, sinks=torch.zeros(2, device=worker_device()) if rank else None
+        ),
+        "bad layout on one rank": lambda: ringflash.ring_flash_attn_func(
+            *agreed, layout="zigzag" if rank == 0 else "spiral"
+        ),
+        "dropout on one rank": lambda: ringflash.ring_flash_attn_func(*agreed, 0.1 if rank else 0.0),
+        "packed": lambda: ringflash.ring_flash_attn_func(
+            *(t[:, :8] for t in agreed), cu_seqlens=[0, 4, 16] if rank == 0 else [0, 8, 16]
+        ),
+        "agreed again": lambda: ringflash.ring_flash_attn_func(*agreed, causal=True),
+    })  # fmt: skip
+    return errors
+
+
+def test_disagreeing_ranks_raise_on_every_rank(rank_pool):
+    for errors in rank_pool(2).run(_disagreeing_calls, timeout=300):
+        assert errors["agreed"] is None and errors["agreed again"] is None
+        shapes = "q: rank 0: ('tensor', (1, 8, 2, 16), 'float32'), rank 1: ('tensor', (1, 12, 2, 16)"
+        assert shapes in errors["seqlen"]
+        assert "causal: rank 0: True, rank 1: False" in errors["causal"]
+        assert "window_size: rank 0: (3, 0), rank 1: (4, 0)" in errors["ulysses window"]
+        assert "sinks: rank 0: None, rank 1: ('tensor', (2,), 'float32')" in errors["sinks on one rank"]
+        assert "layout: rank 0: 'zigzag', rank 1: 'spiral'" in errors["bad layout on one rank"]
+        assert "layout must be one of" in errors["bad layout on one rank"]  # rank 1's own error, shown to all
+        assert "cu_seqlens: rank 0: (0, 4, 16), rank 1: (0, 8, 16)" in errors["packed"]
+        assert "error: rank 0: None, rank 1: 'ValueError: dropout_p=0.1" in errors["dropout on one rank"]
+
+
+def _check_cost(calls: int) -> float:
+    host_values_agree(1, dist.group.WORLD)
+    start = time.perf_counter()
+    for i in range(calls):
+        assert host_values_agree(i, dist.group.WORLD)
+    return (time.perf_counter() - start) / calls
+
+
+def test_agreement_check_cost(rank_pool):
+    """The per-call check is one 16-byte host all-reduce; print its cost (gloo, 2 CPU ranks)."""
+    per_call = max(rank_pool(2).run(_check_cost, 200))
+    print(f"agreement check: {per_call * 1e6:.0f} us per call")
+    assert per_call < 0.05  # loose: the CI machine is shared; see consistency.py for the measurement
