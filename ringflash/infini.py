@@ -19,7 +19,10 @@ Linear update: each segment's contribution is computed for all segments at once 
 before each segment is an exclusive cumulative sum over segments (a chunked linear-attention
 form). Delta update: the contribution depends on the memory before the segment, so the memories
 come from a loop over the segments (one small matmul chain per segment); the retrieval is then
-batched as for the linear update. Forward and backward are autograd over torch ops.
+batched as for the linear update. Forward and backward are autograd over torch ops, in chunks of
+``CHUNK_TOKENS`` tokens whose float32 temporaries are recomputed in the backward (activation
+checkpointing): what stays for the backward is the inputs, the local attention's output and the
+float32 memory before each segment (``infini_memory_bytes``).
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -39,6 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from . import comm
 from .kernels import flash_attn_varlen_func
@@ -110,16 +114,20 @@ def infini_attention(
     m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
 
     n_seg = -(-seqlen // segment_len)
-    sq, sk, vf = (_segments(t, n_seg, segment_len) for t in (_sigma(q), _sigma(k), v.float()))
-    sk_t = sk.transpose(2, 3)  # (B, n, Hk, L, D): padding rows are 0 and add nothing to the memory
-    dz = sk_t.sum(3)  # (B, n, Hk, D)
+    chunks = _chunks(n_seg, segment_len)
+    # Segment views of the inputs; padded keys are -inf, whose sigma is exactly 0 (nothing stored).
+    q_seg, k_seg, v_seg = (
+        _segments(t, n_seg, segment_len, fill) for t, fill in ((q, 0.0), (k, -math.inf), (v, 0.0))
+    )
+    sums = [_checkpoint(_memory_deltas, k_seg[:, a:b], v_seg[:, a:b], update == "linear") for a, b in chunks]
+    dz = torch.cat([dz_c for _, dz_c in sums], 1)  # (B, n, Hk, D)
     if update == "linear":
-        dm = sk_t.transpose(-1, -2) @ vf.transpose(2, 3)  # (B, n, Hk, D, D)
+        dm = torch.cat([dm_c for dm_c, _ in sums], 1)  # (B, n, Hk, D, D)
         if world > 1:
             delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
             pending = comm.exclusive_prefix_sum(delta, group)
 
-    local = _segment_attention(q, k, v, segment_len, softmax_scale)
+    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
 
     if update == "linear":
         if world > 1:
@@ -139,12 +147,24 @@ def infini_attention(
         else:
             m_in, z_in = m0, z0
         z_before = z_in[:, None] + _exclusive_cumsum(dz)
-        m_before, m_last = _delta_memories(sk_t, vf.transpose(2, 3), m_in, z_before)
-        final = InfiniMemory(m_last, z_in + dz.sum(1))
+        m_before, m = [], m_in
+        for a, b in chunks:
+            m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
+            m_before.append(m_before_c)
+        m_before = torch.cat(m_before, 1)
+        final = InfiniMemory(m, z_in + dz.sum(1))
 
-    a_mem = _retrieve(sq, m_before, z_before)[:, :seqlen]
-    gate = torch.sigmoid(beta.float()).view(1, 1, heads, 1)
-    out = (gate * a_mem + (1 - gate) * local.float()).to(q.dtype)
+    gate = torch.sigmoid(beta.float()).view(1, 1, 1, heads, 1)
+    local_seg = _segments(local, n_seg, segment_len, 0.0)
+    out = torch.cat(
+        [
+            _checkpoint(
+                _gated_output, q_seg[:, a:b], local_seg[:, a:b], m_before[:, a:b], z_before[:, a:b], gate
+            )
+            for a, b in chunks
+        ],
+        dim=1,
+    ).view(batch, n_seg * segment_len, heads, head_dim)[:, :seqlen]
     if update == "delta" and world > 1:
         out, shared = comm.relay_out(out, final, group, share_last=return_memory)
         final = InfiniMemory(*shared) if return_memory else final
@@ -207,16 +227,39 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
+# Tokens per chunk of segments whose float32 temporaries exist at once; the backward recomputes
+# them chunk by chunk (activation checkpointing), so the memory path keeps only its bf16/fp16
+# inputs and the per-segment memories.
+CHUNK_TOKENS = 1 << 16
+
+
+def _chunks(n_seg: int, segment_len: int) -> list[tuple[int, int]]:
+    per_chunk = max(1, CHUNK_TOKENS // segment_len)
+    return [(a, min(a + per_chunk, n_seg)) for a in range(0, n_seg, per_chunk)]
+
+
+def _checkpoint(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
 def _sigma(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x.float()) + 1
 
 
-def _segments(x: torch.Tensor, n_seg: int, segment_len: int) -> torch.Tensor:
-    """(B, S, H, D) -> (B, n_seg, segment_len, H, D), zero-padded at the end."""
+def _segments(x: torch.Tensor, n_seg: int, segment_len: int, fill: float) -> torch.Tensor:
+    """(B, S, H, D) -> (B, n_seg, segment_len, H, D), padded at the end with ``fill``."""
     pad = n_seg * segment_len - x.shape[1]
     if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        x = F.pad(x, (0, 0, 0, 0, 0, pad), value=fill)
     return x.view(x.shape[0], n_seg, segment_len, *x.shape[2:])
+
+
+def _memory_deltas(k: torch.Tensor, v: torch.Tensor, with_matrix: bool):
+    """What each segment adds under the linear rule: k, v (B, c, L, Hk, D) -> (sigma(K)^T V
+    (B, c, Hk, D, D) or None, sum of sigma(K) (B, c, Hk, D)), float32."""
+    keys = _sigma(k).transpose(2, 3)  # (B, c, Hk, L, D)
+    matrix = keys.transpose(-1, -2) @ v.float().transpose(2, 3) if with_matrix else None
+    return matrix, keys.sum(3)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -235,30 +278,33 @@ def _divide_where_stored(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(stored, num / torch.where(stored, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def _retrieve(sq: torch.Tensor, m_before: torch.Tensor, z_before: torch.Tensor) -> torch.Tensor:
-    """A_mem for every token: sq (B, n, L, H, D), m_before (B, n, Hk, D, D), z_before (B, n, Hk, D)
-    -> (B, n * L, H, D) float32; query head h reads kv head h // (H / Hk)."""
-    b, n, seg, heads, d = sq.shape
+def _gated_output(q, local, m_before, z_before, gate) -> torch.Tensor:
+    """sigmoid(beta) A_mem + (1 - sigmoid(beta)) A_local for a chunk of segments: q, local
+    (B, c, L, H, D), m_before (B, c, Hk, D, D), z_before (B, c, Hk, D), gate (1, 1, 1, H, 1)
+    -> (B, c, L, H, D) in q's dtype; query head h reads kv head h // (H / Hk)."""
+    b, n, seg, heads, d = q.shape
     kv_heads = m_before.shape[2]
     group_size = heads // kv_heads
-    x = sq.view(b, n, seg, kv_heads, group_size, d).permute(0, 1, 3, 2, 4, 5)
+    x = _sigma(q).view(b, n, seg, kv_heads, group_size, d).permute(0, 1, 3, 2, 4, 5)
     x = x.reshape(b, n, kv_heads, seg * group_size, d)
     a = _divide_where_stored(x @ m_before, x @ z_before[..., None])
-    a = a.view(b, n, kv_heads, seg, group_size, d).permute(0, 1, 3, 2, 4, 5)
-    return a.reshape(b, n * seg, heads, d)
+    a = a.view(b, n, kv_heads, seg, group_size, d).permute(0, 1, 3, 2, 4, 5).reshape(b, n, seg, heads, d)
+    return (gate * a + (1 - gate) * local.float()).to(q.dtype)
 
 
 def _delta_memories(
-    sk: torch.Tensor, vf: torch.Tensor, m: torch.Tensor, z_before: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, z_before: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delta rule, one segment after another: sk, vf (B, n, Hk, L, D), m (B, Hk, D, D) entering
-    the first segment -> (memory before each segment (B, n, Hk, D, D), memory after the last)."""
+    """Delta rule over a chunk of segments, one after another: k, v (B, c, L, Hk, D), m
+    (B, Hk, D, D) entering the chunk, z_before (B, c, Hk, D) -> (memory before each segment
+    (B, c, Hk, D, D), memory after the chunk)."""
+    keys_all, values_all = _sigma(k).transpose(2, 3), v.float().transpose(2, 3)  # (B, c, Hk, L, D)
     before = []
-    for s in range(sk.shape[1]):
+    for s in range(k.shape[1]):
         before.append(m)
-        keys = sk[:, s]
+        keys = keys_all[:, s]
         stored = _divide_where_stored(keys @ m, keys @ z_before[:, s, :, :, None])
-        m = m + keys.transpose(-1, -2) @ (vf[:, s] - stored)
+        m = m + keys.transpose(-1, -2) @ (values_all[:, s] - stored)
     return torch.stack(before, dim=1), m
 
 
@@ -269,7 +315,7 @@ def _segment_bounds(batch: int, seqlen: int, segment_len: int, device: torch.dev
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def _segment_attention(q, k, v, segment_len: int, softmax_scale: float | None) -> torch.Tensor:
+def segment_local_attention(q, k, v, segment_len: int, softmax_scale: float | None) -> torch.Tensor:
     """Causal attention inside each segment: the batch rows' segments packed into one varlen call."""
     b, s, heads, d = q.shape
     cu = _segment_bounds(b, s, segment_len, q.device)
