@@ -9,11 +9,12 @@ World = D x S ranks: sequence-parallel groups of --sp-size consecutive ranks, ea
 one sequence sharded over its ranks; D data-parallel replicas. --sp-impl ringflash runs the
 model's attention through ringflash (--sp-mode ring | ulysses | hybrid); --sp-impl
 deepspeed-ulysses runs the same model, data and loss with DeepSpeed's own Ulysses
-(UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. --attention infini
-replaces every attention layer with Infini-attention (segments of --segment-len tokens plus a
-compressive memory, a new gate parameter per layer; contiguous shards of whole segments). The loss is computed
-from the last hidden state in chunks (no full logits). Random init and data follow --seed, so
-runs with different --sp-size start from the same model and see the same sequences.
+(UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. --attention
+infini replaces every attention layer with Infini-attention (segments of --segment-len tokens
+plus a compressive memory, a new gate parameter per layer; contiguous shards of whole
+segments). The loss is computed from the last hidden state in chunks (no full logits). Random
+init and data follow --seed, so runs with different --sp-size start from the same model and
+see the same sequences.
 
 Prints a progress line per step (loss, recall loss/accuracy on the synthetic task, tokens/s,
 peak memory) and, last, one JSON line {"summary": "train", ...} with tokens/s/GPU, MFU and peak
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sp-impl", default="ringflash", choices=["ringflash", "deepspeed-ulysses"])
     p.add_argument("--sp-mode", default="ring", choices=ringflash.SP_MODES)
     p.add_argument("--ulysses-size", type=int, default=None, help="Ulysses group size for --sp-mode hybrid")
-    p.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS)
+    p.add_argument("--layout", default=None, choices=ringflash.LAYOUTS, help="default: zigzag")
     p.add_argument(
         "--attention", default="exact", choices=["exact", "infini"],
         help="exact attention, or Infini-attention (contiguous shards; --segment-len, --infini-update)",
@@ -150,8 +151,11 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     sp = args.sp_size or dist.get_world_size()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.attention == "infini":
-        if args.sp_impl != "ringflash":
-            raise ValueError("--attention infini runs with --sp-impl ringflash")
+        if args.sp_impl != "ringflash" or args.sp_mode != "ring" or args.layout not in (None, "contiguous"):
+            raise ValueError(
+                "--attention infini shards contiguously with ringflash: leave --sp-impl, --sp-mode and "
+                "--layout at their defaults (or --layout contiguous)"
+            )
         if args.seq_len % (sp * args.segment_len):
             raise ValueError(
                 f"--attention infini needs each rank's {args.seq_len} / {sp} tokens to be whole segments: "
@@ -164,7 +168,7 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
         rf_infini.add_gates(lm)
     elif args.sp_impl == "ringflash":
         mpu = rf_ds.sequence_parallel_mpu(sp)
-        sp_group, layout = mpu.groups.sp_group, args.layout
+        sp_group, layout = mpu.groups.sp_group, args.layout or "zigzag"
         ulysses = {"ring": 1, "ulysses": sp, "hybrid": args.ulysses_size or 1}[args.sp_mode]
         attn = rf_hf.enable(
             group=sp_group, layout=layout, sp_mode=args.sp_mode, ulysses_size=args.ulysses_size
