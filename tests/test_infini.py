@@ -14,7 +14,7 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, rel_err
 
 import ringflash
-from ringflash import comm
+from ringflash import comm, infini
 
 
 def infini_reference(q, k, v, beta, segment_len, update, memory=None):
@@ -82,8 +82,9 @@ def _check(name, got, want, tol):
     ],
 )
 def test_matches_float64_loop_over_segments(
-    device, update, batch, seqlen, segment_len, heads, kv_heads, dtype
+    monkeypatch, device, update, batch, seqlen, segment_len, heads, kv_heads, dtype
 ):
+    monkeypatch.setattr(infini, "CHUNK_TOKENS", segment_len)  # one segment per checkpointed chunk
     q, k, v, beta, dout = _inputs(batch, seqlen, heads, kv_heads, 16, dtype, seed=seqlen + heads)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, segment_len, update=update, return_memory=True)
@@ -214,5 +215,48 @@ def test_bad_arguments(rank_pool):
         for kwargs in kwargs_list:
             with pytest.raises((ValueError, TypeError), match=word):
                 call(**kwargs)
+    module = ringflash.InfiniAttention(4, 8, update="delta")
+    assert [tuple(p.shape) for p in module.parameters()] == [(4,)]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        module(q, kv, kv, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+    for kwargs, word in ((dict(segment_len=0), "segment_len"), (dict(update="gated"), "update")):
+        with pytest.raises(ValueError, match=word):
+            ringflash.InfiniAttention(4, **{"segment_len": 8, **kwargs})
     for rank_errors in rank_pool(2).run(_bad_shard):
         assert "whole number of segments" in rank_errors["shard"]
+
+
+def test_transformers_model_with_infini_attention_matches_the_reference(device):
+    transformers = pytest.importorskip("transformers")
+    import ringflash.integrations.hf_infini as rf_infini
+
+    def reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return infini_reference(q, k, v, getattr(module, rf_infini.GATE), 8, "delta")[0].to(query.dtype), None
+
+    transformers.AttentionInterface.register("infini_float64_reference", reference_attention)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+    ids = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(3)).to(device)
+    results = []
+    for implementation in (rf_infini.enable(8, update="delta"), "infini_float64_reference"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        model = model.float().to(device)
+        assert rf_infini.add_gates(model) == 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(rf_infini.GATE):
+                    p.copy_(torch.tensor([-1.0, 1.5]))  # memory and local attention both matter
+        logits = model(
+            input_ids=ids, position_ids=torch.arange(20, device=device)[None], use_cache=False
+        ).logits
+        F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (got, got_grads), (want, want_grads) = results
+    _check("logits", got, want, 1e-4)
+    assert any(n.endswith(rf_infini.GATE) for n in got_grads)
+    for name, grad in want_grads.items():
+        _check(f"d{name}", got_grads[name], grad, 1e-4)
