@@ -194,7 +194,8 @@ def relay_out(
     """Send ``state`` to rank + 1 (the last rank sends nothing); returns ``out`` unchanged and, if
     ``share_last``, the last rank's state on every rank (a broadcast).
 
-    The backward runs through ``out``, which every rank's loss uses: rank r receives the gradient
+    The backward runs through ``out``, a tensor that every rank's loss depends on (e.g. an
+    input of the rank's output computed before ``state``): rank r receives the gradient
     of its state from rank r + 1 (the last rank: the sum over ranks of the shared state's
     gradients), so the backward relays from the last rank to the first.
     """

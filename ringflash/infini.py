@@ -153,6 +153,9 @@ def infini_attention(
             m_before.append(m_before_c)
         m_before = torch.cat(m_before, 1)
         final = InfiniMemory(m, z_in + dz.sum(1))
+        if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
+            local, shared = comm.relay_out(local, final, group, share_last=return_memory)
+            final = InfiniMemory(*shared) if return_memory else final
 
     gate = torch.sigmoid(beta.float()).view(1, 1, 1, heads, 1)
     local_seg = _segments(local, n_seg, segment_len, 0.0)
@@ -165,9 +168,6 @@ def infini_attention(
         ],
         dim=1,
     ).view(batch, n_seg * segment_len, heads, head_dim)[:, :seqlen]
-    if update == "delta" and world > 1:
-        out, shared = comm.relay_out(out, final, group, share_last=return_memory)
-        final = InfiniMemory(*shared) if return_memory else final
     return (out, final) if return_memory else out
 
 
