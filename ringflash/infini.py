@@ -29,8 +29,10 @@ Linear: the memory entering rank r is the sum of the earlier ranks' contribution
 exclusive prefix sum over the group (``comm.exclusive_prefix_sum``; world_size x kv_heads x
 head_dim^2 floats per batch row, independent of the length), issued before the local attention
 and awaited after it. Delta: rank r needs rank r - 1's final memory, so the memory is relayed
-rank to rank (``comm.relay_in``/``relay_out``): the ranks' segment loops run one after another
-(the local attention still overlaps the wait), and the backward relays back the same way.
+rank to rank (``comm.relay_in``/``relay_out``, one kv_heads x head_dim^2 message per hop): the
+ranks' segment loops run one after another, so the memory part takes about world_size times one
+rank's loop (the local attention runs before the wait, in parallel on every rank), and the
+backward relays the memory's gradient back from the last rank the same way.
 """
 
 from __future__ import annotations
@@ -77,11 +79,15 @@ def infini_attention(
         q: (batch, seqlen, heads, head_dim); k, v: (batch, seqlen, kv_heads, head_dim); float16,
             bfloat16 or float32, one device; heads % kv_heads == 0. Under ``group``: this rank's
             contiguous shard (``shard_sequence(..., layout="contiguous")``).
-        beta: (heads,) gate logits, any float dtype; sigmoid(beta) weighs the memory.
+        beta: (heads,) gate logits, any float dtype; sigmoid(beta) weighs the memory. Under a
+            group its gradient on each rank is that rank's contribution (``reduce_gradients``
+            sums them, as for every replicated parameter).
         segment_len: tokens per segment (> 0). The last segment of the sequence may be shorter;
             under a group of more than one rank every shard must be a whole number of segments.
         group: the sequence-parallel process group; None: the whole sequence is on this device
-            (no communication, even when torch.distributed is initialized).
+            (no communication, even when torch.distributed is initialized). Every rank of the
+            group calls with the same segment_len, update and return_memory, and either every
+            rank or no rank runs a backward through ``out`` (the backward communicates).
         update: "linear" or "delta".
         memory: the memory before this call's sequence (``InfiniMemory`` or (matrix,
             normalizer)), the same on every rank of the group; None: empty. Gradients flow into
