@@ -16,9 +16,12 @@ World = D x S ranks: sequence-parallel groups of --sp-size consecutive ranks, ea
 one sequence sharded over its ranks; D data-parallel replicas. --sp-impl ringflash runs the
 model's attention through ringflash (--sp-mode ring | ulysses | hybrid); --sp-impl
 deepspeed-ulysses runs the same model, data and loss with DeepSpeed's own Ulysses
-(UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. The loss is computed
-from the last hidden state in chunks (no full logits). Random init and data follow --seed, so
-runs with different --sp-size start from the same model and see the same sequences.
+(UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. --attention
+infini replaces every attention layer with Infini-attention (segments of --segment-len tokens
+plus a compressive memory, a new gate parameter per layer; contiguous shards of whole
+segments). The loss is computed from the last hidden state in chunks (no full logits). Random
+init and data follow --seed, so runs with different --sp-size start from the same model and
+see the same sequences.
 
 Prints a progress line per step (loss, recall loss/accuracy on the synthetic task, tokens/s,
 peak memory) and, last, one JSON line {"summary": "train", ...} with tokens/s/GPU, MFU and peak
@@ -51,6 +54,7 @@ from train_model import PRESETS, CausalLMLoss, build_model, flops_per_token, mat
 import ringflash  # noqa: E402
 import ringflash.integrations.deepspeed as rf_ds  # noqa: E402
 import ringflash.integrations.hf as rf_hf  # noqa: E402
+import ringflash.integrations.hf_infini as rf_infini  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,7 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sp-impl", default="ringflash", choices=["ringflash", "deepspeed-ulysses"])
     p.add_argument("--sp-mode", default="ring", choices=ringflash.SP_MODES)
     p.add_argument("--ulysses-size", type=int, default=None, help="Ulysses group size for --sp-mode hybrid")
-    p.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS)
+    p.add_argument("--layout", default=None, choices=ringflash.LAYOUTS, help="default: zigzag")
+    p.add_argument(
+        "--attention", default="exact", choices=["exact", "infini"],
+        help="exact attention, or Infini-attention (contiguous shards; --segment-len, --infini-update)",
+    )  # fmt: skip
+    p.add_argument("--segment-len", type=int, default=2048 if ON_GPU else 16, help="Infini-attention segment")
+    p.add_argument("--infini-update", default="linear", choices=["linear", "delta"], help="memory update")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="overrides the config")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--dtype", default="bf16" if ON_GPU else "fp32", choices=["bf16", "fp32"])
@@ -153,9 +163,25 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     """The engine, the sequence-parallel group, the data layout and the parameter counts."""
     sp = args.sp_size or dist.get_world_size()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if args.sp_impl == "ringflash":
+    if args.attention == "infini":
+        if args.sp_impl != "ringflash" or args.sp_mode != "ring" or args.layout not in (None, "contiguous"):
+            raise ValueError(
+                "--attention infini shards contiguously with ringflash: leave --sp-impl, --sp-mode and "
+                "--layout at their defaults (or --layout contiguous)"
+            )
+        if args.seq_len % (sp * args.segment_len):
+            raise ValueError(
+                f"--attention infini needs each rank's {args.seq_len} / {sp} tokens to be whole segments: "
+                f"make --seq-len a multiple of --sp-size x --segment-len = {sp * args.segment_len}"
+            )
         mpu = rf_ds.sequence_parallel_mpu(sp)
-        sp_group, layout = mpu.groups.sp_group, args.layout
+        sp_group, layout, ulysses = mpu.groups.sp_group, "contiguous", 1
+        attn = rf_infini.enable(args.segment_len, group=sp_group, update=args.infini_update)
+        lm = build_model(args.model, args.seq_len, attn, dtype, device, args.seed)
+        rf_infini.add_gates(lm)
+    elif args.sp_impl == "ringflash":
+        mpu = rf_ds.sequence_parallel_mpu(sp)
+        sp_group, layout = mpu.groups.sp_group, args.layout or "zigzag"
         ulysses = {"ring": 1, "ulysses": sp, "hybrid": args.ulysses_size or 1}[args.sp_mode]
         attn = rf_hf.enable(
             group=sp_group, layout=layout, sp_mode=args.sp_mode, ulysses_size=args.ulysses_size
@@ -182,7 +208,7 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     counts = {"params": sum(p.numel() for p in lm.parameters()), "matmul_params": matmul_params(lm)}
-    flops = flops_per_token(lm, args.seq_len)
+    flops = flops_per_token(lm, args.seq_len, args.segment_len if args.attention == "infini" else None)
     layers = lm.get_decoder().layers
     if args.compile:
         for i, layer in enumerate(layers):
@@ -234,9 +260,12 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {args.resume}")
         start, history = client["step"], client["history"]
     say = print if rank == 0 else (lambda *a, **k: None)
+    infini = args.attention == "infini"
+    infini_txt = f"infini/{args.infini_update} segment {args.segment_len}, " if infini else ""
     say(
         f"train: {args.model} ({counts['params'] / 1e6:.1f}M params), {world} ranks = {dp_size} DP x {sp} SP "
         f"({args.sp_impl}{'/' + args.sp_mode if args.sp_impl == 'ringflash' else ''}), seq {args.seq_len}, "
+        f"{infini_txt}"
         f"{'FSDP2' if args.engine == 'fsdp2' else f'ZeRO-{engine.zero_optimization_stage()}'}"
         f"{' compiled' if args.compile else ''}, AC {'on' if args.activation_checkpointing else 'off'}, "
         f"{args.dtype}, {'GPU' if ON_GPU else 'CPU'}, steps {start}->{args.steps}",
@@ -341,7 +370,8 @@ def summarize(args, engine, world, sp, tokens_per_step, counts, flops, run, hist
     last = history[-1] if history else {}
     return {
         "summary": "train", "model": args.model, **counts, "seq_len": args.seq_len, "world": world,
-        "sp_size": sp, "dp_size": world // sp, "sp_impl": args.sp_impl,
+        "sp_size": sp, "dp_size": world // sp, "sp_impl": args.sp_impl, "attention": args.attention,
+        "segment_len": args.segment_len if args.attention == "infini" else None,
         "sp_mode": args.sp_mode if args.sp_impl == "ringflash" else "ulysses",
         "engine": args.engine, "compile": args.compile, "zero_stage": engine.zero_optimization_stage(),
         "activation_checkpointing": args.activation_checkpointing,

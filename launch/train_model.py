@@ -78,11 +78,17 @@ def matmul_params(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
+def flops_per_token(model: nn.Module, seq_len: int, segment_len: int | None = None) -> float:
     """Model FLOPs per trained token, forward + backward: 6 x matmul params, plus causal
     attention's QK^T and PV over the full sequence (2 x 2 x seq_len x heads x head_dim per layer
-    forward, halved for causality, x3 for the backward). Recomputation is not counted."""
+    forward, halved for causality, x3 for the backward). Recomputation is not counted.
+    Infini-attention (``segment_len``): the causal attention spans one segment, and the memory
+    adds a retrieval per query head and an update per key/value head (2 x head_dim^2 each)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = 6.0 * cfg.num_hidden_layers * seq_len * cfg.num_attention_heads * head_dim
+    span = seq_len if segment_len is None else min(segment_len, seq_len)
+    attention = 6.0 * cfg.num_hidden_layers * span * cfg.num_attention_heads * head_dim
+    if segment_len is not None:
+        heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        attention += 6.0 * cfg.num_hidden_layers * heads * head_dim * head_dim
     return 6.0 * matmul_params(model) + attention

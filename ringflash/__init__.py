@@ -12,11 +12,14 @@ Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 ``sequence_parallel_cross_entropy`` (and its chunked form, which never makes all logits),
 ``reduce_gradients``, ``SequenceParallelAttention``; ``integrations.hf`` and
 ``integrations.deepspeed``.
+Bounded memory: ``infini_attention`` (Infini-attention: causal attention inside segments plus a
+compressive memory, sequence parallel by a prefix sum or a relay of the memory).
 """
 
 from .batch import shard_batch
 from .comm import use_high_priority_comm
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
+from .infini import InfiniAttention, InfiniMemory, infini_attention
 from .kernels import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -42,6 +45,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LAYOUTS",
+    "InfiniAttention",
+    "InfiniMemory",
     "ParallelGroups",
     "ReferenceDecoder",
     "SequenceParallelAttention",
@@ -53,6 +58,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "gather_sequence",
+    "infini_attention",
     "layout_indices",
     "merge_partial",
     "reduce_gradients",

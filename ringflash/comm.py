@@ -186,3 +186,149 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
+
+
+class PendingPrefix:
+    """Handle of ``exclusive_prefix_sum`` in flight; ``wait`` returns (prefix, total)."""
+
+    def __init__(self, gathered: torch.Tensor, work, rank: int) -> None:
+        self._gathered, self._work, self._rank = gathered, work, rank
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        # Differentiable sums over the gathered deltas: the gradient of rank j's delta becomes the
+        # sum of the gradients of every later rank's prefix and of every rank's total.
+        return self._gathered[: self._rank].sum(0), self._gathered.sum(0)
+
+
+def exclusive_prefix_sum(x: torch.Tensor, group: dist.ProcessGroup) -> PendingPrefix:
+    """Start an exclusive prefix sum of ``x`` over the group's ranks, asynchronously, differentiable.
+
+    ``wait()`` gives (sum of ``x`` over the ranks before this one (zeros on rank 0), sum over all
+    ranks). Every rank calls it with the same shape. One all-gather: each rank receives
+    world_size x ``x.numel()`` elements (independent of sequence length); the backward is one
+    all-reduce of as many. Issue it before the compute it should overlap, ``wait`` after.
+    """
+    holder: list = []
+    gathered = _AllGatherAsync.apply(x, group, holder)
+    return PendingPrefix(gathered, holder[0] if holder else None, dist.get_rank(group))
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _AllGatherAsync(torch.autograd.Function):
+    """All-gather into (world_size, *x.shape) whose result is valid after the work in ``holder``
+    completes; backward: each rank gets the sum over ranks of the gradient of its own slot."""
+
+    @staticmethod
+    def forward(ctx, x, group, holder):
+        ctx.group = group
+        x = x.contiguous()
+        world = dist.get_world_size(group)
+        if world == 1:
+            return x[None].clone()
+        gathered = x.new_empty((world, *x.shape))  # returned whole: a view would trip autograd's checks
+        holder.append(_all_gather_single(gathered.view(-1), x.view(-1), group=group, async_op=True))
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_world_size(ctx.group) > 1:
+            grad = grad.clone()
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None, None
+
+
+def relay_in(
+    initial: Sequence[torch.Tensor], group: dist.ProcessGroup, requires_grad: bool
+) -> tuple[torch.Tensor, ...]:
+    """The state handed along the ranks: rank 0 gets ``initial``, rank r > 0 receives the state
+    that rank r - 1 passes to ``relay_out`` (blocking until it does; ``initial`` is then unused).
+
+    Differentiable: in the backward rank r sends its state's gradient back to rank r - 1. Pass
+    ``requires_grad`` True on every rank whose output will be differentiated, so that the received
+    state takes part in the backward even when ``initial`` does not require a gradient. Pair every
+    call with one ``relay_out`` on every rank of the group.
+    """
+    anchor = torch.zeros((), device=initial[0].device, requires_grad=requires_grad)
+    return _RelayIn.apply(group, anchor, *initial)
+
+
+def relay_out(
+    out: torch.Tensor, state: Sequence[torch.Tensor], group: dist.ProcessGroup, share_last: bool
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Send ``state`` to rank + 1 (the last rank sends nothing); returns ``out`` unchanged and, if
+    ``share_last``, the last rank's state on every rank (a broadcast).
+
+    The backward runs through ``out``, a tensor that every rank's loss depends on (e.g. an
+    input of the rank's output computed before ``state``): rank r receives the gradient
+    of its state from rank r + 1 (the last rank: the sum over ranks of the shared state's
+    gradients), so the backward relays from the last rank to the first.
+    """
+    results = _RelayOut.apply(group, share_last, out, *state)
+    return results[0], (tuple(results[1:]) if share_last else None)
+
+
+class _RelayIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, anchor, *initial):
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        if ctx.rank == 0:
+            return tuple(t.clone() for t in initial)
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in initial]
+        for t in received:
+            dist.recv(t, dist.get_global_rank(group, ctx.rank - 1), group=group)
+        return tuple(received)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.rank == 0:
+            return (None, None, *grads)
+        for g in grads:
+            dist.send(g.contiguous(), dist.get_global_rank(ctx.group, ctx.rank - 1), group=ctx.group)
+        return (None, None, *(torch.zeros_like(g) for g in grads))
+
+
+class _RelayOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, share_last, out, *state):
+        ctx.group, ctx.share_last = group, share_last
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.rank, ctx.world = rank, world
+        state = [t.contiguous() for t in state]
+        ctx.state_like = [(t.shape, t.dtype) for t in state]
+        if rank + 1 < world:
+            for t in state:
+                dist.send(t, dist.get_global_rank(group, rank + 1), group=group)
+        shared = []
+        if share_last:
+            for t in state:
+                t = t.clone()
+                dist.broadcast(t, dist.get_global_rank(group, world - 1), group=group)
+                shared.append(t)
+        return (out.view_as(out), *shared)
+
+    @staticmethod
+    def backward(ctx, dout, *dshared):
+        rank, world, group = ctx.rank, ctx.world, ctx.group
+        shared_sum = []
+        for g in dshared:
+            g = g.contiguous().clone()
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+            shared_sum.append(g)
+        if rank + 1 < world:
+            dstate = []
+            for like in ctx.state_like:
+                g = torch.empty(like[0], dtype=like[1], device=dout.device)
+                dist.recv(g, dist.get_global_rank(group, rank + 1), group=group)
+                dstate.append(g)
+        elif shared_sum:
+            dstate = shared_sum
+        else:
+            dstate = [torch.zeros(s, dtype=d, device=dout.device) for s, d in ctx.state_like]
+        return (None, None, dout, *dstate)

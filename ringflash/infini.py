@@ -1,0 +1,383 @@
+"""Infini-attention (Munkhdalai et al., 2024): causal attention inside fixed-length segments plus
+a compressive memory per key/value head that carries everything before the segment.
+
+For segment s (``segment_len`` tokens; the sequence's last segment may be shorter), with
+sigma = ELU + 1 and the memory (M, z) left by the segments before it:
+
+    A_local = causal softmax attention inside the segment (our kernels: one varlen call over all
+              segments of all batch rows)
+    A_mem   = sigma(Q_s) M / (sigma(Q_s) z), and 0 while the memory is empty (z = 0)
+    linear: M += sigma(K_s)^T V_s
+    delta:  M += sigma(K_s)^T (V_s - sigma(K_s) M / (sigma(K_s) z))     (retrieval 0 while z = 0)
+    z += sum over the segment's tokens of sigma(K_s)
+    out     = sigmoid(beta) * A_mem + (1 - sigmoid(beta)) * A_local      (beta: one gate per head)
+
+The memory is float32 (batch, kv_heads, head_dim, head_dim) and (batch, kv_heads, head_dim);
+query head h reads the memory of key/value head h // (heads / kv_heads), as in GQA.
+
+Linear update: each segment's contribution is computed for all segments at once and the memory
+before each segment is an exclusive cumulative sum over segments (a chunked linear-attention
+form). Delta update: the contribution depends on the memory before the segment, so the memories
+come from a loop over the segments (one small matmul chain per segment); the retrieval is then
+batched as for the linear update. Forward and backward are autograd over torch ops, in chunks of
+``CHUNK_TOKENS`` tokens whose float32 temporaries are recomputed in the backward (activation
+checkpointing): what stays for the backward is the inputs, the local attention's output and the
+float32 memory before each segment (``infini_memory_bytes``).
+
+Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
+Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
+exclusive prefix sum over the group (``comm.exclusive_prefix_sum``; world_size x kv_heads x
+head_dim^2 floats per batch row, independent of the length), issued before the local attention
+and awaited after it. Delta: rank r needs rank r - 1's final memory, so the memory is relayed
+rank to rank (``comm.relay_in``/``relay_out``, one kv_heads x head_dim^2 message per hop): the
+ranks' segment loops run one after another, so the memory part takes about world_size times one
+rank's loop (the local attention runs before the wait, in parallel on every rank), and the
+backward relays the memory's gradient back from the last rank the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from . import comm
+from .kernels import flash_attn_varlen_func
+
+UPDATES = ("linear", "delta")
+
+
+class InfiniMemory(NamedTuple):
+    """Compressive memory: ``matrix`` (batch, kv_heads, head_dim, head_dim) and ``normalizer``
+    (batch, kv_heads, head_dim), both float32; zeros = empty."""
+
+    matrix: torch.Tensor
+    normalizer: torch.Tensor
+
+
+def infini_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    segment_len: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    update: str = "linear",
+    memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_memory: bool = False,
+    softmax_scale: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, InfiniMemory]:
+    """Infini-attention over segments of ``segment_len`` tokens (see the module docstring).
+
+    Args:
+        q: (batch, seqlen, heads, head_dim); k, v: (batch, seqlen, kv_heads, head_dim); float16,
+            bfloat16 or float32, one device; heads % kv_heads == 0. Under ``group``: this rank's
+            contiguous shard (``shard_sequence(..., layout="contiguous")``).
+        beta: (heads,) gate logits, any float dtype; sigmoid(beta) weighs the memory. Under a
+            group its gradient on each rank is that rank's contribution (``reduce_gradients``
+            sums them, as for every replicated parameter).
+        segment_len: tokens per segment (> 0). The last segment of the sequence may be shorter;
+            under a group of more than one rank every shard must be a whole number of segments.
+        group: the sequence-parallel process group; None: the whole sequence is on this device
+            (no communication, even when torch.distributed is initialized). Every rank of the
+            group calls with the same segment_len, update and return_memory, and either every
+            rank or no rank runs a backward through ``out`` (the backward communicates).
+        update: "linear" or "delta".
+        memory: the memory before this call's sequence (``InfiniMemory`` or (matrix,
+            normalizer)), the same on every rank of the group; None: empty. Gradients flow into
+            it (under a group, each rank's contribution).
+        return_memory: also return the memory after the whole sequence (on every rank). Passing
+            it to the next call continues the sequence: two calls equal one call when the first
+            one's length is a whole number of segments (a shorter last segment ends there).
+        softmax_scale: for the local attention; defaults to 1/sqrt(head_dim).
+
+    Returns:
+        out (batch, seqlen, heads, head_dim) in q's dtype, and with ``return_memory`` the
+        ``InfiniMemory`` after the sequence (float32, differentiable).
+
+    Raises:
+        ValueError / TypeError naming the argument: shapes, dtypes, segment_len, update, memory,
+        or a shard that is not a whole number of segments.
+    """
+    _check_inputs(q, k, v, beta, segment_len, update)
+    batch, seqlen, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    world = 1
+    if group is not None:
+        group = comm.resolve_group(group)
+        world = dist.get_world_size(group)
+        if seqlen % segment_len:
+            raise ValueError(
+                f"under sequence parallelism every shard must be a whole number of segments: "
+                f"local seqlen {seqlen} is not a multiple of segment_len {segment_len}"
+            )
+    m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
+
+    n_seg = -(-seqlen // segment_len)
+    chunks = _chunks(n_seg, segment_len)
+    # Segment views of the inputs; padded keys are -inf, whose sigma is exactly 0 (nothing stored).
+    q_seg, k_seg, v_seg = (
+        _segments(t, n_seg, segment_len, fill) for t, fill in ((q, 0.0), (k, -math.inf), (v, 0.0))
+    )
+    sums = [_checkpoint(_memory_deltas, k_seg[:, a:b], v_seg[:, a:b], update == "linear") for a, b in chunks]
+    dz = torch.cat([dz_c for _, dz_c in sums], 1)  # (B, n, Hk, D)
+    if update == "linear":
+        dm = torch.cat([dm_c for dm_c, _ in sums], 1)  # (B, n, Hk, D, D)
+        if world > 1:
+            delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
+            pending = comm.exclusive_prefix_sum(delta, group)
+
+    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
+
+    if update == "linear":
+        if world > 1:
+            prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
+            m_in, z_in = m0 + prefix[0], z0 + prefix[1]
+            final = InfiniMemory(m0 + total[0], z0 + total[1])
+        else:
+            m_in, z_in = m0, z0
+            final = InfiniMemory(m0 + dm.sum(1), z0 + dz.sum(1))
+        m_before = m_in[:, None] + _exclusive_cumsum(dm)
+        z_before = z_in[:, None] + _exclusive_cumsum(dz)
+    else:
+        if world > 1:
+            tensors = (q, k, v, beta, *(memory or ()))
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            m_in, z_in = comm.relay_in((m0, z0), group, requires_grad=needs_grad)
+        else:
+            m_in, z_in = m0, z0
+        z_before = z_in[:, None] + _exclusive_cumsum(dz)
+        m_before, m = [], m_in
+        for a, b in chunks:
+            m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
+            m_before.append(m_before_c)
+        m_before = torch.cat(m_before, 1)
+        final = InfiniMemory(m, z_in + dz.sum(1))
+        if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
+            local, shared = comm.relay_out(local, final, group, share_last=return_memory)
+            final = InfiniMemory(*shared) if return_memory else final
+
+    gate = torch.sigmoid(beta.float()).view(1, 1, 1, heads, 1)
+    local_seg = _segments(local, n_seg, segment_len, 0.0)
+    out = torch.cat(
+        [
+            _checkpoint(
+                _gated_output, q_seg[:, a:b], local_seg[:, a:b], m_before[:, a:b], z_before[:, a:b], gate
+            )
+            for a, b in chunks
+        ],
+        dim=1,
+    ).view(batch, n_seg * segment_len, heads, head_dim)[:, :seqlen]
+    return (out, final) if return_memory else out
+
+
+def infini_memory_bytes(batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int) -> int:
+    """Bytes of the float32 memories before each segment that the forward keeps for the backward
+    (batch x segments x kv_heads x head_dim x (head_dim + 1) x 4)."""
+    return 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim * (head_dim + 1)
+
+
+def _check_inputs(q, k, v, beta, segment_len, update) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, seqlen, heads, head_dim), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"k and v must have q's batch, seqlen and head_dim and equal shapes: q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if tuple(beta.shape) != (q.shape[2],) or not beta.is_floating_point():
+        raise ValueError(
+            f"beta must be a floating tensor of shape ({q.shape[2]},) (one gate per head), "
+            f"got {beta.dtype} {tuple(beta.shape)}"
+        )
+    if beta.device != q.device:
+        raise ValueError(f"beta is on {beta.device} but q is on {q.device}")
+    if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len <= 0:
+        raise ValueError(f"segment_len must be a positive int, got {segment_len!r}")
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+
+
+def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: torch.device):
+    shapes = ((batch, kv_heads, head_dim, head_dim), (batch, kv_heads, head_dim))
+    if memory is None:
+        return tuple(torch.zeros(s, device=device) for s in shapes)
+    if not isinstance(memory, tuple) or len(memory) != 2:
+        raise TypeError("memory must be an InfiniMemory or a (matrix, normalizer) tuple of tensors")
+    for name, t, shape in zip(("matrix", "normalizer"), memory, shapes):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"memory {name} must be a floating torch.Tensor")
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"memory {name} must have shape {shape} (batch, kv_heads, head_dim"
+                f"{', head_dim' if name == 'matrix' else ''}), got {tuple(t.shape)}"
+            )
+        if t.device != device:
+            raise ValueError(f"memory {name} is on {t.device} but q is on {device}")
+    return memory[0].float(), memory[1].float()
+
+
+# Tokens per chunk of segments whose float32 temporaries exist at once; the backward recomputes
+# them chunk by chunk (activation checkpointing), so the memory path keeps only its bf16/fp16
+# inputs and the per-segment memories.
+CHUNK_TOKENS = 1 << 16
+
+
+def _chunks(n_seg: int, segment_len: int) -> list[tuple[int, int]]:
+    per_chunk = max(1, CHUNK_TOKENS // segment_len)
+    return [(a, min(a + per_chunk, n_seg)) for a in range(0, n_seg, per_chunk)]
+
+
+def _checkpoint(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _sigma(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x.float()) + 1
+
+
+def _segments(x: torch.Tensor, n_seg: int, segment_len: int, fill: float) -> torch.Tensor:
+    """(B, S, H, D) -> (B, n_seg, segment_len, H, D), padded at the end with ``fill``."""
+    pad = n_seg * segment_len - x.shape[1]
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad), value=fill)
+    return x.view(x.shape[0], n_seg, segment_len, *x.shape[2:])
+
+
+def _memory_deltas(k: torch.Tensor, v: torch.Tensor, with_matrix: bool):
+    """What each segment adds under the linear rule: k, v (B, c, L, Hk, D) -> (sigma(K)^T V
+    (B, c, Hk, D, D) or None, sum of sigma(K) (B, c, Hk, D)), float32."""
+    keys = _sigma(k).transpose(2, 3)  # (B, c, Hk, L, D)
+    matrix = keys.transpose(-1, -2) @ v.float().transpose(2, 3) if with_matrix else None
+    return matrix, keys.sum(3)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the segments (dim 1) before each one."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
+
+
+def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, z = flat.split([head_dim * head_dim, head_dim], dim=-1)
+    return m.unflatten(-1, (head_dim, head_dim)), z
+
+
+def _divide_where_stored(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, and 0 where den = 0 (an empty memory), without NaN in either direction."""
+    stored = den > 0
+    return torch.where(stored, num / torch.where(stored, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def _gated_output(q, local, m_before, z_before, gate) -> torch.Tensor:
+    """sigmoid(beta) A_mem + (1 - sigmoid(beta)) A_local for a chunk of segments: q, local
+    (B, c, L, H, D), m_before (B, c, Hk, D, D), z_before (B, c, Hk, D), gate (1, 1, 1, H, 1)
+    -> (B, c, L, H, D) in q's dtype; query head h reads kv head h // (H / Hk)."""
+    b, n, seg, heads, d = q.shape
+    kv_heads = m_before.shape[2]
+    group_size = heads // kv_heads
+    x = _sigma(q).view(b, n, seg, kv_heads, group_size, d).permute(0, 1, 3, 2, 4, 5)
+    x = x.reshape(b, n, kv_heads, seg * group_size, d)
+    a = _divide_where_stored(x @ m_before, x @ z_before[..., None])
+    a = a.view(b, n, kv_heads, seg, group_size, d).permute(0, 1, 3, 2, 4, 5).reshape(b, n, seg, heads, d)
+    return (gate * a + (1 - gate) * local.float()).to(q.dtype)
+
+
+def _delta_memories(
+    k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, z_before: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delta rule over a chunk of segments, one after another: k, v (B, c, L, Hk, D), m
+    (B, Hk, D, D) entering the chunk, z_before (B, c, Hk, D) -> (memory before each segment
+    (B, c, Hk, D, D), memory after the chunk)."""
+    keys_all, values_all = _sigma(k).transpose(2, 3), v.float().transpose(2, 3)  # (B, c, Hk, L, D)
+    before = []
+    for s in range(k.shape[1]):
+        before.append(m)
+        keys = keys_all[:, s]
+        stored = _divide_where_stored(keys @ m, keys @ z_before[:, s, :, :, None])
+        m = m + keys.transpose(-1, -2) @ (values_all[:, s] - stored)
+    return torch.stack(before, dim=1), m
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_bounds(batch: int, seqlen: int, segment_len: int, device: torch.device) -> torch.Tensor:
+    starts = range(0, seqlen, segment_len)
+    cu = [row * seqlen + s for row in range(batch) for s in starts] + [batch * seqlen]
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def segment_local_attention(q, k, v, segment_len: int, softmax_scale: float | None) -> torch.Tensor:
+    """Causal attention inside each segment: the batch rows' segments packed into one varlen call."""
+    b, s, heads, d = q.shape
+    cu = _segment_bounds(b, s, segment_len, q.device)
+    longest = min(segment_len, s)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = flash_attn_varlen_func(
+        q.reshape(b * s, heads, d), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+        cu, cu, longest, longest, softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out.view(b, s, heads, d)
+
+
+class InfiniAttention(torch.nn.Module):
+    """Infini-attention as an attention core: (q, k, v) (batch, seqlen, heads, head_dim) shards
+    -> output, with the learned gate ``beta`` (heads,) as a parameter (initialised to 0: an even
+    mix of memory and local attention).
+
+    With ``group=None`` it uses the world group when torch.distributed is initialized and runs
+    on one device otherwise, as ``SequenceParallelAttention`` does; shards are contiguous
+    (``shard_batch(..., layout="contiguous")``). Under sequence parallelism ``beta``'s gradient
+    on each rank is that rank's contribution: ``reduce_gradients`` sums them.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        segment_len: int,
+        update: str = "linear",
+        softmax_scale: float | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+            raise ValueError(f"heads must be a positive int, got {heads!r}")
+        if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len <= 0:
+            raise ValueError(f"segment_len must be a positive int, got {segment_len!r}")
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+        self.beta = torch.nn.Parameter(torch.zeros(heads))
+        self.segment_len, self.update = segment_len, update
+        self.softmax_scale, self.group = softmax_scale, group
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "InfiniAttention does not take packed documents (cu_seqlens): the memory spans the row"
+            )
+        group = self.group
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        return infini_attention(
+            q, k, v, self.beta, self.segment_len,
+            group=group, update=self.update, softmax_scale=self.softmax_scale,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"heads={self.beta.numel()}, segment_len={self.segment_len}, update={self.update!r}"

@@ -1,0 +1,262 @@
+"""Infini-attention against a float64 loop over segments: single device (both update rules, GQA,
+a last segment shorter than the others, fp32/fp16), streaming, sequence parallel on 2-4 gloo
+ranks, the prefix-sum collective's gradient, and bad arguments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import errors_of, worker_device
+from reference import TOLERANCE, rel_err
+
+import ringflash
+from ringflash import comm, infini
+
+
+def infini_reference(q, k, v, beta, segment_len, update, memory=None):
+    """Infini-attention in float64, one segment after another. Returns (out, (matrix, normalizer))."""
+    q, k, v, beta = (t.to("cpu", torch.float64) for t in (q, k, v, beta))
+    b, s, h, d = q.shape
+    kv_heads = k.shape[2]
+    rep = h // kv_heads
+    if memory is None:
+        matrix = torch.zeros(b, kv_heads, d, d, dtype=torch.float64)
+        norm = torch.zeros(b, kv_heads, d, dtype=torch.float64)
+    else:
+        matrix, norm = (t.to("cpu", torch.float64) for t in memory)
+    gate = torch.sigmoid(beta)[None, None, :, None]
+    outs = []
+    for start in range(0, s, segment_len):
+        qs, ks, vs = (t[:, start : start + segment_len] for t in (q, k, v))
+        n = qs.shape[1]
+        scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks.repeat_interleave(rep, 2)) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        local = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vs.repeat_interleave(rep, 2))
+        empty = (norm == 0).all(-1)  # (b, kv_heads): nothing stored yet
+        sq, sk = F.elu(qs) + 1, F.elu(ks) + 1
+        num = torch.einsum("bqhd,bhde->bqhe", sq, matrix.repeat_interleave(rep, 1))
+        den = torch.einsum("bqhd,bhd->bqh", sq, norm.repeat_interleave(rep, 1))
+        empty_q = empty.repeat_interleave(rep, 1)[:, None, :, None]
+        a_mem = torch.where(empty_q, 0.0, num / (den[..., None] + empty_q))
+        outs.append(gate * a_mem + (1 - gate) * local)
+        if update == "delta":
+            stored = torch.einsum("bkhd,bhde->bkhe", sk, matrix) / (
+                torch.einsum("bkhd,bhd->bkh", sk, norm)[..., None] + empty[:, None, :, None]
+            )
+            values = vs - torch.where(empty[:, None, :, None], 0.0, stored)
+        else:
+            values = vs
+        matrix = matrix + torch.einsum("bkhd,bkhe->bhde", sk, values)
+        norm = norm + sk.sum(1)
+    return torch.cat(outs, 1), (matrix, norm)
+
+
+def _inputs(batch, seqlen, heads, kv_heads, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen, heads, head_dim, generator=g)
+    k = torch.randn(batch, seqlen, kv_heads, head_dim, generator=g)
+    v = torch.randn(batch, seqlen, kv_heads, head_dim, generator=g)
+    beta = torch.randn(heads, generator=g)  # gates 0.2-0.8: both parts matter
+    dout = torch.randn(batch, seqlen, heads, head_dim, generator=g)
+    return [t.to(dtype) for t in (q, k, v)] + [beta, dout.to(dtype)]
+
+
+def _check(name, got, want, tol):
+    err = rel_err(got, want)
+    assert err < tol, f"{name}: rel err {err:.2e} >= {tol:.0e}"
+
+
+# Cases stay at 2-6 segments x heads: the interpreter runs each (segment, head) program in turn.
+@pytest.mark.parametrize(
+    ("update", "batch", "seqlen", "segment_len", "heads", "kv_heads", "dtype"),
+    [
+        ("linear", 1, 20, 8, 2, 1, torch.float32),  # GQA; last segment 4 tokens
+        ("delta", 1, 20, 8, 2, 1, torch.float32),
+        ("linear", 2, 13, 8, 2, 2, torch.float16),  # batch rows folded into the varlen call
+        ("delta", 2, 13, 8, 2, 1, torch.float16),
+        ("delta", 1, 6, 8, 2, 2, torch.float32),  # one segment: the memory stays empty
+    ],
+)
+def test_matches_float64_loop_over_segments(
+    monkeypatch, device, update, batch, seqlen, segment_len, heads, kv_heads, dtype
+):
+    monkeypatch.setattr(infini, "CHUNK_TOKENS", segment_len)  # one segment per checkpointed chunk
+    q, k, v, beta, dout = _inputs(batch, seqlen, heads, kv_heads, 16, dtype, seed=seqlen + heads)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out, memory = ringflash.infini_attention(q, k, v, beta, segment_len, update=update, return_memory=True)
+    assert out.dtype == dtype and memory.matrix.dtype == torch.float32
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, ref_memory = infini_reference(*ref, segment_len, update)
+    ref_out.backward(dout.double().cpu())
+    tol = TOLERANCE[dtype]
+    _check("out", out, ref_out, tol)
+    _check("memory matrix", memory.matrix, ref_memory[0], tol)
+    _check("memory normalizer", memory.normalizer, ref_memory[1], tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, tol)
+
+
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_two_calls_carrying_the_memory_equal_one_call(device, update):
+    q, k, v, beta, dout = (t.to(device) for t in _inputs(1, 20, 2, 1, 16, torch.float32, seed=5))
+    grads = []
+    for split in (None, 16):  # 2 segments of 8, the rest in the second call
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+        qq, kk, vv, bb = leaves
+        if split is None:
+            out, memory = ringflash.infini_attention(qq, kk, vv, bb, 8, update=update, return_memory=True)
+        else:
+            first, memory = ringflash.infini_attention(
+                qq[:, :split], kk[:, :split], vv[:, :split], bb, 8, update=update, return_memory=True
+            )
+            second, memory = ringflash.infini_attention(
+                qq[:, split:], kk[:, split:], vv[:, split:], bb, 8, update=update, memory=memory,
+                return_memory=True,
+            )  # fmt: skip
+            out = torch.cat([first, second], 1)
+        (out * dout).sum().backward()
+        grads.append([out, *memory, *(t.grad for t in leaves)])
+    for name, one, two in zip(("out", "matrix", "normalizer", "dq", "dk", "dv", "dbeta"), *grads):
+        _check(name, two, one, 1e-5)
+
+
+def _sequence_parallel(update, world_dtype_seed):
+    world, dtype, seed = world_dtype_seed
+    rank = dist.get_rank()
+    q, k, v, beta, dout = _inputs(1, 8 * 2 * world, 2, 1, 16, dtype, seed)
+    shard = slice(rank * 16, (rank + 1) * 16)  # contiguous: two segments of 8 per rank
+    leaves = [t[:, shard].to(worker_device()).requires_grad_() for t in (q, k, v)]
+    beta = beta.to(worker_device()).requires_grad_()
+    memory_grad = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+    out, memory = ringflash.infini_attention(
+        *leaves, beta, 8, group=dist.group.WORLD, update=update, return_memory=True
+    )
+    loss = (out * dout[:, shard].to(worker_device())).sum()
+    if rank == 0:  # the final memory enters the loss once
+        loss = loss + (memory.matrix * memory_grad.to(worker_device())).sum()
+    loss.backward()
+    return [t.detach().cpu() for t in (out, *memory, *(t.grad for t in leaves), beta.grad)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_sequence_parallel_equals_single_device(rank_pool, world, update):
+    seed = 10 + world
+    results = rank_pool(world).run(_sequence_parallel, update, (world, torch.float32, seed))
+    q, k, v, beta, dout = _inputs(1, 16 * world, 2, 1, 16, torch.float32, seed)
+    ref = [t.double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, (matrix, norm) = infini_reference(*ref, 8, update)
+    memory_grad = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+    ((ref_out * dout.double()).sum() + (matrix * memory_grad.double()).sum()).backward()
+    tol = TOLERANCE[torch.float32]
+    for i, (name, want) in enumerate(zip(("out", "", "", "dq", "dk", "dv"), (ref_out, 0, 0, *ref[:3]))):
+        if name:
+            _check(name, torch.cat([r[i] for r in results], 1), want.grad if name[0] == "d" else want, tol)
+    for r in results:  # every rank returns the memory after the whole sequence
+        _check("memory matrix", r[1], matrix, tol)
+        _check("memory normalizer", r[2], norm, tol)
+    _check("dbeta (sum over ranks)", sum(r[6] for r in results), ref[3].grad, tol)
+
+
+def _prefix_sum_and_gradient():
+    rank = dist.get_rank()
+    x = torch.full((3,), float(rank + 1), requires_grad=True)
+    prefix, total = comm.exclusive_prefix_sum(x, dist.group.WORLD).wait()
+    ((prefix * (10.0**rank)).sum() + total.sum() * (rank + 1)).backward()
+    return prefix.detach(), total.detach(), x.grad
+
+
+def test_exclusive_prefix_sum_and_its_gradient(rank_pool):
+    results = rank_pool(3).run(_prefix_sum_and_gradient)
+    for rank, (prefix, total, grad) in enumerate(results):
+        assert torch.equal(prefix, torch.full((3,), float(sum(range(1, rank + 1)))))
+        assert torch.equal(total, torch.full((3,), 6.0))
+        # d x_j = sum over later ranks r of 10^r (their prefixes) + sum over all ranks of (r + 1).
+        later = sum(10.0**r for r in range(rank + 1, 3))
+        assert torch.equal(grad, torch.full((3,), later + 6.0)), (rank, grad)
+
+
+def _bad_shard():
+    q = torch.randn(1, 12, 2, 16)
+    return errors_of(
+        {"shard": lambda: ringflash.infini_attention(q, q, q, torch.zeros(2), 8, group=dist.group.WORLD)}
+    )
+
+
+def test_bad_arguments(rank_pool):
+    q = torch.randn(1, 16, 4, 16)
+    kv = torch.randn(1, 16, 2, 16)
+    beta = torch.zeros(4)
+
+    def call(**kw):
+        args = {"q": q, "k": kv, "v": kv, "beta": beta, "segment_len": 8, **kw}
+        return ringflash.infini_attention(
+            args.pop("q"), args.pop("k"), args.pop("v"), args.pop("beta"), args.pop("segment_len"), **args
+        )
+
+    cases = {
+        "segment_len": [dict(segment_len=n) for n in (0, -4, True, 8.0)],
+        "beta": [dict(beta=b) for b in (torch.zeros(2), torch.zeros(4, 1), torch.zeros(4).long())],
+        "update": [dict(update="gated")],
+        "memory": [
+            dict(memory=(torch.zeros(1, 2, 16, 16), torch.zeros(1, 4, 16))),
+            dict(memory=(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16))),
+            dict(memory=torch.zeros(1, 2, 16, 16)),
+        ],
+        "kv_heads": [dict(k=torch.randn(1, 16, 3, 16), v=torch.randn(1, 16, 3, 16))],
+        "k and v": [dict(v=torch.randn(1, 16, 2, 8))],
+    }  # fmt: skip
+    for word, kwargs_list in cases.items():
+        for kwargs in kwargs_list:
+            with pytest.raises((ValueError, TypeError), match=word):
+                call(**kwargs)
+    module = ringflash.InfiniAttention(4, 8, update="delta")
+    assert [tuple(p.shape) for p in module.parameters()] == [(4,)]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        module(q, kv, kv, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+    for kwargs, word in ((dict(segment_len=0), "segment_len"), (dict(update="gated"), "update")):
+        with pytest.raises(ValueError, match=word):
+            ringflash.InfiniAttention(4, **{"segment_len": 8, **kwargs})
+    for rank_errors in rank_pool(2).run(_bad_shard):
+        assert "whole number of segments" in rank_errors["shard"]
+
+
+def test_transformers_model_with_infini_attention_matches_the_reference(device):
+    transformers = pytest.importorskip("transformers")
+    import ringflash.integrations.hf_infini as rf_infini
+
+    def reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return infini_reference(q, k, v, getattr(module, rf_infini.GATE), 8, "delta")[0].to(query.dtype), None
+
+    transformers.AttentionInterface.register("infini_float64_reference", reference_attention)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+    ids = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(3)).to(device)
+    results = []
+    for implementation in (rf_infini.enable(8, update="delta"), "infini_float64_reference"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        model = model.float().to(device)
+        assert rf_infini.add_gates(model) == 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(rf_infini.GATE):
+                    p.copy_(torch.tensor([-1.0, 1.5]))  # memory and local attention both matter
+        logits = model(
+            input_ids=ids, position_ids=torch.arange(20, device=device)[None], use_cache=False
+        ).logits
+        F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (got, got_grads), (want, want_grads) = results
+    _check("logits", got, want, 1e-4)
+    assert any(n.endswith(rf_infini.GATE) for n in got_grads)
+    for name, grad in want_grads.items():
+        _check(f"d{name}", got_grads[name], grad, 1e-4)
