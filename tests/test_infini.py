@@ -232,7 +232,8 @@ def test_transformers_model_with_infini_attention_matches_the_reference(device):
 
     def reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        return infini_reference(q, k, v, getattr(module, rf_infini.GATE), 8, "delta")[0].to(query.dtype), None
+        out = infini_reference(q, k, v, getattr(module, rf_infini.GATE), 8, "delta")[0]
+        return out.to(query.device, query.dtype), None
 
     transformers.AttentionInterface.register("infini_float64_reference", reference_attention)
     config = transformers.LlamaConfig(

@@ -253,7 +253,7 @@ def test_ring_bad_inputs(rank_pool):
     assert errors["group"].startswith("TypeError: group must be")
 
 
-def test_ring_without_process_group_says_so():
-    q = torch.randn(1, 4, 2, 16)
+def test_ring_without_process_group_says_so(device):
+    q = torch.randn(1, 4, 2, 16, device=device)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ringflash.ring_flash_attn_func(q, q, q)

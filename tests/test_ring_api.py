@@ -140,14 +140,16 @@ def test_varlen_takes_local_cu_seqlens(rank_pool, layout):
         assert "max_seqlen must be an int >= the longest local piece (8)" in errors["max_seqlen"]
 
 
-def test_argument_errors_come_before_the_missing_process_group():
+def test_argument_errors_come_before_the_missing_process_group(device):
     """No torch.distributed here: an argument that is wrong on its own is named first."""
-    q = torch.randn(1, 8, 2, 16)
+    q = torch.randn(1, 8, 2, 16, device=device)
     calls = {
         "layout": lambda: ringflash.ring_flash_attn_func(q, q, q, layout="foo"),
         "dropout": lambda: ringflash.zigzag_ring_flash_attn_func(q, q, q, 0.5),
         "sp_mode": lambda: ringflash.sp_attn_func(q, q, q, sp_mode="star"),
-        "sinks": lambda: ringflash.sp_attn_func(q, q, q, sp_mode="ulysses", sinks=torch.zeros(3)),
+        "sinks": lambda: ringflash.sp_attn_func(
+            q, q, q, sp_mode="ulysses", sinks=torch.zeros(3, device=device)
+        ),
         "varlen": lambda: ringflash.ring_flash_attn_varlen_func(q[0], q[0], q[0], [0, 9], 9),
     }
     errors = errors_of(calls)

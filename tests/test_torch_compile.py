@@ -15,6 +15,8 @@ from reference import reference_attention, rel_err
 import ringflash
 from ringflash import flash_attn_func, flash_attn_varlen_func
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as tests/conftest.py
+
 torch._dynamo.config.cache_size_limit = 64
 
 
@@ -50,14 +52,14 @@ def test_compiled_block_matches_eager_without_breaks_or_recompiles():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    model = AttentionBlock()
-    explain = torch._dynamo.explain(model)(torch.randn(1, 16, 32))
+    model = AttentionBlock().to(DEVICE)
+    explain = torch._dynamo.explain(model)(torch.randn(1, 16, 32, device=DEVICE))
     assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
     torch._dynamo.reset()  # explain's static-shape frame must not serve the compiled model
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for seqlen in (16, 24):  # the second length reuses the graph compiled for a dynamic one
-        x = torch.randn(1, seqlen, 32, generator=torch.Generator().manual_seed(seqlen))
+        x = torch.randn(1, seqlen, 32, generator=torch.Generator().manual_seed(seqlen)).to(DEVICE)
         want_loss, want = block_loss_and_grads(model, x)
         got_loss, got = block_loss_and_grads(model, x, compiled)
         assert torch.allclose(got_loss, want_loss, rtol=1e-6, atol=0), (got_loss, want_loss)
@@ -71,8 +73,8 @@ def test_inductor_keeps_the_ops_opaque():
     inside the ops; the generated code calls them instead, forward and backward."""
     from torch._inductor.utils import run_and_get_code
 
-    q, k, v = (torch.randn(1, 16, h, 16, dtype=torch.float32, requires_grad=True) for h in (4, 2, 2))
-    weight = torch.randn(64, 64)
+    q, k, v = (torch.randn(1, 16, h, 16, device=DEVICE, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(64, 64, device=DEVICE)
 
     def block(q, k, v):
         out = flash_attn_func(q, k, v, causal=True)
@@ -100,8 +102,8 @@ def test_lse_gradient_matches_reference(path):
     op called directly and the compiled op, against float64; the window keeps one row keyless
     (LSE -inf, gradient 0)."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (3 * torch.randn(2, n, h, 16, generator=g) for n, h in ((12, 4), (8, 2), (8, 2)))
-    dout, dlse = torch.randn(2, 12, 4, 16, generator=g), torch.randn(2, 4, 12, generator=g)
+    q, k, v = (3 * torch.randn(2, n, h, 16, generator=g).to(DEVICE) for n, h in ((12, 4), (8, 2), (8, 2)))
+    dout, dlse = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((2, 12, 4, 16), (2, 4, 12)))
     window = (2, 0)  # bottom-right aligned: queries at positions -4 and -3 see no key
 
     def attention(q, k, v):
@@ -131,8 +133,8 @@ def test_lse_gradient_matches_reference(path):
 def test_compiled_varlen_matches_eager():
     """cu_seqlens are checked on the host inside the op at run time, never on the trace's fake tensors."""
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(20, h, 16, generator=g, requires_grad=True) for h in (2, 1, 1))
-    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, h, 16, generator=g).to(DEVICE).requires_grad_() for h in (2, 1, 1))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
 
     def attention(q, k, v, cu):
         return flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True)
@@ -149,18 +151,18 @@ def test_compiled_varlen_matches_eager():
     for a, t in zip(got_grads, (q, k, v)):
         assert torch.equal(a, t.grad)
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
-        compiled(q, k, v, torch.tensor([0, 7, 21], dtype=torch.int32))
+        compiled(q, k, v, torch.tensor([0, 7, 21], dtype=torch.int32, device=DEVICE))
 
 
 def test_public_api_still_checks_arguments():
-    q = torch.randn(1, 8, 2, 16)
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
     with pytest.raises(TypeError, match="window_size"):
         flash_attn_func(q, q, q, window_size=(1,))
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
-        flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
-                               torch.tensor([0, 8], dtype=torch.int32), None, 8)  # fmt: skip
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, None, 8)
     with pytest.raises(ValueError, match="divisible by k/v heads"):
-        kv = torch.randn(1, 8, 3, 16)
+        kv = torch.randn(1, 8, 3, 16, device=DEVICE)
         torch.ops.ringflash.flash_attn_forward(
             q, kv, kv, None, None, 0, 0, None, False, -1, -1, 0.0, None, False
         )
