@@ -54,7 +54,10 @@ def shard_batch(
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     if labels.shape != ids.shape or positions.shape != ids.shape:
         raise ValueError("labels and position_ids must have the shape of input_ids")
-    shard = lambda t, cu=None: shard_sequence(t, group, 1, layout, ulysses_size, cu)  # noqa: E731
+
+    def shard(t: torch.Tensor, cu=None) -> torch.Tensor:
+        return shard_sequence(t, group, 1, layout=layout, ulysses_size=ulysses_size, cu_seqlens=cu)
+
     restarts = positions[:, 1:] <= positions[:, :-1]
     if not bool(restarts.any()):
         targets = torch.full_like(labels, ignore_index)

@@ -23,7 +23,8 @@ def shard_sequence(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     dim: int = 1,
-    layout: str = "zigzag",
+    *,
+    layout: str,
     ulysses_size: int = 1,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
@@ -36,6 +37,11 @@ def shard_sequence(
     Packed documents: ``cu_seqlens`` (cumulative document lengths of the full sequence) splits
     each document on its own, as ``ring_flash_attn_func(..., cu_seqlens=...)`` expects.
     Differentiable. Raises ValueError if seqlen does not split evenly (zigzag: multiple of 2W).
+
+    ``layout`` has no default: it must name the layout the attention call is given (e.g.
+    ``ring_flash_attn_func`` defaults to "contiguous", as ring-flash-attn's does, while
+    ``sp_attn_func`` and ``shard_batch`` default to "zigzag"), since shards cut one way and
+    attended another give a wrong answer that nothing downstream can detect.
     """
     dim = _check_dim(x, dim)
     comm = RingComm(group)
@@ -49,7 +55,8 @@ def gather_sequence(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     dim: int = 1,
-    layout: str = "zigzag",
+    *,
+    layout: str,
     ulysses_size: int = 1,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:

@@ -94,7 +94,7 @@ def _fsdp_rejects(groups_size: int) -> str:
     with pytest.raises(TypeError, match="do not pass mesh"):
         rf_fsdp.fully_shard(_decoder(_LocalAttention()), groups, mesh=groups.mesh)
     with pytest.raises(ValueError, match="not a dimension of the mesh"):
-        ringflash.shard_sequence(torch.zeros(1, SEQ), (groups.mesh, "tp"))
+        ringflash.shard_sequence(torch.zeros(1, SEQ), (groups.mesh, "tp"), layout="zigzag")
     with pytest.raises(ValueError, match="2-D DeviceMesh"):
         ringflash.sp_attn_func(*(torch.zeros(1, 4, 2, 16),) * 3, group=groups.mesh)
     return "ok"

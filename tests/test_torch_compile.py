@@ -186,7 +186,7 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
     torch.manual_seed(0)
     model = AttentionBlock(attention)
     layout_u = {"ring": 1, "ulysses": dist.get_world_size(), "hybrid": ulysses_size}[sp_mode]
-    shard = lambda x: ringflash.shard_sequence(x, mesh, ulysses_size=layout_u)  # noqa: E731
+    shard = lambda x: ringflash.shard_sequence(x, mesh, layout="zigzag", ulysses_size=layout_u)  # noqa: E731
     breaks = torch._dynamo.explain(model)(shard(torch.randn(1, 16, 32))).graph_break_count
     torch._dynamo.reset()  # explain's static-shape frame must not serve the compiled model
     counter = CompileCounterWithBackend("aot_eager")
