@@ -37,8 +37,6 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
-from ringflash.kernels import build_problem
-from ringflash.kernels.functional import _FlashAttention
 
 BACKENDS = ("ringflash", "ringflash-triton", "flash", "cudnn", "flex")
 
@@ -70,11 +68,9 @@ def make_runner(
     q, k, v = randn(h), randn(hk), randn(hk)
     gqa = hk != h
     slopes = alibi_slopes(h) if alibi else None
-    if ours and (softcap or alibi):
-        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
-        return (lambda: _FlashAttention.apply(q, k, v, problem)[0]), (q, k, v)
     if ours:
-        return (lambda: ringflash.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
+        run = lambda: ringflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)  # noqa: E731
+        return run, (q, k, v)
     if name in ("flash", "cudnn"):
         if softcap or alibi:
             raise ValueError("SDPA has no softcap or ALiBi")
@@ -145,8 +141,7 @@ def check_scores(s: int, h: int, d: int, causal: bool, hk: int, softcap: float, 
     k, v = (torch.randn(1, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slopes = alibi_slopes(h) if alibi else None
     with torch.no_grad():
-        problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap, alibi_slopes=slopes)
-        ours = _FlashAttention.apply(q, k, v, problem)[0]
+        ours = ringflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
         n = min(s, 1024)
         qf = q[0, :n].float().transpose(0, 1)
         kf, vf = (t[0].float().repeat_interleave(h // hk, dim=1).transpose(0, 1) for t in (k, v))
