@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
-from .hopper_path import enabled, hopper_module, hopper_path_ok
+from .hopper_path import dense_aligned, enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
@@ -350,6 +350,7 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
         not torch.are_deterministic_algorithms_enabled()
         and not problem.deterministic
         and enabled("RINGFLASH_FUSED_BACKWARD")
+        and dense_aligned(problem)
         and hopper_path_ok(problem, q, k, v)
         and hopper_module("hopper_backward") is not None
     )

@@ -163,15 +163,15 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
 
 def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (hopper_forward.py)
-    on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors: where
-    ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, head_dim 128, lengths multiples of
-    128, no window, causal only on a shard's own diagonal) and ``RINGFLASH_FUSED_FORWARD`` is not
-    0 in the environment. Its results equal the Triton kernel's up to float rounding."""
-    return (
-        enabled("RINGFLASH_FUSED_FORWARD")
-        and hopper_path_ok(problem, q, k, v)
-        and hopper_module("hopper_forward") is not None
-    )
+    on these q (batch, seqlen_q, heads_q, head_dim) or packed (total, heads_q, head_dim) and k/v
+    tensors: where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts),
+    the head_dim is one it is built for (64, 128, 256; ``hopper_forward.forward_supports``) and
+    ``RINGFLASH_FUSED_FORWARD`` is not 0 in the environment. Its results equal the Triton
+    kernel's up to float rounding."""
+    if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):
+        return False
+    module = hopper_module("hopper_forward")
+    return module is not None and module.forward_supports(problem)
 
 
 def attention_forward(

@@ -12,12 +12,19 @@ One program per (128-row query tile, query head, sequence), its warps specialize
   products (FlashAttention-3's ping-pong, through an mbarrier pair) measured no faster on an
   H200 (medians within -3%..+1% over 5 interleaved rounds, docs/experiments.md).
 
+Every mask the library takes runs here: any lengths, packed documents (``cu_seqlens``: one
+program per query tile of a document, reading the packed tensors in place), windows and
+causal masks in global positions (``TokenPositions``: a ring step's shifted or strided blocks).
+``key_tiles`` works out, per program, the key tiles that any of its rows sees and among them
+those that every row sees in full; only the others (window edges, a document's last tile) are
+masked, in loops of their own, and tiles that no row sees are never loaded.
+
+Key tiles are walked last to first, so that under a causal mask the tile on the diagonal comes
+first. A row that has seen no key yet keeps a running max of -inf, which the softmax update
+treats as 0 (``_online_softmax``); a row that sees no key at all gets output 0 and LSE -inf.
+
 A softcap (constexpr SOFTCAP: ``tanh.approx.f32`` per score) and ALiBi (HAS_ALIBI: a bias from
 global positions) are built in only where a problem has them (docs/experiments.md, 2026-11-24).
-
-Key tiles are walked last to first, so that under a causal mask the one tile that straddles
-the diagonal is the first, and the masked code runs once, outside the loop. Every row then sees
-at least its own key, so no row's running max stays -inf.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
@@ -34,13 +41,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .forward import LOG2E
-from .hopper_path import HEAD_DIM
 from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
-BLOCK_N = 128  # key rows per tile
 HALF_M = BLOCK_M // 2
+# Key rows per tile, by head_dim: at 256 two stages of 128-row K and V tiles (256 KiB) would not
+# fit beside Q in shared memory (227 KiB), so its tiles are 64 rows (Q 64 + K/V 128 KiB).
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+HEAD_DIMS = tuple(BLOCK_N)
 NUM_WARPS = 4  # the first compute warpgroup; the second and the loader are workers
 # Entry cap; warp specialization pads the loader warp to a warpgroup and redistributes:
 # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, within the 64K register file.
@@ -49,13 +58,19 @@ COMPUTE_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
 
 
+def forward_supports(problem: AttentionProblem) -> bool:
+    """Whether this kernel computes ``problem`` (beyond what ``hopper_path.hopper_path_ok``
+    checks of every Hopper kernel): its head_dim is one it is built for."""
+    return problem.head_dim in HEAD_DIMS
+
+
 @aggregate
 class Shared:
     """What the partitions share: descriptors, shared-memory tiles and rings with their
     mbarriers, and the program's rows/columns in the descriptors' (rows, heads * head_dim)
     views: the query tile's first row ``q_row``, the sequence's first key row ``k_row0``/
-    ``v_row0``, the query head's column ``qcol``, the KV head's ``kcol`` and the number of
-    key tiles ``n_tiles``."""
+    ``v_row0``, the query head's column ``qcol``, the KV head's ``kcol``; the key tiles walked,
+    ``n_tiles`` of them from tile ``t_last`` down."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -73,12 +88,13 @@ class Shared:
     v_row0: gl.tensor
     qcol: gl.tensor
     kcol: gl.tensor
+    t_last: gl.tensor
     n_tiles: gl.tensor
 
     @gluon.constexpr_function
     def __init__(
         self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        q_row, k_row0, v_row0, qcol, kcol, n_tiles,
+        q_row, k_row0, v_row0, qcol, kcol, t_last, n_tiles,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -96,7 +112,38 @@ class Shared:
         self.v_row0 = v_row0
         self.qcol = qcol
         self.kcol = kcol
+        self.t_last = t_last
         self.n_tiles = n_tiles
+
+
+@aggregate
+class Mask:
+    """Where a tile's scores are masked: positions (first query row of the warpgroup ``q_pos``,
+    first key ``k_start``, strides), window bounds (a key at pk is seen by a query at pq iff
+    pq - left <= pk <= pq + right), the keys' count ``len_k`` and the span of key tiles seen in
+    full, [t_full_lo, t_full_hi)."""
+
+    q_pos: gl.tensor
+    q_stride: gl.tensor
+    k_start: gl.tensor
+    k_stride: gl.tensor
+    left: gl.tensor
+    right: gl.tensor
+    len_k: gl.tensor
+    t_full_lo: gl.tensor
+    t_full_hi: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_pos, q_stride, k_start, k_stride, left, right, len_k, t_full_lo, t_full_hi):
+        self.q_pos = q_pos
+        self.q_stride = q_stride
+        self.k_start = k_start
+        self.k_stride = k_stride
+        self.left = left
+        self.right = right
+        self.len_k = len_k
+        self.t_full_lo = t_full_lo
+        self.t_full_hi = t_full_hi
 
 
 @gluon.jit
@@ -139,7 +186,105 @@ def score_scales(problem: AttentionProblem) -> tuple[float, float]:
 
 
 @gluon.jit
-def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
+def _first_at_or_after(pos, base, stride):
+    """Smallest index i >= 0 with base + stride * i >= pos (non-negative integer math only)."""
+    return (gl.maximum(pos - base, 0) + stride - 1) // stride
+
+
+@gluon.jit
+def _count_at_or_before(pos, base, stride):
+    """Number of indices i >= 0 with base + stride * i <= pos."""
+    return gl.maximum(pos - base + stride, 0) // stride
+
+
+@gluon.jit
+def key_tiles(
+    q_lo, q_hi, k_start, k_stride, len_k, left, right,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """For query rows at positions q_lo..q_hi, the key tiles of ``len_k`` keys (positions
+    k_start + k_stride * i) that any row sees, [t_lo, t_hi), and those that every row sees in
+    full, [t_full_lo, t_full_hi) (empty: t_full_lo == t_full_hi); the last, partial tile of the
+    keys is never full. The same rule as ``tiling.visible_tiles``, in tiles."""
+    zero = len_k * 0  # a runtime scalar, so that every branch yields one type
+    lo = zero
+    full_lo = zero
+    hi = len_k
+    full_hi = len_k
+    if HAS_LEFT:
+        lo = _first_at_or_after(q_lo - left, k_start, k_stride)
+        full_lo = _first_at_or_after(q_hi - left, k_start, k_stride)
+    if HAS_RIGHT:
+        hi = gl.minimum(_count_at_or_before(q_hi + right, k_start, k_stride), len_k)
+        full_hi = gl.minimum(_count_at_or_before(q_lo + right, k_start, k_stride), len_k)
+    t_lo = lo // BLOCK_N
+    t_hi = gl.where(lo < hi, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+    t_full_lo = gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo)
+    t_full_hi = full_hi // BLOCK_N
+    t_full_hi = gl.where(t_full_lo < t_full_hi, t_full_hi, t_full_lo)
+    return t_lo, t_hi, t_full_lo, t_full_hi
+
+
+@gluon.jit
+def _mask_scores(s, mk: Mask, t, row_offs, col_offs, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Key tile t's scores with -inf where the key lies past the sequence or outside the window
+    (row_offs/col_offs: the tile's rows'/columns' position offsets, index * stride). Each row's
+    window becomes a range of column offsets, so a score costs two compares, not a position
+    difference held over the whole tile (which spilled)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    n0 = t * BLOCK_N
+    rel = row_offs + (mk.q_pos - (mk.k_start + n0 * mk.k_stride))  # pq - (first key's position)
+    last = (mk.len_k - 1 - n0) * mk.k_stride  # the sequence's last key, as a column offset
+    if HAS_RIGHT:
+        keep = col_offs[None, :] <= gl.minimum(rel + mk.right, last)[:, None]
+    else:
+        keep = col_offs[None, :] <= last
+    if HAS_LEFT:
+        keep = keep & (col_offs[None, :] >= (rel - mk.left)[:, None])
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def _logits(
+    s, t, mk: Mask, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+    MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+):  # fmt: skip
+    """Key tile t's raw scores S made logits: softcap, then ALiBi (which scales them to the log2
+    domain here; without it the scale is folded into the softmax's exp2), then the mask."""
+    if SOFTCAP:
+        s = tanh_approx(s * tanh_scale)
+    if HAS_ALIBI:
+        BLOCK_N: gl.constexpr = s.shape[1]
+        pos_diff = mk.q_pos - (mk.k_start + t * BLOCK_N * mk.k_stride)
+        s = s * qk_scale + alibi_bias(alibi2, row_offs, col_offs, pos_diff)
+    if MASKED:
+        s = _mask_scores(s, mk, t, row_offs, col_offs, HAS_LEFT, HAS_RIGHT)
+    return s
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """One tile's softmax update: (P, new running max, new running sum, rescale factor of the
+    old accumulator). A row whose scores are all -inf so far (masked tiles only) computes with
+    a max of 0, so that P and the rescale factor come out 0 instead of NaN."""
+    if HAS_ALIBI:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = m_new
+    if MASKED:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    if HAS_ALIBI:
+        pr = gl.exp2(s - m_use[:, None])
+    else:
+        pr = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return pr, m_new, l_i * alpha + gl.sum(pr, 1), alpha
+
+
+@gluon.jit
+def _load_partition(p: Shared, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     for w in gl.static_range(2):
         bar = p.q_bar.index(w)
         mbarrier.expect(bar, p.q_desc.block_type.nbytes)
@@ -147,7 +292,7 @@ def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
     tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
     for i in range(p.n_tiles):
         s = i % 2
-        n0 = (p.n_tiles - 1 - i) * BLOCK_N  # last key tile first
+        n0 = (p.t_last - i) * BLOCK_N  # last key tile first
         # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
         mbarrier.wait(p.k_empty.index(s), ((i // 2) & 1) ^ 1)
         bar = p.k_ready.index(s)
@@ -160,16 +305,43 @@ def _load_partition(p: Shared, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr):
 
 
 @gluon.jit
-def _compute_partition(
-    p: Shared, O, LSE, o_off, stride_os, lse_off, qk_scale, tanh_scale,
-    alibi_ptr, q_pos0, q_stride, k_start, k_stride,
-    w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+def _tile_step(
+    p: Shared, mk: Mask, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
+    o_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
-    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against every key tile. Under
-    SOFTCAP each score tile becomes tanh(S * tanh_scale) before the mask (``score_scales``); under
-    HAS_ALIBI the logits get ALiBi's bias (slope at ``alibi_ptr``; the tile's first query at
-    position q_pos0, key k at k_start + k * k_stride)."""
+    """Walk step i (key tile t_last - i): S_i = Q K_i^T issued beside O += P_{i-1} V_{i-1}, the
+    softmax of S_i computed while P V runs."""
+    dtype: gl.constexpr = p.q_desc.dtype
+    st = i % 2
+    prev = 1 - st
+    mbarrier.wait(p.k_ready.index(st), (i // 2) & 1)
+    mbarrier.wait(p.v_ready.index(prev), ((i - 1) // 2) & 1)
+    s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    mbarrier.arrive(p.k_empty.index(st), count=1)
+    s = _logits(
+        s, p.t_last - i, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+        MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+    )  # fmt: skip
+    pr, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, MASKED, HAS_ALIBI)
+    o = warpgroup_mma_wait(0, deps=(o,))
+    mbarrier.arrive(p.v_empty.index(prev), count=1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return pr, m_i, l_i, o
+
+
+@gluon.jit
+def _attend(
+    p: Shared, mk: Mask, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """(O unnormalized, running max, running sum) over the program's n_tiles >= 1 key tiles:
+    the first tile (masked where it needs it) before the loop; then the masked tiles at the high
+    end, the full tiles and the masked tiles at the low end, each span in a loop of its own so
+    that only the edges pay for the mask; P V of the last tile after the loops."""
     dtype: gl.constexpr = p.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -179,92 +351,112 @@ def _compute_partition(
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    q_s = p.q_smem.index(w)
-    if HAS_ALIBI:
-        alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
-        row_offs = gl.arange(0, HALF_M, layout=row_layout) * q_stride
-        col_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) * k_stride
-        q_pos = q_pos0 + w * HALF_M * q_stride
-    mbarrier.wait(p.q_bar.index(w), 0)
 
-    # First (last) key tile: under CAUSAL the diagonal one, masked here and only here.
-    last = p.n_tiles - 1
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(p.k_ready.index(0), 0)
     s = warpgroup_mma(q_s, p.k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(p.k_empty.index(0), count=1)
-    if SOFTCAP:
-        s = tanh_approx(s * tanh_scale)
-    if HAS_ALIBI:  # logits scaled here, not after the row max
-        k_pos = k_start + last * BLOCK_N * k_stride
-        s = s * qk_scale + alibi_bias(alibi2, row_offs, col_offs, q_pos - k_pos)
-    if CAUSAL:
-        rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
-    if HAS_ALIBI:
-        m_i = gl.max(s, 1)
-        pr = gl.exp2(s - m_i[:, None])
-    else:
-        m_i = gl.max(s, 1) * qk_scale
-        pr = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(pr, 1)
+    s = _logits(
+        s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+        False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+    )  # fmt: skip
+    if (p.t_last >= mk.t_full_hi) | (p.t_last < mk.t_full_lo):
+        s = _mask_scores(s, mk, p.t_last, row_offs, col_offs, HAS_LEFT, HAS_RIGHT)
+    m_i = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+    pr, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, True, HAS_ALIBI)
     o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
-    for i in range(1, p.n_tiles):
-        st = i % 2
-        prev = 1 - st
-        mbarrier.wait(p.k_ready.index(st), (i // 2) & 1)
-        mbarrier.wait(p.v_ready.index(prev), ((i - 1) // 2) & 1)
-        s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        mbarrier.arrive(p.k_empty.index(st), count=1)
-        if SOFTCAP:
-            s = tanh_approx(s * tanh_scale)
-        if HAS_ALIBI:
-            n0 = (last - i) * BLOCK_N
-            s = s * qk_scale + alibi_bias(alibi2, row_offs, col_offs, q_pos - (k_start + n0 * k_stride))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            pr = gl.exp2(s - m_new[:, None])
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            pr = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(pr, 1)
-        m_i = m_new
-        o = warpgroup_mma_wait(0, deps=(o,))
-        mbarrier.arrive(p.v_empty.index(prev), count=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    # Walk step i visits key tile t_last - i: tiles at or above t_full_hi come first (masked),
+    # then the full ones down to t_full_lo, then the masked rest.
+    full_first = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_hi, 1), p.n_tiles)
+    full_end = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_lo, full_first), p.n_tiles)
+    for i in range(1, full_first):
+        pr, m_i, l_i, o = _tile_step(
+            p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
+            o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
+    for i in range(full_first, full_end):
+        pr, m_i, l_i, o = _tile_step(
+            p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
+            o_layout, p_layout, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
+    for i in range(full_end, p.n_tiles):
+        pr, m_i, l_i, o = _tile_step(
+            p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
+            o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
 
+    last = p.n_tiles - 1
     st = last % 2
     mbarrier.wait(p.v_ready.index(st), (last // 2) & 1)
     o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(st), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
     mbarrier.arrive(p.v_empty.index(st), count=1)
+    return o, m_i, l_i
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+
+@gluon.jit
+def _compute_partition(
+    p: Shared, mk: Mask, O, LSE, o_off, stride_os, lse_off, rows_left, qk_scale, tanh_scale, alibi_ptr,
+    w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against the program's key tiles,
+    its output and LSE stored for the rows below ``rows_left`` (the sequence's rows from the
+    program's first on). Under SOFTCAP each score tile becomes tanh(S * tanh_scale) before the
+    mask (``score_scales``); under HAS_ALIBI the logits get ALiBi's bias (slope at
+    ``alibi_ptr``)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_s = p.q_smem.index(w)
+    row_offs = gl.arange(0, HALF_M, layout=row_layout) * mk.q_stride
+    col_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) * mk.k_stride
+    alibi2 = 0.0
+    if HAS_ALIBI:
+        alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
+    mbarrier.wait(p.q_bar.index(w), 0)
+
+    o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+    if p.n_tiles > 0:
+        o, m_i, l_i = _attend(
+            p, mk, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M, BLOCK_N, HEAD_DIM,
+        )  # fmt: skip
+
+    # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
+    l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
     out = o / l_o[:, None]
-    rows_o = (w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))).to(gl.int64)
+    rows_o = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(O + o_off + rows_o[:, None] * stride_os + cols_o[None, :], out.to(O.dtype.element_ty))
+    offs = o_off + rows_o.to(gl.int64)[:, None] * stride_os + cols_o[None, :]
+    gl.store(O + offs, out.to(O.dtype.element_ty), mask=(rows_o < rows_left)[:, None])
     # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(LSE + lse_off + w * HALF_M + gl.arange(0, HALF_M, layout=row_layout), lse)
+    rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+    gl.store(LSE + lse_off + rows, lse, mask=rows < rows_left)
 
 
 @gluon.jit
 def _fused_fwd_kernel(
-    q_desc, k_desc, v_desc, O, LSE,
-    seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    q_desc, k_desc, v_desc, O, LSE, CU_Q, CU_K,
+    seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
-    ALIBI, q_start, q_stride, k_start, k_stride,
+    ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     # Causal: the heaviest query tiles (the last) are launched first.
-    if CAUSAL:
+    if HAS_RIGHT:
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
         pid_m = gl.program_id(0)
@@ -274,6 +466,33 @@ def _fused_fwd_kernel(
     hk = h // GROUP
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
+
+    # Packed documents are read in place: one batch of packed rows, document b from row cu[b].
+    if VARLEN:
+        q_first = gl.load(CU_Q + b)
+        len_q = gl.load(CU_Q + b + 1) - q_first
+        k_first = gl.load(CU_K + b)
+        len_k = gl.load(CU_K + b + 1) - k_first
+        q_row0 = q_first
+        k_row0 = k_first
+        v_row0 = k_first
+        ob = b * 0
+    else:
+        q_first = b * 0
+        len_q = seqlen_q + b * 0
+        len_k = seqlen_k + b * 0
+        q_row0 = b * q_batch_rows
+        k_row0 = b * k_batch_rows
+        v_row0 = b * v_batch_rows
+        ob = b
+    q_pos0 = q_start + q_per_len * len_q + m0 * q_stride
+    k_start = k_start + k_per_len * len_k
+    rows_left = len_q - m0
+    q_hi = q_pos0 + (gl.minimum(rows_left, BLOCK_M) - 1) * q_stride
+    t_lo, t_hi, t_full_lo, t_full_hi = key_tiles(
+        q_pos0, q_hi, k_start, k_stride, len_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N
+    )
+    n_tiles = gl.where(rows_left > 0, t_hi - t_lo, 0)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -290,43 +509,55 @@ def _fused_fwd_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups release a stage
         mbarrier.init(v_empty.index(i), count=2)
 
-    if CAUSAL:  # aligned square blocks: query tile m0 sees key tiles 0 .. m0 / BLOCK_N
-        n_tiles = m0 // BLOCK_N + 1
-    else:
-        n_tiles = seqlen_k // BLOCK_N
     p = Shared(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        b * q_batch_rows + m0, b * k_batch_rows, b * v_batch_rows, h * HEAD_DIM, hk * HEAD_DIM, n_tiles,
+        q_row0 + m0, k_row0, v_row0, h * HEAD_DIM, hk * HEAD_DIM, t_hi - 1, n_tiles,
     )  # fmt: skip
-    b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
-    o_off = b64 * stride_ob + h64 * stride_oh + m0.to(gl.int64) * stride_os
-    lse_off = b64 * stride_lb + h64 * stride_lh + m0
+    o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + (q_first + m0).to(gl.int64) * stride_os
+    lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_first + m0
     alibi_ptr = ALIBI + b * gl.num_programs(1) + h  # slopes (batch, heads_q), contiguous
-    q_pos0 = q_start + m0 * q_stride
+    # Launches specialize integer arguments equal to 1 into constants; the aggregate holds tensors
+    # (constants folded back by the compiler).
+    zero = b * 0
+    q_stride_t = q_stride + zero
+    k_stride_t = k_stride + zero
+    left_t = left + zero
+    right_t = right + zero
+    mk0 = Mask(q_pos0, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo, t_full_hi)
+    mk1 = Mask(
+        q_pos0 + HALF_M * q_stride,
+        q_stride_t,
+        k_start,
+        k_stride_t,
+        left_t,
+        right_t,
+        len_k,
+        t_full_lo,
+        t_full_hi,
+    )
     gl.warp_specialize(
         [
             (
                 _compute_partition,
                 (
                     p,
+                    mk0,
                     O,
                     LSE,
                     o_off,
                     stride_os,
                     lse_off,
+                    rows_left,
                     qk_scale,
                     tanh_scale,
                     alibi_ptr,
-                    q_pos0,
-                    q_stride,
-                    k_start,
-                    k_stride,
                     0,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
-                    CAUSAL,
+                    HAS_LEFT,
+                    HAS_RIGHT,
                     SOFTCAP,
                     HAS_ALIBI,
                 ),
@@ -335,28 +566,27 @@ def _fused_fwd_kernel(
                 _compute_partition,
                 (
                     p,
+                    mk1,
                     O,
                     LSE,
                     o_off,
                     stride_os,
                     lse_off,
+                    rows_left,
                     qk_scale,
                     tanh_scale,
                     alibi_ptr,
-                    q_pos0,
-                    q_stride,
-                    k_start,
-                    k_stride,
                     1,
                     BLOCK_N,
                     HALF_M,
                     HEAD_DIM,
-                    CAUSAL,
+                    HAS_LEFT,
+                    HAS_RIGHT,
                     SOFTCAP,
                     HAS_ALIBI,
                 ),
             ),
-            (_load_partition, (p, BLOCK_N, HALF_M)),
+            (_load_partition, (p, HALF_M, BLOCK_N)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -373,23 +603,31 @@ def fused_forward(
 ) -> None:
     """Write attention's output into ``out`` and its row logsumexp into ``lse``.
 
-    q: (batch, seqlen_q, heads_q, 128), k/v: (batch, seqlen_k, heads_k, 128), bf16/fp16 on an
-    sm_90 GPU, in layouts ``tma_layout_ok`` accepts; out: q's shape, any float dtype, unit stride
-    in head_dim (e.g. a float32 ring buffer's view); lse: (batch, heads_q, seqlen_q) float32,
-    unit stride in the sequence. The caller (``attention_forward``) checks the rest: no window,
-    causal only on aligned square blocks, lengths multiples of 128. A softcap (``problem.softcap``)
-    is applied to the scaled scores before the mask, then ALiBi's bias (``problem.alibi_slopes``)
-    in the problem's global positions."""
-    batch, seqlen_q = q.shape[:2]
-    qd, q_rows = rows_descriptor(q, HALF_M)
-    kd, k_rows = rows_descriptor(k, BLOCK_N)
-    vd, v_rows = rows_descriptor(v, BLOCK_N)
-    grid = (seqlen_q // BLOCK_M, problem.heads_q, batch)
+    q: (batch, seqlen_q, heads_q, head_dim) or packed (total_q, heads_q, head_dim) with
+    ``problem.cu_seqlens_q``; k/v likewise with heads_k; head_dim in ``HEAD_DIMS``; bf16/fp16 on
+    an sm_90 GPU, in layouts ``tma_layout_ok`` accepts. out: q's shape, any float dtype, unit
+    stride in head_dim (e.g. a float32 ring buffer's view); lse: ``problem.lse_shape`` float32,
+    unit stride in the sequence. Any lengths, window and positions (``problem.bounds``,
+    ``q_positions``/``k_positions``); a softcap (``problem.softcap``) is applied to the scaled
+    scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions."""
+    varlen = problem.varlen
+    q4, k4, v4, o4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v, out))
+    block_n = BLOCK_N[problem.head_dim]
+    qd, q_rows = rows_descriptor(q4, HALF_M)
+    kd, k_rows = rows_descriptor(k4, block_n)
+    vd, v_rows = rows_descriptor(v4, block_n)
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    grid = ((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch)
+    bounds = problem.bounds
+    cu_q = problem.cu_seqlens_q if varlen else lse
+    cu_k = problem.cu_seqlens_k if varlen else lse
+    slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
     _fused_fwd_kernel[grid](
-        qd, kd, vd, out, lse, problem.max_seqlen_k, q_rows, k_rows, v_rows,
-        *out.stride()[:3], lse.stride(0), lse.stride(1), *score_scales(problem), *alibi_args(problem, lse),
-        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-        CAUSAL=problem.bounds.right is not None, SOFTCAP=bool(problem.softcap),
-        HAS_ALIBI=problem.alibi_slopes is not None,
+        qd, kd, vd, out, lse, cu_q, cu_k, problem.max_seqlen_q, problem.max_seqlen_k, q_rows, k_rows, v_rows,
+        *o4.stride()[:3], *lse_strides, *score_scales(problem), slopes, *problem.position_args(),
+        bounds.left or 0, bounds.right or 0,
+        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=problem.head_dim, VARLEN=varlen,
+        HAS_LEFT=bounds.left is not None, HAS_RIGHT=bounds.right is not None,
+        SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

@@ -1,8 +1,11 @@
 """When the Hopper Gluon kernels (hopper_forward.py, hopper_backward.py) run instead of Triton's.
 
-Both serve the ring's common blocks at head_dim 128 on an H100/H200: whole sequences or
-slices of them, unmasked or causal on a shard's own diagonal. Everything else, and every
-machine without Gluon or an sm_90 GPU (the interpreter included), runs the Triton kernels.
+On an H100/H200 the forward takes every mask the library accepts (any lengths, packed
+documents, windows, a ring step's positions) at head_dim 64, 128 and 256; the fused backward
+takes head_dim 128 on whole tiles, unmasked or causal on a shard's own diagonal
+(``dense_aligned``). Everything else, fp32, and every machine without Gluon or an sm_90 GPU
+(the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
+Hopper kernel needs, each kernel's module what it adds.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import torch
 import triton
 
 from .configs import INTERPRET
+from .positions import TokenPositions
 from .problem import AttentionProblem
 
-HEAD_DIM = 128  # the only head_dim both kernels are built for
-TILE = 128  # both kernels' lengths must be multiples of this
+HEAD_DIM = 128  # the head_dim of the fused backward
+# Positions and window bounds go through int32 in the kernels: every sum of two stays in range.
+POSITION_LIMIT = 2**29
 # ALiBi's position differences go through float32 (in the forward via the exponent bits of
 # 1.5 * 2^23): exact while |pq - pk| and every position stay below this.
 ALIBI_POSITION_LIMIT = 2**22
@@ -52,37 +57,57 @@ def enabled(variable: str) -> bool:
     return os.environ.get(variable, "1") != "0"
 
 
+def _position_extent(positions: TokenPositions, max_len: int) -> int:
+    """A bound on |position| over blocks of up to ``max_len`` tokens."""
+    return abs(positions.start) + (abs(positions.per_len) + positions.stride) * max_len
+
+
 def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the problem is one the Hopper kernels compute: an sm_90 GPU, bf16/fp16, head_dim
-    128, no varlen, no sliding window, causal only between blocks whose positions coincide (a
-    shard's own diagonal block), both lengths non-zero multiples of 128, a softcap or none, ALiBi
-    with positions and their differences below ``ALIBI_POSITION_LIMIT``, and q (batch, seqlen_q,
-    heads_q, head_dim), k, v with heads packed in each token's row (``hopper_tma.tma_layout_ok``)."""
+    """Whether the problem is one the Hopper kernels can take at all: an sm_90 GPU, bf16/fp16,
+    non-empty, positions and window bounds below ``POSITION_LIMIT``, ALiBi with positions and
+    their differences below ``ALIBI_POSITION_LIMIT``, and q/k/v (batch, seqlen, heads, head_dim)
+    or packed (total, heads, head_dim) with heads packed in each token's row
+    (``hopper_tma.tma_layout_ok``). Each kernel adds its own conditions (head dims, masks):
+    ``hopper_forward.forward_supports``, ``hopper_backward.backward_supports``."""
     if (
         INTERPRET
         or not q.is_cuda
         or problem.max_seqlen_q == 0
         or problem.max_seqlen_k == 0
         or q.dtype not in (torch.bfloat16, torch.float16)
-        or problem.head_dim != HEAD_DIM
-        or problem.varlen
-        or problem.bounds.left is not None
-        or problem.max_seqlen_q % TILE
-        or problem.max_seqlen_k % TILE
     ):
         return False
-    n = problem.max_seqlen_q
-    qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
-    if problem.bounds.right is not None:
-        if problem.bounds.right != 0 or problem.max_seqlen_k != n or qp != kp or qp.stride != 1:
-            return False
-    if problem.alibi_slopes is not None:
-        q_lo, q_hi = qp.start, qp.at(n - 1)
-        k_lo, k_hi = kp.start, kp.at(problem.max_seqlen_k - 1)
-        spans = (q_hi - k_lo, k_hi - q_lo, -q_lo, q_hi, -k_lo, k_hi)
-        if max(abs(x) for x in spans) >= ALIBI_POSITION_LIMIT:
-            return False
+    extents = (
+        _position_extent(problem.q_positions, problem.max_seqlen_q),
+        _position_extent(problem.k_positions, problem.max_seqlen_k),
+        problem.bounds.left or 0,
+        problem.bounds.right or 0,
+    )
+    if max(abs(x) for x in extents) >= POSITION_LIMIT:
+        return False
+    if problem.alibi_slopes is not None and extents[0] + extents[1] >= ALIBI_POSITION_LIMIT:
+        return False
     if not _is_sm90(q.device):
         return False
     tma = hopper_module("hopper_tma")
+    if problem.varlen:
+        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
     return tma is not None and all(tma.tma_layout_ok(t) for t in (q, k, v))
+
+
+def dense_aligned(problem: AttentionProblem) -> bool:
+    """Whole tiles of 128 without window, causal only between blocks whose positions coincide
+    (a shard's own diagonal block), head_dim 128, no packed documents."""
+    n = problem.max_seqlen_q
+    if (
+        problem.head_dim != 128
+        or problem.varlen
+        or problem.bounds.left is not None
+        or n % 128
+        or problem.max_seqlen_k % 128
+    ):
+        return False
+    if problem.bounds.right is None:
+        return True
+    qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
+    return problem.bounds.right == 0 and problem.max_seqlen_k == n and qp == kp and qp.stride == 1

@@ -150,15 +150,14 @@ def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: d
 _UNIT_STRIDES = dict(q_stride=1, k_stride=1)
 
 
-def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16"):
+def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16", head_dim: int = 128):
     """A TMA descriptor as a launch makes it over 1024 tokens of ``heads`` heads (the compiled
     kernel depends on its block shape, dtype and layout, not on the sizes)."""
     import torch
 
-    from .hopper_path import HEAD_DIM
     from .hopper_tma import rows_descriptor
 
-    t = torch.empty(1, 1024, heads, HEAD_DIM, dtype=getattr(torch, dtype))
+    t = torch.empty(1, 1024, heads, head_dim, dtype=getattr(torch, dtype))
     return rows_descriptor(t, block_rows)[0]
 
 
@@ -187,20 +186,21 @@ def compile_fused_backward(
 
 def compile_fused_forward(
     causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
-    target: GPUTarget = HOPPER,
+    head_dim: int = 128, window: bool = False, varlen: bool = False, target: GPUTarget = HOPPER,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper_forward's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
-    output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap and
-    ALiBi."""
+    output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap, ALiBi,
+    a left window bound (``window``) and packed documents (``varlen``)."""
     from . import hopper_forward as hf
 
-    kv = _example_descriptor(1, hf.BLOCK_N)
-    descs = dict(q_desc=_example_descriptor(group, hf.HALF_M), k_desc=kv, v_desc=kv)
+    block_n = hf.BLOCK_N[head_dim]
+    kv = _example_descriptor(1, block_n, head_dim=head_dim)
+    descs = dict(q_desc=_example_descriptor(group, hf.HALF_M, head_dim=head_dim), k_desc=kv, v_desc=kv)
     consts = dict(
-        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, HEAD_DIM=hf.HEAD_DIM, CAUSAL=causal,
-        SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
+        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim, VARLEN=varlen,
+        HAS_LEFT=window, HAS_RIGHT=causal, SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
     )  # fmt: skip
-    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32"}
+    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 

@@ -113,8 +113,13 @@ def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, 
 
 def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
     fn, leaves = make_runner(name, b, s, h, d, causal, hk, softcap, alibi)
+    return measure(fn, leaves, 4 * b * h * s * s * d * (0.5 if causal else 1.0))
+
+
+def measure(fn, leaves: tuple[torch.Tensor, ...], flops: float) -> dict:
+    """TFLOP/s of ``fn()`` (forward) and of forward + backward with respect to ``leaves``, given
+    the forward's FLOPs (backward = 2.5x), and the peak memory of one fwd+bwd above the inputs."""
     dout = torch.randn_like(fn())
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     with torch.no_grad():
         t_fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     t_all = triton.testing.do_bench(

@@ -103,12 +103,14 @@ def test_fused_forward_is_chosen_only_where_it_applies(monkeypatch):
         return uses_fused_forward(build_problem(q, k, v, None, causal, window, **kw), q, k, v)
 
     assert fused()
-    assert not fused(window=(64, 0))
-    assert not fused(q=q[:, :128])  # causal, seqlen_q != seqlen_k: bottom-right aligned
-    assert not fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(0, 2))  # stripe
-    assert not fused(q=q[:, :192], k=k[:, :192], v=v[:, :192])  # not a multiple of 128
-    assert not fused(*(t[..., :64].contiguous() for t in (q, k, v)))
+    assert fused(window=(64, 0))
+    assert fused(q=q[:, :100])  # causal, seqlen_q != seqlen_k: bottom-right aligned
+    assert fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(1, 2))  # stripe
+    assert fused(q=q[:, :193], k=k[:, :193], v=v[:, :193])
+    assert fused(*(t[..., :64].contiguous() for t in (q, k, v)))
+    assert not fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # no 96 build
     assert not fused(*(t.float() for t in (q, k, v)))
+    assert not fused(window=(2**29, 0))  # int32 position sums in the kernel
     monkeypatch.setenv("RINGFLASH_FUSED_FORWARD", "0")
     assert not fused()
     monkeypatch.delenv("RINGFLASH_FUSED_FORWARD")
@@ -117,6 +119,93 @@ def test_fused_forward_is_chosen_only_where_it_applies(monkeypatch):
         assert fused()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, window, positions): flash-attn's
+# odd lengths, tails of 1 and 127 past a tile, seqlen_q != seqlen_k both ways (bottom-right
+# aligned), GQA and MQA, windows, and a ring step's strided / offset blocks (positions ((q
+# start, stride), (k start, stride))).
+GENERAL_CASES = [
+    (2, 1, 1, 2, 2, 128, False, (-1, -1), None),
+    (1, 127, 127, 4, 1, 128, True, (-1, -1), None),
+    (2, 129, 129, 4, 4, 64, True, (-1, -1), None),
+    (1, 1000, 1000, 4, 2, 128, False, (-1, -1), None),
+    (2, 113, 203, 4, 4, 128, True, (-1, -1), None),
+    (1, 339, 108, 2, 2, 256, True, (-1, -1), None),
+    (1, 1023, 1024, 8, 2, 256, False, (-1, -1), None),
+    (1, 1000, 1000, 4, 4, 64, True, (256, 0), None),
+    (2, 777, 777, 4, 2, 128, False, (100, 50), None),
+    (1, 512, 512, 2, 2, 256, True, (200, -1), None),
+    (1, 300, 500, 4, 4, 128, True, (-1, -1), ((1001, 2), (0, 2))),
+    (1, 384, 384, 4, 2, 64, True, (-1, -1), ((3, 4), (1, 4))),
+    (1, 256, 384, 4, 4, 128, False, (64, 64), ((5000, 1), (4900, 1))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "causal", "window", "positions"),
+    GENERAL_CASES,
+)
+def test_fused_forward_any_lengths_windows_positions(
+    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, window, positions
+):
+    q = cuda_randn(batch, seqlen_q, heads, head_dim, dtype=dtype, seed=31)
+    k = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=32)
+    v = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=33)
+    kw, ref_kw = {}, {}
+    if positions is not None:
+        (qs, qd), (ks, kd) = positions
+        kw = dict(q_positions=TokenPositions(qs, qd), k_positions=TokenPositions(ks, kd))
+        ref_kw = dict(q_pos=qs + qd * torch.arange(seqlen_q), k_pos=ks + kd * torch.arange(seqlen_k))
+    problem = build_problem(q, k, v, None, causal, window, **kw)
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    exp_out, exp_lse = reference_attention(
+        *(t.double().cpu() for t in (q, k, v)), causal=causal, window_size=window, **ref_kw
+    )
+    err = rel_err(out.double().cpu(), exp_out)
+    assert err < TOLERANCE[dtype], f"out: rel err {err:.2e}"
+    assert rel_err(lse.double().cpu(), exp_lse) < 1e-4, "lse"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "head_dim", "causal", "window", "softcap", "alibi"),
+    [
+        ([1, 127, 129, 1000, 64, 300], 4, 2, 128, True, (-1, -1), 0.0, False),
+        ([129, 1, 511, 256, 127], 4, 4, 64, False, (-1, -1), 0.0, False),
+        ([700, 90, 1300], 2, 1, 128, True, (200, 0), 0.0, False),
+        ([300, 257, 128], 2, 2, 256, True, (-1, -1), 0.0, False),
+        ([450, 1, 333], 4, 2, 128, True, (-1, -1), 20.0, True),
+    ],
+)
+def test_fused_forward_packed_documents(
+    dtype, lengths, heads, kv_heads, head_dim, causal, window, softcap, alibi
+):
+    """Packed documents read in place (no padding copies): each document against its own float64
+    attention; windows that would reach across a document's start stop there."""
+    total = sum(lengths)
+    q = cuda_randn(total, heads, head_dim, dtype=dtype, seed=51)
+    k = cuda_randn(total, kv_heads, head_dim, dtype=dtype, seed=52)
+    v = cuda_randn(total, kv_heads, head_dim, dtype=dtype, seed=53)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    slopes = 0.02 + 0.2 * torch.rand(len(lengths), heads, device="cuda") if alibi else None
+    problem = build_problem(
+        q, k, v, None, causal, window, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+        max_seqlen_k=max(lengths), softcap=softcap, alibi_slopes=slopes,
+    )  # fmt: skip
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        doc = [t[a:b].unsqueeze(0).double().cpu() for t in (q, k, v)]
+        extra = dict(alibi_slopes=slopes[i].cpu()) if alibi else {}
+        exp_out, exp_lse = reference_attention(
+            *doc, causal=causal, window_size=window, softcap=softcap, **extra
+        )
+        err = rel_err(out[a:b].unsqueeze(0).double().cpu(), exp_out)
+        assert err < TOLERANCE[dtype], f"document {i}: out rel err {err:.2e}"
+        assert rel_err(lse[:, a:b].unsqueeze(0).double().cpu(), exp_lse) < 1e-4, f"document {i}: lse"
 
 
 # (softcap, query magnitude): scaled scores of std ~4 against a cap of 5, and of std ~16 against
