@@ -87,8 +87,8 @@ def check_shard_position_ids(
     """Raise ValueError on every rank of ``group`` unless each row's positions, over all ranks'
     shards, are those of one unbroken sequence: offset + the global index of each local token in
     ``layout`` (``layouts.layout_indices``; the offset may differ between rows). Positions that
-    restart (packed documents) or jump fail: the documents cannot be recovered from shards, so
-    the caller must pass cu_seqlens (``packed_hint`` says how; it ends the error message).
+    restart (packed documents) or jump fail: the documents cannot be recovered from shards
+    (``packed_hint`` tells the caller what to do instead; it ends the error message).
 
     position_ids: int (batch, seqlen) or (1, seqlen), this rank's shard (seqlen local tokens).
     ulysses_size: U as in ``layout_indices`` (1 for the ring; None: W, pure Ulysses).
@@ -117,7 +117,6 @@ def check_shard_position_ids(
         raise error
     if value == _NOT_CONSECUTIVE or not agree:
         raise ValueError(
-            "position_ids restart (packed documents) or jump inside the sequence, and no cu_seqlens "
-            "was given: under sequence parallelism the documents cannot be recovered from one rank's "
-            f"shard, and attention would cross document boundaries. {packed_hint}"
+            "position_ids restart (packed documents) or jump inside the sequence (checked over every "
+            f"rank's shard in layout {layout!r}): {packed_hint}"
         )

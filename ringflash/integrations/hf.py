@@ -46,9 +46,10 @@ NAME = "sequence_parallel"
 IGNORED = frozenset({"use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"})
 
 PACKED_HINT = (
-    "Shard the batch with ringflash.shard_batch (it finds the documents from the full "
+    "one rank's shard cannot show where the documents start, so without cu_seq_lens_q attention would "
+    "cross them. Shard the batch with ringflash.shard_batch (it finds the documents from the full "
     'position_ids and pads each one) and pass cu_seq_lens_q=shard["cu_seqlens"] to the model, with '
-    'position_ids=shard["position_ids"].'
+    'position_ids=shard["position_ids"]'
 )
 
 
