@@ -55,9 +55,13 @@ def documents_from_position_ids(position_ids: torch.Tensor, batch: int, seqlen: 
     row's positions restart (then the rows are ordinary sequences).
 
     position_ids: int (batch, seqlen) or (1, seqlen). Reads the starts back from the device:
-    one synchronization per call, like transformers' own ``_is_packed_sequence`` check.
+    one synchronization per call (none for a single token), like transformers' own
+    ``_is_packed_sequence`` check, which makes it only for batch 1 (rows that restart in a larger
+    batch attend across documents there).
     """
     positions = _rows(position_ids, batch, seqlen)
+    if seqlen == 1:  # a decoding step: nothing can restart, and no sync
+        return None
     starts = torch.ones(batch, seqlen, dtype=torch.bool, device=positions.device)
     starts[:, 1:] = position_restarts(positions)
     cu = starts.flatten().nonzero().flatten()
