@@ -209,12 +209,13 @@ def _hf_packed_without_cu_seqlens(layout: str, docs: tuple[int, ...], through_sh
 
 @pytest.mark.parametrize(
     ("layout", "docs", "through_shard_batch"),
-    [("zigzag", DOCS, True), ("contiguous", (24, 24), False)],
+    [("zigzag", DOCS, True), ("contiguous", (24, 24), False), ("contiguous", (12, 36), False)],
 )  # fmt: skip
 def test_hf_packed_position_ids_sequence_parallel_refused(rank_pool, layout, docs, through_shard_batch):
-    """Restarting position_ids without cu_seq_lens_q raise ValueError on every rank. With the
-    contiguous layout and documents (24, 24) over 2 ranks, rank 0's positions 0..23 look like an
-    unpacked shard: it learns of rank 1's restart only from the exchange, and must raise too."""
+    """Restarting position_ids without cu_seq_lens_q raise ValueError on every rank. Contiguous
+    shards of 2 ranks: with documents (24, 24) each rank's positions (0..23) look like an unpacked
+    shard at a constant offset, so only the ranks' exchange reveals the restart; with (12, 36) rank
+    0 sees its restart but rank 1 does not, and must raise too instead of waiting in the ring."""
     errors = rank_pool(2).run(_hf_packed_without_cu_seqlens, layout, docs, through_shard_batch, timeout=120)
     for rank, error in enumerate(errors):
         assert error is not None and error.startswith("ValueError: position_ids restart"), (rank, error)
