@@ -8,6 +8,7 @@ import torch.distributed as dist
 from .comm import RingComm
 from .layouts import cumulative_lengths, shard_multiple
 from .mesh import check_ulysses_size
+from .position_ids import position_restarts
 from .sharding import shard_sequence
 
 
@@ -58,7 +59,7 @@ def shard_batch(
     def shard(t: torch.Tensor, cu=None) -> torch.Tensor:
         return shard_sequence(t, group, 1, layout=layout, ulysses_size=ulysses_size, cu_seqlens=cu)
 
-    restarts = positions[:, 1:] <= positions[:, :-1]
+    restarts = position_restarts(positions)
     if not bool(restarts.any()):
         targets = torch.full_like(labels, ignore_index)
         targets[:, :-1] = labels[:, 1:]

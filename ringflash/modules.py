@@ -61,6 +61,11 @@ class SequenceParallelAttention(nn.Module):
         )  # fmt: skip
 
 
+def is_sequence_parallel(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``sequence_parallel_attention`` runs over a group (else on this device alone)."""
+    return group is not None or (dist.is_available() and dist.is_initialized())
+
+
 def sequence_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,7 +88,7 @@ def sequence_parallel_attention(
     ``sp_attn_func``: (batch, local_seqlen, heads, head_dim)."""
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes)  # fmt: skip
-    if group is not None or (dist.is_available() and dist.is_initialized()):
+    if is_sequence_parallel(group):
         return sp_attn_func(q, k, v, group=group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size,
                             cu_seqlens=cu_seqlens, sinks=sinks, **options)  # fmt: skip
     check_layout(layout)

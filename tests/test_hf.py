@@ -161,3 +161,62 @@ def test_hf_refuses_keywords_it_cannot_honour(device):
         attention(module, q, q, q, None, alibi=torch.zeros(2), head_mask=torch.ones(2))
     with pytest.raises(ValueError, match="dropout"):
         attention(module, q, q, q, None, dropout=0.1)
+
+
+def _packed_positions(docs: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in docs])[None]
+
+
+def test_hf_packed_position_ids_one_device(device):
+    """Packed rows given only by restarting position_ids (no cu_seq_lens_q), as
+    DataCollatorWithFlattening makes them: each document's logits equal eager attention on that
+    document alone (two layers, so a leak in the first would show in the second's input too).
+    Both rows are packed, so the rows are flattened into one packed row."""
+    import ringflash.integrations.hf as rf_hf
+
+    rows = (DOCS, (30, 18))
+    model = _model("llama", rf_hf.enable()).to(device)  # no process group: single-device ringflash
+    ref = _model("llama", "eager").to(device)
+    ids = _ids().to(device)
+    positions = torch.cat([_packed_positions(docs) for docs in rows]).to(device)
+    with torch.no_grad():
+        ours = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for row, docs in enumerate(rows):
+            for doc, (start, n) in enumerate(zip([0, *torch.tensor(docs).cumsum(0).tolist()], docs)):
+                alone = ref(input_ids=ids[row : row + 1, start : start + n], use_cache=False).logits[0]
+                err = ((ours[row, start : start + n] - alone).norm() / alone.norm()).item()
+                assert err < 1e-4, f"row {row} document {doc}: rel err {err:.2e}"
+
+
+def _hf_packed_without_cu_seqlens(layout: str, docs: tuple[int, ...], through_shard_batch: bool):
+    """Every rank's error for a packed row whose cu_seqlens the caller forgot."""
+    from distributed import errors_of
+
+    import ringflash.integrations.hf as rf_hf
+    from ringflash import shard_sequence
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    model = _model("llama", rf_hf.enable(group=group, layout=layout)).to(worker_device())
+    batch = {"input_ids": _ids()[:1], "position_ids": _packed_positions(docs)}
+    batch = {k: v.to(worker_device()) for k, v in batch.items()}
+    if through_shard_batch:
+        shard = shard_batch(batch, group, layout=layout)
+    else:  # as a hand-written loader would shard it
+        shard = {k: shard_sequence(v, group, 1, layout=layout) for k, v in batch.items()}
+    forward = lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False)  # noqa: E731
+    return errors_of({"forward": forward})["forward"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "docs", "through_shard_batch"),
+    [("zigzag", DOCS, True), ("contiguous", (24, 24), False), ("contiguous", (12, 36), False)],
+)  # fmt: skip
+def test_hf_packed_position_ids_sequence_parallel_refused(rank_pool, layout, docs, through_shard_batch):
+    """Restarting position_ids without cu_seq_lens_q raise ValueError on every rank. Contiguous
+    shards of 2 ranks: with documents (24, 24) each rank's positions (0..23) look like an unpacked
+    shard at a constant offset, so only the ranks' exchange reveals the restart; with (12, 36) rank
+    0 sees its restart but rank 1 does not, and must raise too instead of waiting in the ring."""
+    errors = rank_pool(2).run(_hf_packed_without_cu_seqlens, layout, docs, through_shard_batch, timeout=120)
+    for rank, error in enumerate(errors):
+        assert error is not None and error.startswith("ValueError: position_ids restart"), (rank, error)
+        assert 'cu_seq_lens_q=shard["cu_seqlens"]' in error, (rank, error)

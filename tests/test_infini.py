@@ -261,3 +261,20 @@ def test_transformers_model_with_infini_attention_matches_the_reference(device):
     assert any(n.endswith(rf_infini.GATE) for n in got_grads)
     for name, grad in want_grads.items():
         _check(f"d{name}", got_grads[name], grad, 1e-4)
+
+
+def test_transformers_infini_refuses_packed_position_ids(device):
+    """The memory would carry one document into the next: restarting position_ids are refused."""
+    transformers = pytest.importorskip("transformers")
+    import ringflash.integrations.hf_infini as rf_infini
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_infini.enable(8))
+    rf_infini.add_gates(model)
+    ids = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    with pytest.raises(ValueError, match=r"position_ids restart \(packed documents\)"):
+        model.float().to(device)(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False)

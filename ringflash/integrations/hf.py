@@ -8,8 +8,12 @@ transformers' attention interface (Llama, Qwen, Mistral, Gemma, Phi-3, OLMo-2, G
     logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False).logits
     loss = ringflash.sequence_parallel_cross_entropy(logits, shard["target_ids"], sp_group)
 
-Packed documents (position_ids restarting inside a row): pass ``cu_seq_lens_q=shard["cu_seqlens"]``
-to the model as well; attention then stays inside each document.
+Packed documents (position_ids restarting inside a row, as transformers'
+``DataCollatorWithFlattening`` makes them): on one device the documents follow from
+``position_ids`` alone, as in transformers' FlashAttention path. Sequence parallel, a rank's shard
+cannot show where documents start: pass ``cu_seq_lens_q=shard["cu_seqlens"]`` from ``shard_batch``
+to the model as well (without it, positions that restart raise ValueError on every rank).
+Attention then stays inside each document.
 
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. transformers
 builds no mask for an implementation it has no mask function for, so no S x S mask is made.
@@ -18,7 +22,7 @@ FlashAttention and tries to load a hub kernel for it.
 
 Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window``,
 ``softcap`` (Gemma-2), ``s_aux`` (gpt-oss attention sinks, which get their gradient),
-``is_causal`` and the packed-document ``cu_seq_lens_q``/``cu_seq_lens_k`` are used; the
+``is_causal``, ``position_ids`` and the packed-document ``cu_seq_lens_q``/``cu_seq_lens_k`` are used; the
 plumbing keywords in ``IGNORED`` do not change the attention's result and are ignored; any
 other keyword that is not None, and dropout, an attention mask or ``output_attentions=True``,
 raise ValueError. README "Hugging Face model families" lists which families were checked.
@@ -29,17 +33,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..modules import sequence_parallel_attention
+from ..modules import is_sequence_parallel, sequence_parallel_attention
+from ..position_ids import check_shard_position_ids, documents_from_position_ids
 
 NAME = "sequence_parallel"
 
 # Keywords transformers (5.x) passes down to the attention function that do not change its
-# result: rotary positions are already applied to q/k (packed documents come through
-# cu_seq_lens_q), there is no KV cache in a sequence-parallel forward (a cache would make k longer
-# than q, which the ring refuses), max lengths follow from cu_seq_lens, MoE router output is
-# elsewhere.
-IGNORED = frozenset(
-    {"position_ids", "use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"}
+# result: there is no KV cache in a sequence-parallel forward (a cache would make k longer than q,
+# which the ring refuses), max lengths follow from cu_seq_lens, MoE router output is elsewhere.
+# (position_ids are used: rotary positions are already applied to q/k, but restarts mark packed
+# documents.)
+IGNORED = frozenset({"use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"})
+
+PACKED_HINT = (
+    "one rank's shard cannot show where the documents start, so without cu_seq_lens_q attention would "
+    "cross them. Shard the batch with ringflash.shard_batch (it finds the documents from the full "
+    'position_ids and pads each one) and pass cu_seq_lens_q=shard["cu_seqlens"] to the model, with '
+    'position_ids=shard["position_ids"]'
 )
 
 
@@ -89,10 +99,12 @@ def enable(
         is_causal: bool | None = None,
         cu_seq_lens_q: torch.Tensor | None = None,
         cu_seq_lens_k: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         **kw,
     ) -> tuple[torch.Tensor, None]:
         """Called with q/k/v (batch, heads, seqlen, head_dim); returns (batch, seqlen, heads,
-        head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap."""
+        head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap;
+        position_ids: int (batch or 1, seqlen), restarting where a packed document starts."""
         _check_keywords(kw)
         if dropout:
             raise ValueError(
@@ -115,13 +127,28 @@ def enable(
         )  # HF: the last `sliding_window` keys
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
-        # under transformers' own keyword.
+        # under transformers' own keyword, or (one device) found from restarting position_ids.
+        batch, seqlen = q.shape[:2]
+        if cu_seq_lens_q is None and position_ids is not None:
+            if is_sequence_parallel(group):
+                u = 1 if sp_mode == "ring" else None if sp_mode == "ulysses" else ulysses_size
+                check_shard_position_ids(position_ids, batch, seqlen, group=group, layout=layout,
+                                         ulysses_size=u, packed_hint=PACKED_HINT)  # fmt: skip
+            else:
+                cu_seq_lens_q = documents_from_position_ids(position_ids, batch, seqlen)
+                if cu_seq_lens_q is not None:
+                    if k.shape[1] != seqlen:
+                        raise ValueError(
+                            f"position_ids restart (packed documents) but keys ({k.shape[1]}) outnumber "
+                            f"queries ({seqlen}): packed documents need self-attention without a KV cache"
+                        )
+                    q, k, v = (t.reshape(1, batch * seqlen, *t.shape[2:]) for t in (q, k, v))
         out = sequence_parallel_attention(
             q, k, v, softmax_scale=scaling, causal=causal, window_size=window, group=group, layout=layout,
             sp_mode=sp_mode, ulysses_size=ulysses_size, cu_seqlens=cu_seq_lens_q, softcap=_softcap(softcap),
             sinks=s_aux,
         )  # fmt: skip
-        return out, None
+        return out.reshape(batch, seqlen, *out.shape[2:]), None
 
     AttentionInterface.register(NAME, attention)
     return NAME
@@ -135,4 +162,4 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["IGNORED", "NAME", "enable", "is_available"]
+__all__ = ["IGNORED", "NAME", "PACKED_HINT", "enable", "is_available"]

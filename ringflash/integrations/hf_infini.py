@@ -10,8 +10,8 @@
 
 Each attention layer's softmax attention becomes ``ringflash.infini_attention`` with the gate
 ``infini_beta`` (heads,) that ``add_gates`` attaches to the layer (initialised to 0). Rotary
-embeddings follow ``position_ids``, as with ``integrations.hf``. Packed documents and sliding
-windows are refused: the memory spans the whole row.
+embeddings follow ``position_ids``, as with ``integrations.hf``. Packed documents (``cu_seq_lens_q``
+or restarting ``position_ids``) and sliding windows are refused: the memory spans the whole row.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..infini import UPDATES, infini_attention
+from ..position_ids import check_shard_position_ids, documents_from_position_ids
 
 NAME = "infini_sequence_parallel"
 GATE = "infini_beta"
+PACKED_HINT = "Infini-attention's memory spans the whole row, so give it one sequence per row"
 
 
 def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str = "linear") -> str:
@@ -62,6 +64,14 @@ def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str
         sp_group = group
         if sp_group is None and dist.is_available() and dist.is_initialized():
             sp_group = dist.group.WORLD
+        position_ids = kw.get("position_ids")
+        if position_ids is not None:  # restarting positions would be packed documents: refused
+            batch, seqlen = query.shape[0], query.shape[2]
+            if sp_group is not None:
+                check_shard_position_ids(position_ids, batch, seqlen, group=sp_group, layout="contiguous",
+                                         ulysses_size=1, packed_hint=PACKED_HINT)  # fmt: skip
+            elif documents_from_position_ids(position_ids, batch, seqlen) is not None:
+                raise ValueError(f"position_ids restart (packed documents): {PACKED_HINT}")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = infini_attention(
             q, k, v, beta, segment_len, group=sp_group, update=update, softmax_scale=scaling

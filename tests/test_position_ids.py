@@ -1,0 +1,44 @@
+"""Packed documents seen through position_ids: the documents on one device, and the check that a
+sequence-parallel shard's positions are those of one unbroken sequence in its layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import errors_of
+
+from ringflash import LAYOUTS, shard_sequence
+from ringflash.position_ids import check_shard_position_ids, documents_from_position_ids
+
+
+def test_documents_from_position_ids():
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [3, 4, 5, 6, 0, 1, 2, 3]])
+    assert documents_from_position_ids(packed, 2, 8).tolist() == [0, 3, 5, 8, 12, 16]
+    assert documents_from_position_ids(torch.arange(8)[None] + 4, 2, 8) is None  # broadcast, offset
+    assert documents_from_position_ids(torch.tensor([[0, 1, 5, 6]]), 1, 4) is None  # a jump: one document
+    assert documents_from_position_ids(torch.tensor([[7], [0]]), 2, 1) is None  # decoding
+    with pytest.raises(ValueError, match=r"position_ids must be an int tensor of shape \(2, 8\)"):
+        documents_from_position_ids(torch.arange(16)[None], 2, 8)
+
+
+def _check_shards(layout: str, ulysses_size: int):
+    """Every rank's error for an unpacked row (positions from 5) and a packed one (12, 36)."""
+    rows = {
+        "unpacked": torch.arange(48)[None] + 5,
+        "packed": torch.cat([torch.arange(12), torch.arange(36)])[None],
+    }
+
+    def check(positions):
+        shard = shard_sequence(positions, None, 1, layout=layout, ulysses_size=ulysses_size)
+        check_shard_position_ids(shard, 1, shard.shape[1], group=None, layout=layout,
+                                 ulysses_size=ulysses_size, packed_hint="pass cu_seqlens")  # fmt: skip
+
+    return errors_of({name: (lambda p=p: check(p)) for name, p in rows.items()})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ulysses_size", [1, 2])
+def test_shard_position_ids_checked_over_all_ranks(rank_pool, layout, ulysses_size):
+    for rank, errors in enumerate(rank_pool(2).run(_check_shards, layout, ulysses_size, timeout=60)):
+        assert errors["unpacked"] is None, (rank, errors)
+        assert errors["packed"] is not None and errors["packed"].endswith("pass cu_seqlens"), (rank, errors)
