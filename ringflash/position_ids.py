@@ -124,3 +124,35 @@ def check_shard_position_ids(
             "position_ids restart (packed documents) or jump inside the sequence (checked over every "
             f"rank's shard in layout {layout!r}): {packed_hint}"
         )
+
+
+def assert_unpacked_in_graph(
+    position_ids: torch.Tensor,
+    batch: int,
+    seqlen: int,
+    *,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    ulysses_size: int | None,
+    packed_hint: str,
+) -> None:
+    """The checks above as a traced graph can hold them (under ``torch.compile``), with no host
+    synchronization: device-side asserts that fail the step (RuntimeError; on a GPU a CUDA
+    device-side assert) instead of attending across documents.
+
+    On one device (``group`` None and no process group), positions must not restart: documents
+    cannot be found without reading them back, so a compiled model with packed documents passes
+    ``cu_seq_lens_q``. Sequence parallel, positions must equal the layout's global index of each
+    local token (``layouts.layout_indices``, offset 0, as ``shard_batch`` gives them), which a
+    restart in any rank's tokens breaks on some rank; that rank's assert stops the step.
+    """
+    positions = _rows(position_ids, batch, seqlen)
+    message = f"position_ids restart (packed documents) or jump inside the sequence: {packed_hint}"
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        torch._assert_async(~position_restarts(positions).any(), message)
+        return
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
+    u = check_ulysses_size(world if ulysses_size is None else ulysses_size, world)
+    expected = _layout_positions(layout, dist.get_rank(group), world, seqlen * world, u, positions.device)
+    torch._assert_async((positions == expected).all(), message + " (compiled: positions must start at 0)")

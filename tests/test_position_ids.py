@@ -42,3 +42,50 @@ def test_shard_position_ids_checked_over_all_ranks(rank_pool, layout, ulysses_si
     for rank, errors in enumerate(rank_pool(2).run(_check_shards, layout, ulysses_size, timeout=60)):
         assert errors["unpacked"] is None, (rank, errors)
         assert errors["packed"] is not None and errors["packed"].endswith("pass cu_seqlens"), (rank, errors)
+
+
+def test_compiled_one_device_check_asserts_without_a_sync():
+    """Under torch.compile (fullgraph: no graph break, no host read-back) restarting positions
+    fail the step through a device-side assert; unpacked ones pass."""
+    from ringflash.position_ids import assert_unpacked_in_graph
+
+    def step(x, positions):
+        assert_unpacked_in_graph(
+            positions, 1, 8, group=None, layout="zigzag", ulysses_size=1, packed_hint="hint"
+        )
+        return x + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert compiled(torch.zeros(2), torch.arange(8)[None] + 3).tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match="hint"):
+        compiled(torch.zeros(2), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+
+
+def _compiled_shard_check(layout: str):
+    from ringflash.position_ids import assert_unpacked_in_graph
+
+    def step(positions):
+        assert_unpacked_in_graph(positions, 1, positions.shape[1], group=None, layout=layout, ulysses_size=1,
+                                 packed_hint="hint")  # fmt: skip
+        return positions.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    packed = torch.cat([torch.arange(24), torch.arange(24)])[None]
+    errors = {}
+    for name, positions in (("unpacked", torch.arange(48)[None]), ("packed", packed)):
+        try:
+            compiled(shard_sequence(positions, None, 1, layout=layout))
+            errors[name] = None
+        except RuntimeError as e:  # the device-side assert (CPU: raised at once)
+            errors[name] = str(e)
+    return errors
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_compiled_shard_check_asserts_on_some_rank(rank_pool, layout):
+    """Compiled, sequence parallel: documents (24, 24) restart exactly at the contiguous shards'
+    boundary, invisible to each shard alone; rank 1's positions are not its layout's, and its
+    assert stops the step."""
+    errors = rank_pool(2).run(_compiled_shard_check, layout, timeout=120)
+    assert all(e["unpacked"] is None for e in errors), errors
+    assert any(e["packed"] is not None and "hint" in e["packed"] for e in errors), errors

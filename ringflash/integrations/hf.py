@@ -13,7 +13,9 @@ Packed documents (position_ids restarting inside a row, as transformers'
 ``position_ids`` alone, as in transformers' FlashAttention path. Sequence parallel, a rank's shard
 cannot show where documents start: pass ``cu_seq_lens_q=shard["cu_seqlens"]`` from ``shard_batch``
 to the model as well (without it, positions that restart raise ValueError on every rank).
-Attention then stays inside each document.
+Attention then stays inside each document. Under torch.compile these checks cannot read positions
+back; device-side asserts stop the step instead (``position_ids.assert_unpacked_in_graph``), so a
+compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. transformers
 builds no mask for an implementation it has no mask function for, so no S x S mask is made.
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..modules import is_sequence_parallel, sequence_parallel_attention
-from ..position_ids import check_shard_position_ids, documents_from_position_ids
+from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
 
 NAME = "sequence_parallel"
 
@@ -130,10 +132,12 @@ def enable(
         # under transformers' own keyword, or (one device) found from restarting position_ids.
         batch, seqlen = q.shape[:2]
         if cu_seq_lens_q is None and position_ids is not None:
-            if is_sequence_parallel(group):
-                u = 1 if sp_mode == "ring" else None if sp_mode == "ulysses" else ulysses_size
-                check_shard_position_ids(position_ids, batch, seqlen, group=group, layout=layout,
-                                         ulysses_size=u, packed_hint=PACKED_HINT)  # fmt: skip
+            u = 1 if sp_mode == "ring" else None if sp_mode == "ulysses" else ulysses_size
+            shard = dict(group=group, layout=layout, ulysses_size=u, packed_hint=PACKED_HINT)
+            if torch.compiler.is_compiling():  # no host sync in a graph: device-side asserts
+                assert_unpacked_in_graph(position_ids, batch, seqlen, **shard)
+            elif is_sequence_parallel(group):
+                check_shard_position_ids(position_ids, batch, seqlen, **shard)
             else:
                 cu_seq_lens_q = documents_from_position_ids(position_ids, batch, seqlen)
                 if cu_seq_lens_q is not None:
