@@ -15,21 +15,32 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
 
 A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
 
-Masks (constexpr MASKED, with HAS_LEFT/HAS_RIGHT for the window's sides and VARLEN for packed
-documents, cu_seqlens): each program computes, from its key tile's positions, the span of query
-tiles that see any of its keys and inside it the span where every pair is visible (the
-``tiling.visible_tiles`` rule, in non-negative integer math), walks only the first and masks
-only the tiles outside the second or touching a sequence's end, under a runtime branch taken
-where no wgmma is in flight. Rows past a sequence's end arrive by TMA anyway (the next
-sequence's rows, or zeros past the tensor); their P is set to exactly 0 after the exp, so
-their dS is 0 and the dQ reduce-add adds exact zeros to rows this program does not own (TMA
-clips the rows past the tensor's end); their LSE/delta rows are not read.
+Masks. Each program computes, from its key tile's positions, the span of query tiles that see
+any of its keys (the ``tiling.visible_tiles`` rule, in non-negative integer math) and walks
+only that span, for every query head of its GQA group. Three variants (constexprs):
+- unmasked: lengths multiples of the tiles, every pair visible;
+- DIAGONAL: causal between blocks at equal positions with whole tiles (a shard's own block):
+  the key tile's span starts at its own row, and an index compare masks every tile (a no-op
+  past the first two), as the kernel always did;
+- MASKED (HAS_LEFT/HAS_RIGHT: the window's sides; VARLEN: packed documents, cu_seqlens; any
+  lengths, positions, seqlen_q != seqlen_k): every tile masked by positions, one or two integer
+  compares per pair (``_visible_t``). Masking only the boundary tiles, behind a runtime branch
+  inside the loop, made ptxas serialize every wgmma ("insufficient register resources", with
+  the branch before or after the dP^T wait); a loop of their own serializes them too (above).
+Rows past a sequence's end arrive by TMA anyway (the next sequence's rows, or zeros past the
+tensor); their P is set to exactly 0 after the exp, so their dS is 0 and the dQ reduce-add adds
+exact zeros (x + 0 = x) to rows this program does not own, and TMA clips rows past the tensor's
+end. Their LSE/delta rows are not read (masked cp.async), and dK/dV stores stop at the
+sequence's end. A key tile that no query sees stores dK = dV = 0 (or adds nothing).
 
-Tiles per head_dim (``TILES``), as FlashAttention-3's sm90 backward chooses them: 64 query x
-128 key rows at head_dim 128, 128 x 128 at 64. Head_dim 256 stays with the Triton kernels: its
-float32 dQ ring alone (2 x 64 x 256 x 4 bytes) and the Q/dO stages (2 x 2 x 64 x 256 x 2) fill
-the 227 KiB of shared memory before K and V, and dK + dV of a 128-row key tile would need 256
-registers per thread.
+Tiles per head_dim (``TILES``): 64 query x 128 key rows at head_dim 128 and 64, as
+FlashAttention-3's sm90 backward at 128. At 64 it takes 128 x 128 with two MMA warpgroups that
+split the work differently; here, with eight compute warps sharing every product, 128 x 128
+spilled 32-62 registers per tile and serialized every wgmma (sm_90 build, 2026-11-24), while
+64 x 128 spills none. Head_dim 256 stays with the Triton kernels: its float32 dQ ring alone
+(2 x 64 x 256 x 4 bytes) and the Q/dO stages (2 x 2 x 64 x 256 x 2) fill 192 KiB of the 227 KiB
+of shared memory before K and V (64 KiB more at 64 key rows), and dK + dV of a 128-row key tile
+in float32 would take 256 registers per thread.
 
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
@@ -157,14 +168,11 @@ class Shared:
 
 @aggregate
 class Mask:
-    """What the compute warps need to mask a tile: the sequence's lengths, the query-row span
-    [full_lo, full_hi) whose tiles need no mask, the window's bounds and both sides' positions
-    (start + stride * index, int32)."""
+    """What the compute warps need to mask a tile: the sequence's lengths, the window's bounds
+    and both sides' positions (start + stride * index, int32)."""
 
     len_q: gl.tensor
     len_k: gl.tensor
-    full_lo: gl.tensor
-    full_hi: gl.tensor
     left: gl.tensor
     right: gl.tensor
     q_start: gl.tensor
@@ -173,11 +181,9 @@ class Mask:
     k_stride: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, len_q, len_k, full_lo, full_hi, left, right, q_start, q_stride, k_start, k_stride):
+    def __init__(self, len_q, len_k, left, right, q_start, q_stride, k_start, k_stride):
         self.len_q = len_q
         self.len_k = len_k
-        self.full_lo = full_lo
-        self.full_hi = full_hi
         self.left = left
         self.right = right
         self.q_start = q_start
@@ -203,27 +209,18 @@ def _query_span(
     key_lo, key_hi, q_start, q_stride, len_q, left, right,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
 ):  # fmt: skip
-    """tiling.visible_tiles seen from a key tile at positions key_lo..key_hi: a query at pq sees
-    a key at pk iff pk - right <= pq <= pk + left. Returns (start, full_start, full_end, end):
-    the query rows [start, end) of the tiles that see some key (start a multiple of BLOCK_M, end
-    clamped to len_q) and the tiles [full_start, full_end) where every pair is visible."""
+    """The outer span of tiling.visible_tiles seen from a key tile at positions key_lo..key_hi (a
+    query at pq sees a key at pk iff pk - right <= pq <= pk + left): the query rows [start, end)
+    of the tiles that see some key, start a multiple of BLOCK_M, end clamped to len_q, both 0
+    when none does. (The inner, unmasked span goes unused: see _compute_tile.)"""
     lo = len_q * 0
-    full_lo = lo
     if HAS_RIGHT:
         lo = _first_at_or_after(key_lo - right, q_start, q_stride)
-        full_lo = _first_at_or_after(key_hi - right, q_start, q_stride)
     hi = len_q + lo * 0
-    full_hi = hi
     if HAS_LEFT:
         hi = gl.minimum(_count_at_or_before(key_hi + left, q_start, q_stride), len_q)
-        full_hi = gl.minimum(_count_at_or_before(key_lo + left, q_start, q_stride), len_q)
     empty = lo >= hi
-    start = gl.where(empty, 0, (lo // BLOCK_M) * BLOCK_M)
-    end = gl.where(empty, 0, hi)
-    full_start = gl.maximum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, start)
-    full_end = (full_hi // BLOCK_M) * BLOCK_M
-    no_full = empty | (full_start >= full_end)
-    return start, gl.where(no_full, start, full_start), gl.where(no_full, start, full_end), end
+    return gl.where(empty, 0, (lo // BLOCK_M) * BLOCK_M), gl.where(empty, 0, hi)
 
 
 @gluon.jit
@@ -330,8 +327,8 @@ def _compute_tile(
     """Query tile t (ring slot i): dV and dK (left in flight) added to dv/dk, its dQ tile handed to
     the writer. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T
     takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``).
-    Under MASKED, tiles outside [mk.full_lo, mk.full_hi) get P^T = 0 where a pair is not visible:
-    set after the exp, so that the LSE of rows past a sequence (never loaded) cannot reach it."""
+    Under MASKED, P^T = 0 where a pair is not visible, set after the exp, so that the LSE of rows
+    past a sequence (never loaded) cannot reach it."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -512,24 +509,17 @@ def _fused_bwd_kernel(
     if MASKED:
         key_lo = k_start + k_stride * n0
         key_hi = k_start + k_stride * (gl.minimum(n0 + BLOCK_N, len_k) - 1)
-        lo, full_lo, full_hi, hi = _query_span(
+        lo, hi = _query_span(
             key_lo, key_hi, q_start, q_stride, len_q, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M
         )
-        # Programs past their sequence's keys walk nothing (and store nothing); a key tile that
-        # runs past the sequence's end is masked on every query tile.
+        # Programs past their sequence's keys walk nothing and store nothing. Every partition
+        # takes its trip counts from n_tiles; with none, dK/dV of the key tile are stored as 0.
         n_tiles = gl.where(n0 < len_k, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
-        key_tail = n0 + BLOCK_N > len_k
-        full_lo = gl.where(key_tail, lo, full_lo)
-        full_hi = gl.where(key_tail, lo, full_hi)
     elif DIAGONAL:  # aligned square tiles: key tile n0 is seen from query row n0 on
         lo = n0
-        full_lo = lo
-        full_hi = len_q
         n_tiles = (len_q - lo) // BLOCK_M
     else:
         lo = len_q * 0
-        full_lo = lo
-        full_hi = len_q
         n_tiles = len_q // BLOCK_M
     p = Shared(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
@@ -539,8 +529,7 @@ def _fused_bwd_kernel(
     )  # fmt: skip
     zero = len_q * 0  # arguments that arrive as the constant 1 made scalars for the aggregate
     mk = Mask(
-        len_q, len_k, full_lo, full_hi, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start,
-        k_stride + zero,
+        len_q, len_k, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start, k_stride + zero,
     )  # fmt: skip
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
@@ -648,7 +637,12 @@ def fused_backward(
     varlen = problem.varlen
     if varlen:
         dout, q, k, v, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, dq, dk, dv))
-    if problem.max_seqlen_k == 0 or k.shape[1] == 0:
+    if k.shape[1] == 0:
+        return
+    if q.shape[1] == 0:  # no queries (TMA takes no empty tensor): zero gradients for the keys
+        if not accumulate:
+            dk.zero_()
+            dv.zero_()
         return
     block_m, block_n = TILES[problem.head_dim]
     qd, q_rows = rows_descriptor(q, block_m)
