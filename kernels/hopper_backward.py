@@ -77,7 +77,9 @@ from .problem import AttentionProblem
 # head_dim -> (query rows per tile, key rows per program)
 TILES = {64: (64, 128), 128: (64, 128)}
 # Positions, their window offsets and differences stay in int32 (with room for the sums).
-POSITION_LIMIT: gl.constexpr = gl.constexpr(2**30)
+POSITION_LIMIT = 2**30
+# ALiBi's positions become float32 (_alibi_bias_t): exact, and so their differences, below this.
+ALIBI_POSITION_LIMIT = 2**22
 NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # At entry; warp specialization pads the two 1-warp workers to a warpgroup and redistributes:
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.
@@ -309,7 +311,7 @@ def _visible_t(mk: Mask, key_rows, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl
     if HAS_RIGHT:
         upper = q_pos + mk.right
     else:
-        upper = gl.full_like(q_pos, POSITION_LIMIT)
+        upper = gl.full_like(q_pos, 1073741824)  # POSITION_LIMIT
     upper = gl.where(offs_m < mk.len_q, upper, -2147483648)
     vis = key_rows[:, None] <= upper[None, :]
     if HAS_LEFT:
@@ -584,9 +586,10 @@ def _fused_bwd_kernel(
 
 def backward_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_backward`` computes ``problem`` (the GPU, dtype and tensor layouts are the
-    gate's to check, hopper_path.py): head_dim 64 or 128 (``TILES``), and every position, window
-    bound and position difference inside int32 (magnitudes below ``POSITION_LIMIT``). Any
-    lengths, packed documents, windows, positions, GQA/MQA, softcap and ALiBi."""
+    gate's to check, hopper_path.py): head_dim 64 or 128 (``TILES``), and every position and
+    window bound of magnitude below ``POSITION_LIMIT`` (int32 sums), with ALiBi below
+    ``ALIBI_POSITION_LIMIT`` (float32 differences). Any lengths, packed documents, windows,
+    positions, GQA/MQA, softcap and ALiBi."""
     if problem.head_dim not in TILES:
         return False
     extremes = []
@@ -594,7 +597,8 @@ def backward_supports(problem: AttentionProblem) -> bool:
         # Linear in a sequence's length L <= n: extreme at L = 0 or L = n.
         extremes += [pos.start, pos.start + pos.per_len * n, pos.start + (pos.per_len + pos.stride) * n]
     bounds = [x for x in (problem.bounds.left, problem.bounds.right) if x is not None]
-    return max(abs(x) for x in extremes + bounds) < POSITION_LIMIT
+    limit = POSITION_LIMIT if problem.alibi_slopes is None else ALIBI_POSITION_LIMIT
+    return max(abs(x) for x in extremes + bounds) < limit
 
 
 def _aligned_diagonal(problem: AttentionProblem, block_m: int, block_n: int) -> bool:

@@ -111,6 +111,27 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
 print("fused ok")
 """
 
+# Which problems the fused backward computes (it imports only outside the interpreter).
+_SUPPORTS = r"""
+import dataclasses, torch
+from ringflash.kernels import hopper_backward as hb
+from ringflash.kernels.positions import MaskBounds, TokenPositions
+from ringflash.kernels.problem import AttentionProblem
+
+base = AttentionProblem(
+    1, 4, 2, 64, 100, 50, 0.1, MaskBounds(None, 0), TokenPositions(-50), TokenPositions(0), None, None
+)
+def ok(**kw):
+    return hb.backward_supports(dataclasses.replace(base, **kw))
+assert ok() and ok(head_dim=128) and ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
+assert not ok(head_dim=96) and not ok(head_dim=256)
+assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
+assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens apart by 2^24: past 2^30
+slopes = torch.ones(1, 4)
+assert ok(alibi_slopes=slopes) and not ok(alibi_slopes=slopes, q_positions=TokenPositions(2**22))
+print("supports ok")
+"""
+
 # The warp-specialized Hopper forward (kernels/hopper_forward.py): both compute warpgroups at 240
 # registers and the loader at 24, the products of both warpgroups' code paths (S and P V in the
 # loop, S before it, P V after it: 4 x 8 wgmma per warpgroup), no spills inside the key-tile loop
@@ -171,6 +192,11 @@ GLUON = pytest.mark.skipif(
 @pytest.mark.parametrize("cases", ["plain", "masked"])
 def test_fused_backward_compiles_for_sm90(tmp_path, cases):
     assert _compile_in_subprocess(_FUSED, tmp_path, cases).strip().endswith("fused ok")
+
+
+@GLUON
+def test_fused_backward_supports(tmp_path):
+    assert _compile_in_subprocess(_SUPPORTS, tmp_path).strip().endswith("supports ok")
 
 
 @GLUON
