@@ -253,9 +253,10 @@ def _check(got, expected, dtype, bases=(0, 0, 0)):
 
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, causal, window): tails of every kind, seqlen_q !=
-# seqlen_k (bottom-right aligned), GQA 4:1 and MQA, windows.
+# seqlen_k (bottom-right aligned), GQA 4:1 and MQA, windows. Every case has queries that see
+# several keys (with one key each, dq and dk are 0 and a relative error means nothing).
 DENSE_CASES = [
-    (2, 1, 1, 4, 1, True, (-1, -1)),
+    (2, 1, 129, 4, 1, True, (-1, -1)),  # one query, bottom-right: it sees every key
     (2, 127, 127, 4, 4, True, (-1, -1)),
     (1, 129, 129, 8, 2, False, (-1, -1)),
     (1, 1000, 1000, 8, 2, True, (-1, -1)),
@@ -263,7 +264,7 @@ DENSE_CASES = [
     (1, 1000, 129, 4, 4, False, (-1, -1)),
     (1, 1000, 1000, 4, 1, True, (200, -1)),
     (2, 300, 517, 8, 2, False, (64, 32)),
-    (1, 384, 384, 4, 4, False, (0, 0)),  # a key tile's own diagonal only
+    (1, 384, 384, 4, 4, False, (1, 1)),  # three keys per query, all near the diagonal
 ]
 
 
@@ -381,11 +382,12 @@ def test_fused_kernel_masked_with_softcap_and_alibi(head_dim):
 
 
 def test_fused_kernel_adds_zeros_outside_its_rows():
-    """Tiles that run past a slice's end reduce-add exact zeros into the rows after it (inside the
-    tensor) and past the tensor's end (clipped by TMA): a float32 dQ buffer's other rows keep
-    their bits, and dK/dV rows outside the slice are not written."""
+    """Tiles that run past a slice's end reduce-add exact zeros into the rows after it (the first
+    sequence's, inside the tensor) and past the tensor's end (the second's, clipped by TMA): a
+    float32 dQ buffer's other rows keep their bits, and dK/dV rows outside the slice are not
+    written."""
     big_q, big_k, big_v, big_do = (
-        cuda_randn(1, 1200, h, D, seed=s) for s, h in ((101, 4), (102, 2), (103, 2), (104, 4))
+        cuda_randn(2, 1200, h, D, seed=s) for s, h in ((101, 4), (102, 2), (103, 2), (104, 4))
     )
     qs, ks = slice(100, 1099), slice(1051, 1200)  # 999 queries; 149 keys, the last at the end
     q, k, v, dout = big_q[:, qs], big_k[:, ks], big_v[:, ks], big_do[:, qs]
