@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
-from .hopper_path import dense_aligned, enabled, hopper_module, hopper_path_ok
+from .hopper_path import enabled, hopper_module, hopper_path_ok
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
@@ -342,28 +342,30 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     """Whether ``attention_backward`` computing dQ and dK/dV together runs the fused Hopper kernel
     (hopper_backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
 
-    It does where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, head_dim 128, lengths
-    multiples of 128, no window, causal only on a shard's own diagonal), but not under
-    ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor with
-    ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
-    return (
-        not torch.are_deterministic_algorithms_enabled()
-        and not problem.deterministic
-        and enabled("RINGFLASH_FUSED_BACKWARD")
-        and dense_aligned(problem)
-        and hopper_path_ok(problem, q, k, v)
-        and hopper_module("hopper_backward") is not None
-    )
+    It does where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
+    and the kernel's own ``backward_supports`` (head_dim 64 or 128; any lengths, masks and packed
+    documents), but not under ``torch.use_deterministic_algorithms(True)`` (its dQ sums
+    in a varying order), nor with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
+    if (
+        torch.are_deterministic_algorithms_enabled()
+        or problem.deterministic
+        or not enabled("RINGFLASH_FUSED_BACKWARD")
+        or not hopper_path_ok(problem, q, k, v)
+    ):
+        return False
+    module = hopper_module("hopper_backward")
+    return module is not None and module.backward_supports(problem)
 
 
 def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):
     """attention_backward on the fused kernel: dQ goes through a float32 buffer that the kernel
     adds into (the caller's own when it is one)."""
     module = hopper_module("hopper_backward")
-    tma_layout_ok = hopper_module("hopper_tma").tma_layout_ok
-    if not tma_layout_ok(dout):
+    tma_ok = hopper_module("hopper_tma").tma_layout_ok
+    vl = problem.varlen
+    if not tma_ok(as_4d(dout, vl)):
         dout = dout.contiguous()
-    direct = dq.dtype == torch.float32 and tma_layout_ok(dq)
+    direct = dq.dtype == torch.float32 and tma_ok(as_4d(dq, vl))
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     if direct and not accumulate:
         dq32.zero_()

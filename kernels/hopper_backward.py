@@ -15,18 +15,45 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
 
 A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
 
+Masks. Each program computes, from its key tile's positions, the span of query tiles that see
+any of its keys (the ``tiling.visible_tiles`` rule, in non-negative integer math) and walks
+only that span, for every query head of its GQA group. Three variants (constexprs):
+- unmasked: lengths multiples of the tiles, every pair visible;
+- DIAGONAL: causal between blocks at equal positions with whole tiles (a shard's own block):
+  the key tile's span starts at its own row, and an index compare masks every tile (a no-op
+  past the first two), as the kernel always did;
+- MASKED (HAS_LEFT/HAS_RIGHT: the window's sides; VARLEN: packed documents, cu_seqlens; any
+  lengths, positions, seqlen_q != seqlen_k): every tile masked by positions, one or two integer
+  compares per pair (``_visible_t``). Masking only the boundary tiles, behind a runtime branch
+  inside the loop, made ptxas serialize every wgmma ("insufficient register resources", with
+  the branch before or after the dP^T wait); a loop of their own serializes them too (above).
+Rows past a sequence's end arrive by TMA anyway (the next sequence's rows, or zeros past the
+tensor); their P is set to exactly 0 after the exp, so their dS is 0 and the dQ reduce-add adds
+exact zeros (x + 0 = x) to rows this program does not own, and TMA clips rows past the tensor's
+end. Their LSE/delta rows are not read (masked cp.async), and dK/dV stores stop at the
+sequence's end. A key tile that no query sees stores dK = dV = 0 (or adds nothing).
+
+Tiles per head_dim (``TILES``): 64 query x 128 key rows at head_dim 128 and 64, as
+FlashAttention-3's sm90 backward at 128. At 64 it takes 128 x 128 with two MMA warpgroups that
+split the work differently; here, with eight compute warps sharing every product, 128 x 128
+spilled 32-62 registers per tile and serialized every wgmma (sm_90 build, 2026-11-24), while
+64 x 128 spills none. Head_dim 256 stays with the Triton kernels: its float32 dQ ring alone
+(2 x 64 x 256 x 4 bytes) and the Q/dO stages (2 x 2 x 64 x 256 x 2) fill 192 KiB of the 227 KiB
+of shared memory before K and V (64 KiB more at 64 key rows), and dK + dV of a 128-row key tile
+in float32 would take 256 registers per thread.
+
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
 
 Measured on an H200 (docs/performance.md; history in docs/experiments.md): exact like the Triton
 kernels against float64; at head_dim 128 its backward runs 0.90-0.98x cuDNN's and 1.18-1.34x
-the Triton kernels' (causal or not, MHA and GQA 32/8). At head_dim 64 it tied with the Triton
-kernels, so only 128 takes this path.
+the Triton kernels' (causal or not, MHA and GQA 32/8), with 64 x 128 tiles.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
 
 import torch
+import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,13 +69,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_forward import alibi_args, score_scales, tanh_approx
-from .hopper_path import HEAD_DIM
+from .hopper_forward import score_scales, tanh_approx
 from .hopper_tma import rows_descriptor
+from .positions import MaskBounds
 from .problem import AttentionProblem
 
-BLOCK_M = 64  # query rows per tile
-BLOCK_N = 128  # key rows per program
+# head_dim -> (query rows per tile, key rows per program)
+TILES = {64: (64, 128), 128: (64, 128)}
+# Positions, their window offsets and differences stay in int32 (with room for the sums).
+POSITION_LIMIT = 2**30
+# ALiBi's positions become float32 (_alibi_bias_t): exact, and so their differences, below this.
+ALIBI_POSITION_LIMIT = 2**22
 NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # At entry; warp specialization pads the two 1-warp workers to a warpgroup and redistributes:
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.
@@ -68,8 +99,9 @@ class Shared:
     """What the partitions share: descriptors, shared-memory rings (``rows_smem``: each Q/dO
     stage's LSE and delta rows, at 2 * stage and 2 * stage + 1) and their barriers, and the
     program's coordinates in the descriptors' (rows, heads * head_dim) views: each tensor's
-    first row of this sequence (``*_row0``), the first query row ``lo``, the query-tile count
-    per head ``n_tiles``, the first query head's column ``qcol`` and the KV head's ``kcol``."""
+    first row of this sequence (``*_row0``), the key tile's first row ``n0`` in its sequence,
+    the first visible query row ``lo``, the query-tile count per head ``n_tiles``, the sequence's
+    query length ``len_q``, the first query head's column ``qcol`` and the KV head's ``kcol``."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -98,12 +130,13 @@ class Shared:
     qcol: gl.tensor
     kcol: gl.tensor
     n_tiles: gl.tensor
+    len_q: gl.tensor
 
     @gluon.constexpr_function
     def __init__(
         self, q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
         dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row, v_row, n0,
-        lo, qcol, kcol, n_tiles,
+        lo, qcol, kcol, n_tiles, len_q,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -132,6 +165,64 @@ class Shared:
         self.qcol = qcol
         self.kcol = kcol
         self.n_tiles = n_tiles
+        self.len_q = len_q
+
+
+@aggregate
+class Mask:
+    """What the compute warps need to mask a tile: the sequence's lengths, the window's bounds
+    and both sides' positions (start + stride * index, int32)."""
+
+    len_q: gl.tensor
+    len_k: gl.tensor
+    left: gl.tensor
+    right: gl.tensor
+    q_start: gl.tensor
+    q_stride: gl.tensor
+    k_start: gl.tensor
+    k_stride: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, len_q, len_k, left, right, q_start, q_stride, k_start, k_stride):
+        self.len_q = len_q
+        self.len_k = len_k
+        self.left = left
+        self.right = right
+        self.q_start = q_start
+        self.q_stride = q_stride
+        self.k_start = k_start
+        self.k_stride = k_stride
+
+
+@gluon.jit
+def _first_at_or_after(pos, base, stride):
+    """Smallest index i >= 0 with base + stride * i >= pos (as tiling.py's)."""
+    return (gl.maximum(pos - base, 0) + stride - 1) // stride
+
+
+@gluon.jit
+def _count_at_or_before(pos, base, stride):
+    """Number of indices i >= 0 with base + stride * i <= pos (as tiling.py's)."""
+    return gl.maximum(pos - base + stride, 0) // stride
+
+
+@gluon.jit
+def _query_span(
+    key_lo, key_hi, q_start, q_stride, len_q, left, right,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+):  # fmt: skip
+    """The outer span of tiling.visible_tiles seen from a key tile at positions key_lo..key_hi (a
+    query at pq sees a key at pk iff pk - right <= pq <= pk + left): the query rows [start, end)
+    of the tiles that see some key, start a multiple of BLOCK_M, end clamped to len_q, both 0
+    when none does. (The inner, unmasked span goes unused: see _compute_tile.)"""
+    lo = len_q * 0
+    if HAS_RIGHT:
+        lo = _first_at_or_after(key_lo - right, q_start, q_stride)
+    hi = len_q + lo * 0
+    if HAS_LEFT:
+        hi = gl.minimum(_count_at_or_before(key_hi + left, q_start, q_stride), len_q)
+    empty = lo >= hi
+    return gl.where(empty, 0, (lo // BLOCK_M) * BLOCK_M), gl.where(empty, 0, hi)
 
 
 @gluon.jit
@@ -143,8 +234,9 @@ def _load_partition(
     GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    MASKED: gl.constexpr,
 ):
-    rows_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(p.kv_bar, 2 * p.k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(p.k_desc, [p.k_row, p.kcol], p.kv_bar, p.k_smem)
     tma.async_copy_global_to_shared(p.v_desc, [p.v_row, p.kcol], p.kv_bar, p.v_smem)
@@ -160,9 +252,15 @@ def _load_partition(
         # backward on an H200); staged here, they arrive with the tile. Each lane's async arrive
         # adds itself to the barrier's count; issued before the expect, it keeps the phase open
         # until its copies land.
-        rows = g * stride_lh + m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
-        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
-        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
+        offs = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+        rows = g * stride_lh + offs
+        if MASKED:  # rows past the sequence: not read (their P is masked to 0)
+            ok = offs < p.len_q
+            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows, mask=ok)
+            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows, mask=ok)
+        else:
+            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
+            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
         async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, tile_bytes)
         col = p.qcol + g * HEAD_DIM
@@ -172,6 +270,8 @@ def _load_partition(
 
 @gluon.jit
 def _dq_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # Rows of a tile past the sequence get exact zeros (their dS is 0): harmless to the next
+    # sequence's rows, and clipped past the tensor's end.
     for i in range(GROUP * p.n_tiles):
         j = i % 2
         mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
@@ -195,15 +295,42 @@ def _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride):
 
 
 @gluon.jit
+def _key_rows(mk: Mask, offs_n):
+    """The key rows' positions as ``_visible_t`` compares them: past the sequence's end INT32_MAX,
+    above every query's bound."""
+    return gl.where(offs_n < mk.len_k, mk.k_start + mk.k_stride * offs_n, 2147483647)
+
+
+@gluon.jit
+def _visible_t(mk: Mask, key_rows, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """[keys, queries] visibility of an S^T tile, one or two compares per pair (as the index
+    compare of an aligned causal mask): key rows from ``_key_rows``; each query column's upper
+    bound is its position + right (POSITION_LIMIT without one, below INT32_MAX), or INT32_MIN
+    past the sequence's end."""
+    q_pos = mk.q_start + mk.q_stride * offs_m
+    if HAS_RIGHT:
+        upper = q_pos + mk.right
+    else:
+        upper = gl.full_like(q_pos, 1073741824)  # POSITION_LIMIT
+    upper = gl.where(offs_m < mk.len_q, upper, -2147483648)
+    vis = key_rows[:, None] <= upper[None, :]
+    if HAS_LEFT:
+        vis = vis & (key_rows[:, None] >= (q_pos - mk.left)[None, :])
+    return vis
+
+
+@gluon.jit
 def _compute_tile(
-    p: Shared, i, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-    alibi2, k_pos, q_start, q_stride,
-    a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr, MASKED: gl.constexpr,
+    p: Shared, mk: Mask, i, t, dk, dv, st_zero, dq_zero, key_rows, qk_scale, tanh_scale, softmax_scale,
+    alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+    DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     """Query tile t (ring slot i): dV and dK (left in flight) added to dv/dk, its dQ tile handed to
     the writer. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T
-    takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``)."""
+    takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``).
+    Under MASKED, P^T = 0 where a pair is not visible, set after the exp, so that the LSE of rows
+    past a sequence (never loaded) cannot reach it."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -223,25 +350,28 @@ def _compute_tile(
     if SOFTCAP:
         # Across the dP^T wait, P^T only in dtype (for dV) and P^T * softmax_scale * (1 - tanh^2)
         # (for dS^T): P^T and that factor both in float32 there spilled 32 registers per tile.
+        t = tanh_approx(s_t * tanh_scale)
         if HAS_ALIBI:
-            bias = _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride) - lse2[None, :]
-            t = tanh_approx(s_t * tanh_scale)
+            bias = _alibi_bias_t(alibi2, k_pos, offs_m, mk.q_start, mk.q_stride) - lse2[None, :]
             pt = gl.exp2(t * qk_scale + bias)
         else:
-            t = tanh_approx(s_t * tanh_scale)
             pt = gl.exp2(t * qk_scale - lse2[None, :])
-        if MASKED:
-            pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
-        pv = pt.to(dtype)
-        pt = pt * (softmax_scale - (softmax_scale * t) * t)
     else:
-        if MASKED:  # a no-op past the first BLOCK_N // BLOCK_M tiles, kept there for one tile loop
-            s_t = gl.where(offs_n[:, None] <= offs_m[None, :], s_t, -float("inf"))
+        if DIAGONAL:  # a no-op past the first BLOCK_N // BLOCK_M tiles, kept there for one tile loop
+            s_t = gl.where(key_rows[:, None] <= offs_m[None, :], s_t, -float("inf"))
         if HAS_ALIBI:
-            bias = _alibi_bias_t(alibi2, k_pos, offs_m, q_start, q_stride)
+            bias = _alibi_bias_t(alibi2, k_pos, offs_m, mk.q_start, mk.q_stride)
             pt = gl.exp2(s_t * qk_scale + bias - lse2[None, :])
         else:
             pt = gl.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:  # on every tile: behind a runtime branch, ptxas serialized every wgmma
+        pt = gl.where(_visible_t(mk, key_rows, offs_m, HAS_LEFT, HAS_RIGHT), pt, 0.0)
+    if DIAGONAL and SOFTCAP:
+        pt = gl.where(key_rows[:, None] <= offs_m[None, :], pt, 0.0)
+    if SOFTCAP:
+        pv = pt.to(dtype)
+        pt = pt * (softmax_scale - (softmax_scale * t) * t)
+    else:
         pv = pt
     dp_t = warpgroup_mma_wait(0, deps=(dpt,))
     dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_s, dv, is_async=True)
@@ -264,9 +394,10 @@ def _compute_tile(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, qk_scale, tanh_scale, softmax_scale, alibi_ptr, q_start, q_stride, k_start, k_stride,
+    p: Shared, mk: Mask, qk_scale, tanh_scale, softmax_scale, alibi_ptr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
+    DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
@@ -286,14 +417,18 @@ def _compute_partition(
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     offs_n = p.n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    if MASKED:
+        key_rows = _key_rows(mk, offs_n)
+    else:
+        key_rows = offs_n
     if HAS_ALIBI:
-        k_pos = (k_start + offs_n * k_stride).to(gl.float32)
+        k_pos = (mk.k_start + offs_n * mk.k_stride).to(gl.float32)
     else:
         k_pos = 0.0
         alibi2 = 0.0
-    # One tile loop, masked throughout under CAUSAL: with the diagonal tiles in a loop of their
-    # own, dK in flight from one loop into the next made ptxas serialize every wgmma (silently,
-    # no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
+    # One tile loop, masked tiles inside it behind a runtime branch: with the diagonal tiles in a
+    # loop of their own, dK in flight from one loop into the next made ptxas serialize every
+    # wgmma (silently, no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
     mbarrier.wait(p.kv_bar, 0)
     for g in range(GROUP):
         base = g * p.n_tiles
@@ -301,34 +436,52 @@ def _compute_partition(
             alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
         for t in range(p.n_tiles):
             dk, dv = _compute_tile(
-                p, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                alibi2, k_pos, q_start, q_stride, a_layout, qcol_layout, BLOCK_M, CAUSAL, SOFTCAP, HAS_ALIBI,
+                p, mk, base + t, t, dk, dv, st_zero, dq_zero, key_rows, qk_scale, tanh_scale, softmax_scale,
+                alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HAS_ALIBI,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
 
 
 @gluon.jit
-def _store_grad(ptr, value, offs, ACCUMULATE: gl.constexpr):
+def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
     if ACCUMULATE:
-        value += gl.load(ptr + offs).to(gl.float32)
-    gl.store(ptr + offs, value.to(ptr.dtype.element_ty))
+        value += gl.load(ptr + offs, mask=mask).to(gl.float32)
+    gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
 def _fused_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA,
-    seqlen_q, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI,
+    seqlen_q, seqlen_k, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
-    qk_scale, tanh_scale, softmax_scale, ALIBI, q_start, q_stride, k_start, k_stride,
+    qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
+    win_left, win_right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
+    VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
+    """One program per (key tile, KV head, sequence). Unless MASKED, every length is a multiple of
+    its tile and every pair visible, or under DIAGONAL a key at index n visible to a query at
+    index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
+    CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
+    per_len folds each sequence's length into its positions' start (positions.py)."""
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
     n0 = pid_n * BLOCK_N
+    if VARLEN:
+        q0 = gl.load(CU_Q + b)
+        len_q = gl.load(CU_Q + b + 1) - q0
+        k0 = gl.load(CU_K + b)
+        len_k = gl.load(CU_K + b + 1) - k0
+    else:
+        q0 = b * 0
+        len_q = seqlen_q + q0
+        k0 = q0
+        len_k = seqlen_k + q0
     dtype: gl.constexpr = q_desc.dtype
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -351,20 +504,38 @@ def _fused_bwd_kernel(
         mbarrier.init(dq_ready.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
 
-    if CAUSAL:  # aligned square blocks: key tile n0 is seen from query row n0 on
+    # per_len: offsets that scale with each sequence's length (positions.py). New names, not
+    # reassigned arguments: Triton specializes an argument equal to 1 as a constant.
+    q_start = q_start0 + q_per_len * len_q
+    k_start = k_start0 + k_per_len * len_k
+    if MASKED:
+        key_lo = k_start + k_stride * n0
+        key_hi = k_start + k_stride * (gl.minimum(n0 + BLOCK_N, len_k) - 1)
+        lo, hi = _query_span(
+            key_lo, key_hi, q_start, q_stride, len_q, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M
+        )
+        # Programs past their sequence's keys walk nothing and store nothing. Every partition
+        # takes its trip counts from n_tiles; with none, dK/dV of the key tile are stored as 0.
+        n_tiles = gl.where(n0 < len_k, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    elif DIAGONAL:  # aligned square tiles: key tile n0 is seen from query row n0 on
         lo = n0
+        n_tiles = (len_q - lo) // BLOCK_M
     else:
-        lo = 0
-    n_tiles = (seqlen_q - lo) // BLOCK_M
+        lo = len_q * 0
+        n_tiles = len_q // BLOCK_M
     p = Shared(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
-        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows, b * do_batch_rows,
-        b * dq_batch_rows, b * k_batch_rows + n0, b * v_batch_rows + n0, n0, lo, hk * GROUP * HEAD_DIM,
-        hk * HEAD_DIM, n_tiles,
+        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
+        b * do_batch_rows + q0, b * dq_batch_rows + q0, b * k_batch_rows + k0 + n0,
+        b * v_batch_rows + k0 + n0, n0, lo, hk * GROUP * HEAD_DIM, hk * HEAD_DIM, n_tiles, len_q,
+    )  # fmt: skip
+    zero = len_q * 0  # arguments that arrive as the constant 1 made scalars for the aggregate
+    mk = Mask(
+        len_q, len_k, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start, k_stride + zero,
     )  # fmt: skip
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
-    lse_off = b64 * stride_lb + hk64 * GROUP * stride_lh
+    lse_off = b64 * stride_lb + hk64 * GROUP * stride_lh + q0
     alibi_ptr = ALIBI + (b * gl.num_programs(1) + hk) * GROUP  # this group's first query head
     dk, dv = gl.warp_specialize(
         [
@@ -372,37 +543,78 @@ def _fused_bwd_kernel(
                 _compute_partition,
                 (
                     p,
+                    mk,
                     qk_scale,
                     tanh_scale,
                     softmax_scale,
                     alibi_ptr,
-                    q_start,
-                    q_stride,
-                    k_start,
-                    k_stride,
                     GROUP,
                     BLOCK_M,
                     BLOCK_N,
                     HEAD_DIM,
-                    CAUSAL,
+                    DIAGONAL,
+                    MASKED,
+                    HAS_LEFT,
+                    HAS_RIGHT,
                     SOFTCAP,
                     HAS_ALIBI,
                     num_warps,
                 ),
-            ),  # fmt: skip
-            (_load_partition, (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM)),
+            ),
+            (
+                _load_partition,
+                (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED),
+            ),
             (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
     )
     layout: gl.constexpr = dk.type.layout
-    rows = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    rows = (k0 + offs_n).to(gl.int64)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))[None, :]
     dk_offs = b64 * stride_dkb + hk64 * stride_dkh + rows[:, None] * stride_dks + cols
     dv_offs = b64 * stride_dvb + hk64 * stride_dvh + rows[:, None] * stride_dvs + cols
-    _store_grad(DK, dk, dk_offs, ACCUMULATE)
-    _store_grad(DV, dv, dv_offs, ACCUMULATE)
+    if MASKED:
+        ok = (offs_n < len_k)[:, None] & (cols < HEAD_DIM)
+    else:
+        ok = None
+    _store_grad(DK, dk, dk_offs, ok, ACCUMULATE)
+    _store_grad(DV, dv, dv_offs, ok, ACCUMULATE)
+
+
+def backward_supports(problem: AttentionProblem) -> bool:
+    """Whether ``fused_backward`` computes ``problem`` (the GPU, dtype and tensor layouts are the
+    gate's to check, hopper_path.py): head_dim 64 or 128 (``TILES``), and every position and
+    window bound of magnitude below ``POSITION_LIMIT`` (int32 sums), with ALiBi below
+    ``ALIBI_POSITION_LIMIT`` (float32 differences). Any lengths, packed documents, windows,
+    positions, GQA/MQA, softcap and ALiBi."""
+    if problem.head_dim not in TILES:
+        return False
+    extremes = []
+    for pos, n in ((problem.q_positions, problem.max_seqlen_q), (problem.k_positions, problem.max_seqlen_k)):
+        # Linear in a sequence's length L <= n: extreme at L = 0 or L = n.
+        extremes += [pos.start, pos.start + pos.per_len * n, pos.start + (pos.per_len + pos.stride) * n]
+    bounds = [x for x in (problem.bounds.left, problem.bounds.right) if x is not None]
+    limit = POSITION_LIMIT if problem.alibi_slopes is None else ALIBI_POSITION_LIMIT
+    return max(abs(x) for x in extremes + bounds) < limit
+
+
+def _aligned_diagonal(problem: AttentionProblem, block_m: int, block_n: int) -> bool:
+    """Causal between blocks at equal positions (stride 1) whose lengths are multiples of the
+    tiles: the DIAGONAL variant's index mask, cheaper than MASKED's positions (591 instead of
+    451 instructions per tile at head_dim 128)."""
+    n = problem.max_seqlen_q
+    return (
+        not problem.varlen
+        and problem.bounds == MaskBounds(None, 0)
+        and n == problem.max_seqlen_k
+        and n % block_m == 0
+        and n % block_n == 0
+        and problem.q_positions.resolved(n) == problem.k_positions.resolved(n)
+        and problem.q_positions.stride == 1
+    )
 
 
 def fused_backward(
@@ -420,24 +632,48 @@ def fused_backward(
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv.
 
-    q/dout: (batch, seqlen_q, heads_q, 128), k/v: (batch, seqlen_k, heads_k, 128), bf16/fp16 on
-    an sm_90 GPU, in layouts ``tma_layout_ok`` accepts (dq too); lse/delta: (batch, heads_q,
-    seqlen_q) float32. The caller (``attention_backward``) checks the rest: no window, causal only
-    on aligned square blocks, lengths multiples of 128. A softcap and ALiBi are honoured as in the
-    forward. dq is added to, never overwritten: zero it first for a plain backward."""
-    batch, seqlen_q = q.shape[:2]
-    qd, q_rows = rows_descriptor(q, BLOCK_M)
-    dod, do_rows = rows_descriptor(dout, BLOCK_M)
-    dqd, dq_rows = rows_descriptor(dq, BLOCK_M)
-    kd, k_rows = rows_descriptor(k, BLOCK_N)
-    vd, v_rows = rows_descriptor(v, BLOCK_N)
-    grid = (problem.max_seqlen_k // BLOCK_N, problem.heads_k, batch)
+    q/dout: (batch, seqlen_q, heads_q, head_dim), k/v: (batch, seqlen_k, heads_k, head_dim), or
+    (total, heads, head_dim) with ``problem.varlen``; bf16/fp16 on an sm_90 GPU, in layouts
+    ``tma_layout_ok`` accepts (dq too); lse/delta: float32 in ``problem.lse_shape``, last stride 1.
+    The caller checks the rest (``backward_supports`` and the gate). Any mask the problem
+    describes, a softcap and ALiBi are honoured as in the forward. dq is added to, never
+    overwritten: zero it first for a plain backward."""
+    varlen = problem.varlen
+    if varlen:
+        dout, q, k, v, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, dq, dk, dv))
+    if k.shape[1] == 0:
+        return
+    if q.shape[1] == 0:  # no queries (TMA takes no empty tensor): zero gradients for the keys
+        if not accumulate:
+            dk.zero_()
+            dv.zero_()
+        return
+    block_m, block_n = TILES[problem.head_dim]
+    qd, q_rows = rows_descriptor(q, block_m)
+    dod, do_rows = rows_descriptor(dout, block_m)
+    dqd, dq_rows = rows_descriptor(dq, block_m)
+    kd, k_rows = rows_descriptor(k, block_n)
+    vd, v_rows = rows_descriptor(v, block_n)
+    dk_strides, dv_strides = list(dk.stride()[:3]), list(dv.stride()[:3])
+    lse_strides = [lse.stride(0), lse.stride(1)]
+    if varlen:  # one packed batch: sequences start at their cu_seqlens rows
+        q_rows = do_rows = dq_rows = k_rows = v_rows = dk_strides[0] = dv_strides[0] = 0
+        lse_strides = [0, lse.stride(0)]
+    b = problem.bounds
+    diagonal = _aligned_diagonal(problem, block_m, block_n)
+    tails = problem.max_seqlen_q % block_m != 0 or problem.max_seqlen_k % block_n != 0
+    masked = not diagonal and (varlen or not b.is_full or tails)
+    cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
+    cu_k = problem.cu_seqlens_k if varlen else lse
+    slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
+    grid = (triton.cdiv(problem.max_seqlen_k, block_n), problem.heads_k, problem.batch)
     _fused_bwd_kernel[grid](
-        qd, kd, vd, dod, dqd, dk, dv, lse, delta, seqlen_q, q_rows, do_rows, dq_rows, k_rows, v_rows,
-        *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1),
-        *score_scales(problem), problem.softmax_scale, *alibi_args(problem, lse),
-        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-        CAUSAL=problem.bounds.right is not None, SOFTCAP=bool(problem.softcap),
-        HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
+        qd, kd, vd, dod, dqd, dk, dv, lse, delta, cu_q, cu_k, slopes,
+        problem.max_seqlen_q, problem.max_seqlen_k, q_rows, do_rows, dq_rows, k_rows, v_rows,
+        *dk_strides, *dv_strides, *lse_strides,
+        *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
+        GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=problem.head_dim, VARLEN=varlen,
+        DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
+        SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

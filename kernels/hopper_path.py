@@ -1,9 +1,8 @@
 """When the Hopper Gluon kernels (hopper_forward.py, hopper_backward.py) run instead of Triton's.
 
-On an H100/H200 the forward takes every mask the library accepts (any lengths, packed
-documents, windows, a ring step's positions) at head_dim 64, 128 and 256; the fused backward
-takes head_dim 128 on whole tiles, unmasked or causal on a shard's own diagonal
-(``dense_aligned``). Everything else, fp32, and every machine without Gluon or an sm_90 GPU
+On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
+windows, a ring step's positions): the forward at head_dim 64, 128 and 256, the fused backward
+at 64 and 128. Everything else, fp32, and every machine without Gluon or an sm_90 GPU
 (the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
 Hopper kernel needs, each kernel's module what it adds.
 """
@@ -22,7 +21,6 @@ from .configs import INTERPRET
 from .positions import TokenPositions
 from .problem import AttentionProblem
 
-HEAD_DIM = 128  # the head_dim of the fused backward
 # Positions and window bounds go through int32 in the kernels: every sum of two stays in range.
 POSITION_LIMIT = 2**29
 # ALiBi's position differences go through float32 (in the forward via the exponent bits of
@@ -93,21 +91,3 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
     if problem.varlen:
         q, k, v = (t.unsqueeze(0) for t in (q, k, v))
     return tma is not None and all(tma.tma_layout_ok(t) for t in (q, k, v))
-
-
-def dense_aligned(problem: AttentionProblem) -> bool:
-    """Whole tiles of 128 without window, causal only between blocks whose positions coincide
-    (a shard's own diagonal block), head_dim 128, no packed documents."""
-    n = problem.max_seqlen_q
-    if (
-        problem.head_dim != 128
-        or problem.varlen
-        or problem.bounds.left is not None
-        or n % 128
-        or problem.max_seqlen_k % 128
-    ):
-        return False
-    if problem.bounds.right is None:
-        return True
-    qp, kp = problem.q_positions.resolved(n), problem.k_positions.resolved(problem.max_seqlen_k)
-    return problem.bounds.right == 0 and problem.max_seqlen_k == n and qp == kp and qp.stride == 1

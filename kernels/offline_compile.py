@@ -163,23 +163,33 @@ def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16", he
 
 def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
-    target: GPUTarget = HOPPER,
+    target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
+    tail: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
-    ALiBi."""
+    ALiBi, at ``head_dim``. Masks: ``causal`` alone builds the DIAGONAL variant (aligned causal
+    blocks); ``left`` (a left bound, with ``causal`` a right one too), ``varlen`` (packed
+    documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one."""
     from . import hopper_backward as hb
 
-    kv = _example_descriptor(1, hb.BLOCK_N)
-    q = _example_descriptor(group, hb.BLOCK_M)
-    dq = _example_descriptor(group, hb.BLOCK_M, "float32")
+    block_m, block_n = hb.TILES[head_dim]
+    masked = left or varlen or tail
+    diagonal = causal and not masked
+    kv = _example_descriptor(1, block_n, head_dim=head_dim)
+    q = _example_descriptor(group, block_m, head_dim=head_dim)
+    dq = _example_descriptor(group, block_m, "float32", head_dim=head_dim)
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq)
     consts = dict(
-        GROUP=group, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, HEAD_DIM=hb.HEAD_DIM, CAUSAL=causal,
-        SOFTCAP=softcap, HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **_UNIT_STRIDES,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, VARLEN=varlen, DIAGONAL=diagonal,
+        MASKED=masked, HAS_LEFT=left, HAS_RIGHT=causal, SOFTCAP=softcap,
+        HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **_UNIT_STRIDES,
     )  # fmt: skip
     grads = "*fp32" if accumulate else "*bf16"
-    pointers = {"DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32"}
+    cu = "*i32" if varlen else "*fp32"
+    pointers = {
+        "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
+    }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)
 
