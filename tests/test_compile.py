@@ -88,13 +88,19 @@ CASES = {
         (True, 1, False, False, 128, "tail", 8), (True, 1, False, False, 128, "left", 9),
         (True, 4, True, False, 128, "left varlen", 14), (True, 1, False, True, 128, "varlen", 31),
         (False, 1, False, False, 64, "", 0), (True, 2, True, False, 64, "left varlen", 0),
-        (False, 1, False, True, 64, "tail", 0),
+        (False, 1, False, True, 64, "tail", 0), (True, 2, True, True, 64, "left varlen ones", 0),
     ],
 }[sys.argv[1]]
+# "ones": every integer argument that a launch can specialize to the constant 1 (one-token
+# sequences, unit strides and offsets, a window of 1): the kernel must not reassign them.
+ONES = (
+    "q_stride", "k_stride", "seqlen_q", "seqlen_k", "win_left", "win_right", "q_per_len", "k_per_len",
+    "q_start0", "k_start0", "stride_lh", "q_batch_rows",
+)
 for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     k = compile_fused_backward(
         causal, group, accumulate, softcap, alibi=softcap, head_dim=head_dim, left="left" in mask,
-        varlen="varlen" in mask, tail="tail" in mask,
+        varlen="varlen" in mask, tail="tail" in mask, ones=ONES if "ones" in mask else ONES[:2],
     )
     case = (causal, group, softcap, head_dim, mask)
     ptx = k.asm["ptx"]
