@@ -164,13 +164,14 @@ def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16", he
 def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
     target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
-    tail: bool = False,
+    tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES),
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
     ALiBi, at ``head_dim``. Masks: ``causal`` alone builds the DIAGONAL variant (aligned causal
     blocks); ``left`` (a left bound, with ``causal`` a right one too), ``varlen`` (packed
-    documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one."""
+    documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one. Integer
+    arguments named in ``ones`` arrive as the constant 1 (a launch's specialization)."""
     from . import hopper_backward as hb
 
     block_m, block_n = hb.TILES[head_dim]
@@ -183,7 +184,7 @@ def compile_fused_backward(
     consts = dict(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, VARLEN=varlen, DIAGONAL=diagonal,
         MASKED=masked, HAS_LEFT=left, HAS_RIGHT=causal, SOFTCAP=softcap,
-        HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **_UNIT_STRIDES,
+        HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **dict.fromkeys(ones, 1),
     )  # fmt: skip
     grads = "*fp32" if accumulate else "*bf16"
     cu = "*i32" if varlen else "*fp32"

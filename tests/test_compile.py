@@ -68,8 +68,8 @@ print("fits")
 # the two 1-warp workers at 24, one TMA reduce-add group per dQ tile, one tile loop (5 x 8 wgmma
 # per warpgroup at head_dim 128, 5 x 8 minus the halved dQ products at 64, causal or not) whose
 # wgmma ptxas did not serialize, and few registers reloaded from local memory per tile: an address
-# or two unmasked, more with GQA's per-head loop, the masked variants' visibility and softcap +
-# ALiBi (the worst before its logits were reordered: 37, at a 30% loss of backward speed).
+# or two unmasked, more with GQA's per-head loop, runtime position strides and softcap + ALiBi
+# (the worst before its logits were reordered: 37, at a 30% loss of backward speed).
 # (causal, group, accumulate, softcap + ALiBi, head_dim, mask, most loop spills) as measured on
 # 2026-11-24 (docs in the module); mask: "" none or DIAGONAL (causal alone), "tail" lengths not
 # multiples of the tiles, "left" a window's left bound, "varlen" packed documents.
@@ -85,16 +85,25 @@ CASES = {
         (True, 4, True, False, 128, "", 6), (False, 1, False, True, 128, "", 8),
     ],
     "masked": [
-        (True, 1, False, False, 128, "tail", 8), (True, 1, False, False, 128, "left", 9),
-        (True, 4, True, False, 128, "left varlen", 14), (True, 1, False, True, 128, "varlen", 31),
-        (False, 1, False, False, 64, "", 0), (True, 2, True, False, 64, "left varlen", 0),
-        (False, 1, False, True, 64, "tail", 0),
+        (True, 1, False, False, 128, "tail", 2), (True, 1, False, False, 128, "left", 2),
+        (True, 4, True, False, 128, "left varlen", 10), (True, 1, False, True, 128, "varlen", 6),
+        (True, 1, False, False, 128, "left strides", 7), (False, 1, False, False, 64, "", 0),
+        (True, 2, True, False, 64, "left varlen", 0), (False, 1, False, True, 64, "tail", 0),
+        (True, 2, True, True, 64, "left varlen ones", 0),
     ],
 }[sys.argv[1]]
+# "ones": every integer argument that a launch can specialize to the constant 1 (one-token
+# sequences, unit strides and offsets, a window of 1): the kernel must not reassign them.
+# "strides": positions with runtime strides (stripes); otherwise unit strides, as most launches.
+ONES = (
+    "q_stride", "k_stride", "seqlen_q", "seqlen_k", "win_left", "win_right", "q_per_len", "k_per_len",
+    "q_start0", "k_start0", "stride_lh", "q_batch_rows",
+)
 for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     k = compile_fused_backward(
         causal, group, accumulate, softcap, alibi=softcap, head_dim=head_dim, left="left" in mask,
         varlen="varlen" in mask, tail="tail" in mask,
+        ones=ONES if "ones" in mask else () if "strides" in mask else ONES[:2],
     )
     case = (causal, group, softcap, head_dim, mask)
     ptx = k.asm["ptx"]
@@ -126,7 +135,7 @@ def ok(**kw):
 assert ok() and ok(head_dim=128) and ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
 assert not ok(head_dim=96) and not ok(head_dim=256)
 assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
-assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens apart by 2^24: past 2^30
+assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens 2^24 apart: past POSITION_LIMIT
 slopes = torch.ones(1, 4)
 assert ok(alibi_slopes=slopes) and not ok(alibi_slopes=slopes, q_positions=TokenPositions(2**22))
 print("supports ok")
