@@ -71,16 +71,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .hopper_forward import score_scales, tanh_approx
+from .hopper_path import ALIBI_POSITION_LIMIT, POSITION_LIMIT
 from .hopper_tma import rows_descriptor
 from .positions import MaskBounds
 from .problem import AttentionProblem
 
 # head_dim -> (query rows per tile, key rows per program)
 TILES = {64: (64, 128), 128: (64, 128)}
-# Positions and window bounds below this keep every sum of _visible_t inside int32.
-POSITION_LIMIT = 2**29
-# ALiBi's positions become float32 (_alibi_bias_t): exact, and so their differences, below this.
-ALIBI_POSITION_LIMIT = 2**22
 NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # At entry; warp specialization pads the two 1-warp workers to a warpgroup and redistributes:
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.

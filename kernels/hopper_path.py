@@ -21,7 +21,8 @@ from .configs import INTERPRET
 from .positions import TokenPositions
 from .problem import AttentionProblem
 
-# Positions and window bounds go through int32 in the kernels: every sum of two stays in range.
+# Positions and window bounds go through int32 in the kernels: every sum of two stays in range
+# (the backward's _visible_t adds up to four).
 POSITION_LIMIT = 2**29
 # ALiBi's position differences go through float32 (in the forward via the exponent bits of
 # 1.5 * 2^23): exact while |pq - pk| and every position stay below this.

@@ -119,14 +119,16 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
         return uses_fused_backward(build_problem(q, k, v, None, causal, window, **kw), q, k, v)
 
     assert fused()
-    assert not fused(window=(64, 0))
-    assert not fused(q=q[:, :128])  # causal, seqlen_q != seqlen_k: bottom-right aligned
-    assert not fused(q_positions=TokenPositions(128), k_positions=TokenPositions(0))
-    assert not fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(0, 2))  # stripe
-    assert not fused(q=q[:, :192], k=k[:, :192], v=v[:, :192])  # not a multiple of 128
-    assert not fused(*(t[..., :64].contiguous() for t in (q, k, v)))  # head_dim 64: a tie, not used
+    assert fused(window=(64, 0))
+    assert fused(q=q[:, :100])  # causal, seqlen_q != seqlen_k: bottom-right aligned
+    assert fused(q_positions=TokenPositions(128), k_positions=TokenPositions(0))
+    assert fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(1, 2))  # stripe
+    assert fused(q=q[:, :193], k=k[:, :193], v=v[:, :193])
+    assert fused(*(t[..., :64].contiguous() for t in (q, k, v)))
+    assert not fused(*(torch.cat([t, t], -1) for t in (q, k, v)))  # head_dim 256: Triton kernels
     assert not fused(*(t.float() for t in (q, k, v)))
     assert not fused(q=cuda_randn(1, 256, 4, D)[:, :, ::2])  # heads not packed in the token's row
+    assert not fused(window=(2**29, 0))  # int32 position sums in the kernel
     monkeypatch.setenv("RINGFLASH_FUSED_BACKWARD", "0")
     assert not fused()
     monkeypatch.delenv("RINGFLASH_FUSED_BACKWARD")

@@ -1,5 +1,5 @@
-"""A ring's kernel calls on one H100/H200: every rank's steps of a W-rank ring run through the
-Hopper forward, with the K/V shards of the other ranks handed over by a stand-in for the ring's
+"""A ring's kernel calls on one H100/H200: every rank's steps of a W-rank ring take the Hopper
+kernels (the fused backward's schedule too) and run through the Hopper forward, with the K/V shards of the other ranks handed over by a stand-in for the ring's
 communication, and the merged result equals float64 attention over the full sequence. The
 transfers themselves are tested over gloo (test_ring.py) and on several GPUs (``multigpu``)."""
 
@@ -66,6 +66,7 @@ def test_ring_steps_take_the_hopper_forward(monkeypatch, layout, causal, window,
         plan = ring.ring_plan(base, layout, comm, doc_lens, docs is not None, q.device)
         calls = [c for step in plan for c in step]
         assert all(uses_fused_forward(c.problem, qr[c.q_index], kr[c.k_index], vr[c.k_index]) for c in calls)
+        assert ring.backward_is_fused(plan, qr, kr, vr)  # the ring's fused backward schedule
         before = len(launched)
         out[:, index[rank]], lse[:, :, index[rank]] = ring.ring_forward(qr, kr, vr, plan, comm)
         assert len(launched) - before == len(calls)
