@@ -1,7 +1,8 @@
 """A ring's kernel calls on one H100/H200: every rank's steps of a W-rank ring take the Hopper
-kernels (the fused backward's schedule too) and run through the Hopper forward, with the K/V shards of the other ranks handed over by a stand-in for the ring's
-communication, and the merged result equals float64 attention over the full sequence. The
-transfers themselves are tested over gloo (test_ring.py) and on several GPUs (``multigpu``)."""
+kernels (the fused backward's schedule too) and run through the Hopper forward, with the K/V
+shards of the other ranks handed over by a stand-in for the ring's communication; the merged
+result equals float64 attention over the full sequence. The transfers themselves are tested over
+gloo (test_ring.py) and on several GPUs (``multigpu``)."""
 
 from __future__ import annotations
 
