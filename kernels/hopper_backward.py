@@ -386,7 +386,7 @@ def _compute_tile(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, mk: Mask, qk_scale, tanh_scale, softmax_scale, alibi_ptr,
+    p: Shared, mk: Mask, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale, alibi_ptr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
@@ -422,12 +422,36 @@ def _compute_partition(
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
             alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-        for t in range(p.n_tiles):
-            dk, dv = _compute_tile(
-                p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HAS_ALIBI,
-            )  # fmt: skip
+        if MASKED and not (SOFTCAP or HAS_ALIBI):  # masked edges, the unmasked middle, masked edges
+            for t in range(t_full_lo):
+                dk, dv = _compute_tile(
+                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HAS_ALIBI,
+                )  # fmt: skip
+            # dK retired between the loops: in flight from one loop into the next, ptxas
+            # serializes every wgmma at head_dim 128 (see above).
+            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+            for t in range(t_full_lo, t_full_hi):
+                dk, dv = _compute_tile(
+                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HAS_ALIBI,
+                )  # fmt: skip
+            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+            for t in range(t_full_hi, p.n_tiles):
+                dk, dv = _compute_tile(
+                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HAS_ALIBI,
+                )  # fmt: skip
+        else:  # with a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
+            for t in range(p.n_tiles):
+                dk, dv = _compute_tile(
+                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
+                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL, MASKED, HAS_LEFT, HAS_RIGHT,
+                    SOFTCAP, HAS_ALIBI,
+                )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
 
@@ -505,12 +529,29 @@ def _fused_bwd_kernel(
         # Programs past their sequence's keys walk nothing and store nothing. Every partition
         # takes its trip counts from n_tiles; with none, dK/dV of the key tile are stored as 0.
         n_tiles = gl.where(n0 < len_k, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+        # The query tiles in which every pair is visible run unmasked: rows from full_lo up to
+        # full_hi see every key of a whole key tile.
+        full_lo = len_q * 0
+        full_hi = len_q
+        if HAS_RIGHT:
+            full_lo = _first_at_or_after(key_hi - win_right, q_start, q_stride)
+        if HAS_LEFT:
+            full_hi = gl.minimum(_count_at_or_before(key_lo + win_left, q_start, q_stride), len_q)
+        t_full_lo = gl.minimum((gl.maximum(full_lo - lo, 0) + BLOCK_M - 1) // BLOCK_M, n_tiles)
+        t_full_hi = gl.minimum(gl.maximum(full_hi - lo, 0) // BLOCK_M, n_tiles)
+        none_full = (n0 + BLOCK_N > len_k) | (t_full_hi <= t_full_lo)
+        t_full_lo = gl.where(none_full, n_tiles, t_full_lo)
+        t_full_hi = gl.where(none_full, n_tiles, t_full_hi)
     elif DIAGONAL:  # aligned square tiles: key tile n0 is seen from query row n0 on
         lo = n0
         n_tiles = (len_q - lo) // BLOCK_M
+        t_full_lo = n_tiles
+        t_full_hi = n_tiles
     else:
         lo = len_q * 0
         n_tiles = len_q // BLOCK_M
+        t_full_lo = n_tiles
+        t_full_hi = n_tiles
     p = Shared(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
         dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
@@ -532,6 +573,8 @@ def _fused_bwd_kernel(
                 (
                     p,
                     mk,
+                    t_full_lo,
+                    t_full_hi,
                     qk_scale,
                     tanh_scale,
                     softmax_scale,
