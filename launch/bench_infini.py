@@ -128,7 +128,7 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
             row["error"] = "OOM"
         if method == "infini":
             row["memory_state_share"] = (
-                infini_memory_bytes(1, args.kv_heads, args.head_dim, s, seg) / activations
+                infini_memory_bytes(1, args.kv_heads, args.head_dim, s, seg, args.update) / activations
             )
         for t in leaves:
             t.grad = None
