@@ -7,12 +7,15 @@ lengths where it fits and finishes, in the same run on the same inputs.
     python launch/bench_infini.py --lengths 262144 1048576 --segments 4096 --update delta
     python launch/bench_infini.py --smoke          # CPU, Triton interpreter, tiny shapes
 
-Batch 1, bf16, 8 query / 8 key-value heads of 128 by default. Each cell is the median of --reps
-timed fwd+bwd runs after one warm-up; peak memory is the fwd+bwd's peak allocation above the
-inputs. Columns: tok/s, ns/token (linear scaling keeps it flat), its ratio to the first length
-at or above 256K, the memory path's share of time (1 - local attention time / Infini time) and
-the per-segment memory state against the q/k/v/out activations. Exact attention is skipped
-above --exact-max-len (its time grows as S^2) and reported as OOM when it does not fit.
+Batch 1, bf16, 8 query / 8 key-value heads of 128 by default (at 4M tokens q, k, v, the
+output gradient and the gradients take ~56 GiB, so it fits one 141 GB H200). Each cell is the
+median of --reps timed fwd+bwd runs (``out.backward(dout)`` with a random bf16 dout) after one
+warm-up; peak memory is the fwd+bwd's peak allocation above the inputs and dout. Columns: tok/s,
+ns/token (linear scaling keeps it flat), its ratio to the first length at or above 256K, the
+local attention's throughput over Infini-attention's (the target is >= 0.8) and the float32
+memory state that the forward keeps for the backward against the q/k/v/out activations. A run
+that does not fit is reported as OOM and the benchmark goes on. Exact attention is skipped above
+--exact-max-len (its time grows as S^2). A summary against the targets ends the output.
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(run, leaves, device: torch.device, reps: int) -> dict:
+def measure(run, leaves, dout: torch.Tensor, device: torch.device, reps: int) -> dict:
     """Median seconds of fwd+bwd and its peak memory above what was allocated before."""
     for t in leaves:
         t.grad = None
-    run().float().sum().backward()  # warm-up (compilation)
+    run().backward(dout)  # warm-up (compilation)
     times = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -76,7 +79,7 @@ def measure(run, leaves, device: torch.device, reps: int) -> dict:
             t.grad = None
         _sync(device)
         t0 = time.perf_counter()
-        run().float().sum().backward()
+        run().backward(dout)
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else 0.0
@@ -103,6 +106,7 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
     shapes = [(1, s, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
     try:
         q, k, v = (torch.randn(sh, device=device, dtype=dtype, generator=g).requires_grad_() for sh in shapes)
+        dout = torch.randn(shapes[0], device=device, dtype=dtype, generator=g)
     except torch.OutOfMemoryError:
         return [{"seqlen": s, "method": "inputs", "segment_len": None, "error": "OOM"}]
     beta = torch.zeros(args.heads, device=device, requires_grad=True)
@@ -121,7 +125,7 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
     for method, seg, run, leaves in runs:
         row = {"seqlen": s, "method": method, "segment_len": seg}
         try:
-            row.update(measure(functools.partial(run, seg), leaves, device, args.reps))
+            row.update(measure(functools.partial(run, seg), leaves, dout, device, args.reps))
             row["tokens_per_s"] = s / row["time_s"]
             row["ns_per_token"] = 1e9 * row["time_s"] / s
         except torch.OutOfMemoryError:
@@ -192,6 +196,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """Infini-attention against the targets, per segment length: throughput over the local
+    attention's (>= 0.8), ns/token from 256K to the longest length that ran (<= +10%), the memory
+    state kept for the backward against the activations (< 1%), and the longest length that fit."""
+    lines = []
+    for seg in sorted({r["segment_len"] for r in rows if r["method"] == "infini"}):
+        ran = [r for r in rows if r["method"] == "infini" and r["segment_len"] == seg and "time_s" in r]
+        if not ran:
+            lines.append(f"segment {seg}: no run fit")
+            continue
+        ratios = [r["local_throughput_ratio"] for r in ran if "local_throughput_ratio" in r]
+        growth = [r["ns_per_token_vs_256k"] for r in ran if "ns_per_token_vs_256k" in r]
+        longest = max(ran, key=lambda r: r["seqlen"])
+        parts = [
+            f"segment {seg}: longest that ran {longest['seqlen']} tokens (peak {longest['peak_gib']:.1f} GiB)"
+        ]
+        if ratios:
+            parts.append(
+                f"throughput / local attention's {min(ratios):.2f}-{max(ratios):.2f} (target >= 0.8)"
+            )
+        if len(growth) > 1:
+            parts.append(
+                f"ns/token {100 * (growth[-1] - 1):+.1f}% from 256K to {longest['seqlen']}, "
+                f"worst {100 * (max(growth) - 1):+.1f}% (target <= +10%)"
+            )
+        share = max(r["memory_state_share"] for r in ran)
+        parts.append(f"memory state kept {100 * share:.3f}% of activations (target < 1%)")
+        lines.append("; ".join(parts))
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     device = "cpu (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
@@ -202,6 +237,7 @@ def main() -> None:
     )
     rows = bench(args)
     print(table(rows))
+    print(summary(rows))
     if args.json:
         meta = {
             "device": device,
