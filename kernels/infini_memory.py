@@ -267,11 +267,21 @@ def _retrieval_state_backward_kernel(
     tl.store(GZ + state * HEAD_DIM + offs_d, gz, mask=d_ok & (pid_n == 0))
 
 
-def _tiles(head_dim: int, dtype: torch.dtype) -> dict:
+# Programs per launch above which the kernels that sum over a segment's tokens (one program per
+# segment, head and column block) take all columns at once, reading k or q once instead of once
+# per 64 columns; below it the column blocks keep the GPU's SMs busy.
+WIDE_STATE_PROGRAMS = 256
+
+
+def _tiles(head_dim: int, dtype: torch.dtype, state_programs: int = 0) -> dict:
+    """Tile constexprs; ``state_programs``: the (segment, head) programs of a kernel with a
+    column-block grid axis (0 for the others, whose BLOCK_N only sizes a loop over columns)."""
     bd = block_d(head_dim)
+    wide = bd <= 128 and state_programs >= WIDE_STATE_PROGRAMS
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=min(64, bd), LOW_PRECISION=dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=8 if bd >= 128 else 4,
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=bd if wide else min(64, bd),
+        LOW_PRECISION=dtype == torch.bfloat16, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=8 if bd >= 128 else 4,
     )  # fmt: skip
 
 
@@ -296,7 +306,7 @@ def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[
     n_seg = _n_seg(s, segment_len)
     dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
     dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
-    tiles = _tiles(d, k.dtype)
+    tiles = _tiles(d, k.dtype, b * n_seg * kv_heads)
     grid = (b * n_seg, kv_heads, triton.cdiv(d, tiles["BLOCK_N"]))
     _update_kernel[grid](
         k, v, dm, dz, s, n_seg, segment_len, kv_heads, *k.stride()[:3], *v.stride()[:3],
@@ -378,6 +388,7 @@ def memory_retrieval_backward(
         GROUP=group, BLOCK_M=block_m, **tiles,
     )  # fmt: skip
     gm, gz = torch.empty_like(m_before), torch.empty_like(z_before)
+    tiles = _tiles(d, q.dtype, b * n_seg * kv_heads)
     _retrieval_state_backward_kernel[(b * n_seg, kv_heads, triton.cdiv(d, tiles["BLOCK_N"]))](
         q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
         *q.stride()[:3], *dout.stride()[:3], GROUP=group, BLOCK_M=block_m, **tiles,

@@ -101,6 +101,26 @@ def test_matches_float64_loop_over_segments(
         _check(name, got.grad, want.grad, tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_bf16_tensor_core_memory_matches_float64(device, update):
+    """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
+    accumulation), which the interpreter cannot run: head_dim 128 (two column blocks), segments
+    of several token blocks, GQA and a shorter last segment, against the float64 loop."""
+    q, k, v, beta, dout = _inputs(2, 700, 4, 2, 128, torch.bfloat16, seed=7)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, ref_memory = infini_reference(*ref, 256, update)
+    ref_out.backward(dout.double().cpu())
+    tol = TOLERANCE[torch.bfloat16]
+    _check("out", out, ref_out, tol)
+    _check("memory matrix", memory.matrix, ref_memory[0], tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, tol)
+
+
 @pytest.mark.parametrize("update", ["linear", "delta"])
 def test_two_calls_carrying_the_memory_equal_one_call(device, update):
     q, k, v, beta, dout = (t.to(device) for t in _inputs(1, 20, 2, 1, 16, torch.float32, seed=5))
