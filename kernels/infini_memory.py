@@ -35,10 +35,25 @@ def _sigma(x):
 
 
 @triton.jit
-def _dot(a, b, acc, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _sigma_grad(sigma):
+    """sigma'(x) from sigma(x): 1 above 0 (where sigma > 1), exp(x) = sigma below."""
+    return tl.where(sigma > 1.0, 1.0, sigma)
+
+
+@triton.jit
+def _operand(x, LOW_PRECISION: tl.constexpr):
+    """A matmul operand: bf16 (LOW_PRECISION) or float32; converted once, where it is loaded."""
     if LOW_PRECISION:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        x = x.to(tl.bfloat16)
+    else:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with float32 accumulation; operands bf16 (LOW_PRECISION) or float32."""
+    return tl.dot(_operand(a, LOW_PRECISION), _operand(b, LOW_PRECISION), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -51,18 +66,17 @@ def _segment(pid_bs, n_seg, segment_len, seqlen):
 
 @triton.jit
 def _load_sigma(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr):
-    """A (rows, BLOCK_D) tile as float32 x and sigma(x), sigma 0 outside the tile's valid part."""
+    """sigma of a (rows, BLOCK_D) tile in float32, 0 outside the tile's valid part."""
     mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_s + offs_d[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    return x, tl.where(mask, _sigma(x), 0.0)
+    return tl.where(mask, _sigma(x.to(tl.float32)), 0.0)
 
 
 @triton.jit
 def _update_kernel(
     K, V, DM, DZ, seqlen, n_seg, segment_len, kv_heads,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (segment, kv head, column block): dM_s[:, cols] and (column block 0) dz_s."""
@@ -76,10 +90,10 @@ def _update_kernel(
     v_base = V + b * stride_vb + h * stride_vh + cols[None, :]
     acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     z = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_L):
-        rows = t0 + tl.arange(0, BLOCK_L)
+    for t0 in range(start, end, BLOCK_M):
+        rows = t0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
-        _, keys = _load_sigma(k_base, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
+        keys = _load_sigma(k_base, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
         vmask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
         v = tl.load(v_base + rows[:, None].to(tl.int64) * stride_vs, mask=vmask, other=0.0)
         acc = _dot(tl.trans(keys), v, acc, LOW_PRECISION, DOT_PRECISION)
@@ -108,7 +122,8 @@ def _update_backward_kernel(
     row_ok = rows < end
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    k, keys = _load_sigma(K + b * stride_kb + h * stride_kh, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
+    keys = _load_sigma(K + b * stride_kb + h * stride_kh, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
+    keys = _operand(keys, LOW_PRECISION)
     state = pid_bs.to(tl.int64) * kv_heads + h
     gz = tl.load(GDZ + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     dkeys = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32) + gz[None, :]
@@ -117,7 +132,7 @@ def _update_backward_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < HEAD_DIM
         gm_ptrs = GDM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
-        gm = tl.load(gm_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        gm = _operand(tl.load(gm_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0), LOW_PRECISION)
         vmask = row_ok[:, None] & col_ok[None, :]
         v = tl.load(
             V + b * stride_vb + h * stride_vh + rows64 * stride_vs + cols[None, :], mask=vmask, other=0.0
@@ -127,7 +142,7 @@ def _update_backward_kernel(
         dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvs + cols[None, :]
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=vmask)
         dkeys = _dot(v, tl.trans(gm), dkeys, LOW_PRECISION, DOT_PRECISION)
-    dk = dkeys * tl.where(k > 0, 1.0, keys)
+    dk = dkeys * _sigma_grad(keys.to(tl.float32))
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dks + offs_d[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -149,17 +164,18 @@ def _retrieval_kernel(
     rows64 = rows[:, None].to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    _, queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+    queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
     state = pid_bs.to(tl.int64) * kv_heads + h // GROUP
     z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     den = tl.sum(queries * z[None, :], 1)
+    queries = _operand(queries, LOW_PRECISION)
     inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
     gate = tl.load(GATE + h)
     for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < HEAD_DIM
         m_ptrs = M + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
-        m = tl.load(m_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        m = _operand(tl.load(m_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0), LOW_PRECISION)
         num = _dot(queries, m, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), LOW_PRECISION, DOT_PRECISION)
         mask = row_ok[:, None] & col_ok[None, :]
         local = tl.load(LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :], mask=mask)
@@ -187,10 +203,11 @@ def _retrieval_backward_kernel(
     rows64 = rows[:, None].to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q, queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+    queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
     state = pid_bs.to(tl.int64) * kv_heads + h // GROUP
     z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     den = tl.sum(queries * z[None, :], 1)
+    queries = _operand(queries, LOW_PRECISION)
     inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
     gate = tl.load(GATE + h)
     dqueries = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -201,7 +218,7 @@ def _retrieval_backward_kernel(
         col_ok = cols < HEAD_DIM
         mask = row_ok[:, None] & col_ok[None, :]
         m_ptrs = M + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
-        m = tl.load(m_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        m = _operand(tl.load(m_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0), LOW_PRECISION)
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a = _dot(queries, m, zero, LOW_PRECISION, DOT_PRECISION) * inv[:, None]
         local = tl.load(LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :], mask=mask)
@@ -215,7 +232,7 @@ def _retrieval_backward_kernel(
         dqueries = _dot(dnum, tl.trans(m), dqueries, LOW_PRECISION, DOT_PRECISION)
     gden = -gate * dout_a * inv  # d/d den of num / den = -(dA . A) / den
     dqueries += gden[:, None] * z[None, :]
-    dq = dqueries * tl.where(q > 0, 1.0, queries)
+    dq = dqueries * _sigma_grad(queries.to(tl.float32))
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64 * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     row_idx = (b * heads + h) * seqlen + rows
@@ -251,7 +268,7 @@ def _retrieval_state_backward_kernel(
         for t0 in range(start, end, BLOCK_M):
             rows = t0 + tl.arange(0, BLOCK_M)
             row_ok = rows < end
-            _, queries = _load_sigma(q_base, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+            queries = _load_sigma(q_base, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
             row_idx = (b * heads + h) * seqlen + rows
             inv = tl.load(INV + row_idx, mask=row_ok, other=0.0)
             gden = tl.load(GDEN + row_idx, mask=row_ok, other=0.0)
@@ -267,22 +284,28 @@ def _retrieval_state_backward_kernel(
     tl.store(GZ + state * HEAD_DIM + offs_d, gz, mask=d_ok & (pid_n == 0))
 
 
-# Programs per launch above which the kernels that sum over a segment's tokens (one program per
-# segment, head and column block) take all columns at once, reading k or q once instead of once
-# per 64 columns; below it the column blocks keep the GPU's SMs busy.
+# Tiles, from the registers and spills of the sm_90 builds (bf16, head_dim 128, 8 warps,
+# kernels/offline_compile.py); not yet timed on a GPU. The kernels that loop over column blocks
+# (retrieval, its dq pass, the updates' backward) take all 128 columns at once: 64 rows x 128
+# columns builds without spills (the dq pass needs 32 rows: 88 B spilled against 1.2 KB at 64).
+# The per-segment sums (updates, the memory's gradient) have a column-block grid axis: 64 columns
+# keep their float32 accumulator at 128 x 64 (the memory's gradient at 128 x 128 spills 1 KB);
+# the updates take all columns at once (254 registers, no spill, k read once instead of twice)
+# when there are at least WIDE_STATE_PROGRAMS (segment, head) programs to fill the GPU.
 WIDE_STATE_PROGRAMS = 256
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, state_programs: int = 0) -> dict:
-    """Tile constexprs; ``state_programs``: the (segment, head) programs of a kernel with a
-    column-block grid axis (0 for the others, whose BLOCK_N only sizes a loop over columns)."""
+def _tiles(head_dim: int, dtype: torch.dtype, block_n: int, block_m: int) -> dict:
     bd = block_d(head_dim)
-    wide = bd <= 128 and state_programs >= WIDE_STATE_PROGRAMS
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=bd if wide else min(64, bd),
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=min(block_n, bd), BLOCK_M=block_m,
         LOW_PRECISION=dtype == torch.bfloat16, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=8 if bd >= 128 else 4,
     )  # fmt: skip
+
+
+def _column_tile(head_dim: int) -> int:
+    return 128 if head_dim <= 128 else 64
 
 
 def _rows(head_dim: int) -> int:
@@ -306,11 +329,12 @@ def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[
     n_seg = _n_seg(s, segment_len)
     dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
     dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
-    tiles = _tiles(d, k.dtype, b * n_seg * kv_heads)
+    wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
+    tiles = _tiles(d, k.dtype, 128 if wide else 64, _rows(d))
     grid = (b * n_seg, kv_heads, triton.cdiv(d, tiles["BLOCK_N"]))
     _update_kernel[grid](
         k, v, dm, dz, s, n_seg, segment_len, kv_heads, *k.stride()[:3], *v.stride()[:3],
-        BLOCK_L=_rows(d), **tiles,
+        **tiles,
     )  # fmt: skip
     return dm, dz
 
@@ -324,12 +348,12 @@ def memory_updates_backward(
     n_seg = _n_seg(s, segment_len)
     grad_dm, grad_dz = grad_dm.float().contiguous(), grad_dz.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    block_m = _rows(d)
-    grid = (triton.cdiv(min(segment_len, s), block_m), b * n_seg, kv_heads)
+    tiles = _tiles(d, k.dtype, _column_tile(d), _rows(d))
+    grid = (triton.cdiv(min(segment_len, s), tiles["BLOCK_M"]), b * n_seg, kv_heads)
     _update_backward_kernel[grid](
         k, v, grad_dm, grad_dz, dk, dv, s, n_seg, segment_len, kv_heads,
         *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        BLOCK_M=block_m, **_tiles(d, k.dtype),
+        **tiles,
     )  # fmt: skip
     return dk, dv
 
@@ -348,12 +372,12 @@ def memory_retrieval(
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     out = torch.empty_like(q)
-    block_m = _rows(d)
-    grid = (triton.cdiv(min(segment_len, s), block_m), b * n_seg, heads)
+    tiles = _tiles(d, q.dtype, _column_tile(d), _rows(d))
+    grid = (triton.cdiv(min(segment_len, s), tiles["BLOCK_M"]), b * n_seg, heads)
     _retrieval_kernel[grid](
         q, local, out, m_before.contiguous(), z_before.contiguous(), gate.float().contiguous(),
         s, n_seg, segment_len, heads, kv_heads, *q.stride()[:3], *local.stride()[:3], *out.stride()[:3],
-        GROUP=heads // kv_heads, BLOCK_M=block_m, **_tiles(d, q.dtype),
+        GROUP=heads // kv_heads, **tiles,
     )  # fmt: skip
     return out
 
@@ -376,21 +400,20 @@ def memory_retrieval_backward(
     dq, dlocal = torch.empty_like(q), torch.empty_like(local)
     inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
     gden = torch.empty_like(inv)
-    block_m = _rows(d)
-    n_m = triton.cdiv(min(segment_len, s), block_m)
+    tiles = _tiles(d, q.dtype, _column_tile(d), 32)
+    n_m = triton.cdiv(min(segment_len, s), tiles["BLOCK_M"])
     ggate = torch.empty(b * n_seg, heads, n_m, device=q.device, dtype=torch.float32)
-    tiles = _tiles(d, q.dtype)
     group = heads // kv_heads
     _retrieval_backward_kernel[(n_m, b * n_seg, heads)](
         q, local, dout, dq, dlocal, m_before, z_before, gate, inv, gden, ggate,
         s, n_seg, segment_len, heads, kv_heads,
         *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dlocal.stride()[:3],
-        GROUP=group, BLOCK_M=block_m, **tiles,
+        GROUP=group, **tiles,
     )  # fmt: skip
     gm, gz = torch.empty_like(m_before), torch.empty_like(z_before)
-    tiles = _tiles(d, q.dtype, b * n_seg * kv_heads)
+    tiles = _tiles(d, q.dtype, 64, _rows(d))
     _retrieval_state_backward_kernel[(b * n_seg, kv_heads, triton.cdiv(d, tiles["BLOCK_N"]))](
         q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
-        *q.stride()[:3], *dout.stride()[:3], GROUP=group, BLOCK_M=block_m, **tiles,
+        *q.stride()[:3], *dout.stride()[:3], GROUP=group, **tiles,
     )  # fmt: skip
     return dq, dlocal, ggate.sum((0, 2)), gm, gz
