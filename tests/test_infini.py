@@ -79,6 +79,7 @@ def _check(name, got, want, tol):
         ("linear", 2, 13, 8, 2, 2, torch.float16),  # batch rows folded into the varlen call
         ("delta", 2, 13, 8, 2, 1, torch.float16),
         ("delta", 1, 6, 8, 2, 2, torch.float32),  # one segment: the memory stays empty
+        ("linear", 1, 150, 70, 2, 1, torch.float32),  # segments of two 64-row kernel blocks
     ],
 )
 def test_matches_float64_loop_over_segments(
