@@ -5,6 +5,7 @@ lengths where it fits and finishes, in the same run on the same inputs.
 
     python launch/bench_infini.py --json infini.json
     python launch/bench_infini.py --lengths 262144 1048576 --segments 4096 --update delta
+    python launch/bench_infini.py --lengths 1048576 --segments 4096 --profile 1048576  # + kernels
     python launch/bench_infini.py --smoke          # CPU, Triton interpreter, tiny shapes
 
 Batch 1, bf16, 8 query / 8 key-value heads of 128 by default (at 4M tokens q, k, v, the
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exact-max-len", type=int, default=1 << 20, help="longest exact-attention run")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in the float32 memory matmuls")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument(
+        "--profile", type=int, default=None, metavar="TOKENS",
+        help="then profile one Infini-attention fwd+bwd at TOKENS (first --segments) and print its kernels",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="CPU smoke test at tiny shapes (Triton interpreter)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -227,6 +232,27 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> str:
+    """GPU time per kernel of one Infini-attention fwd+bwd (after a warm-up): which pass of the
+    memory path, the local attention or autograd's gradient sums takes the time."""
+    seqlen, seg = args.profile, args.segments[0]
+    shapes = [(1, seqlen, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
+    q, k, v = (torch.randn(sh, device=device, dtype=dtype).requires_grad_() for sh in shapes)
+    beta = torch.zeros(args.heads, device=device, requires_grad=True)
+    dout = torch.randn_like(q)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ringflash.infini_attention(q, k, v, beta, seg, update=args.update).backward(dout)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        ringflash.infini_attention(q, k, v, beta, seg, update=args.update).backward(dout)
+        _sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    title = f"profile: {seqlen} tokens, segment {seg}, one fwd+bwd"
+    return title + "\n" + prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
+
+
 def main() -> None:
     args = parse_args()
     device = "cpu (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
@@ -238,6 +264,10 @@ def main() -> None:
     rows = bench(args)
     print(table(rows))
     print(summary(rows))
+    if args.profile:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        target = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        print(profile(args, target, dtype))
     if args.json:
         meta = {
             "device": device,
