@@ -9,7 +9,7 @@ lengths where it fits and finishes, in the same run on the same inputs.
     python launch/bench_infini.py --smoke          # CPU, Triton interpreter, tiny shapes
 
 Batch 1, bf16, 8 query / 8 key-value heads of 128 by default (at 4M tokens q, k, v, the
-output gradient and the gradients take ~56 GiB, so it fits one 141 GB H200). Each cell is the
+output gradient and the gradients take 56 GiB: chosen to fit one 141 GB H200). Each cell is the
 median of --reps timed fwd+bwd runs (``out.backward(dout)`` with a random bf16 dout) after one
 warm-up; peak memory is the fwd+bwd's peak allocation above the inputs and dout. Columns: tok/s,
 ns/token (linear scaling keeps it flat), its ratio to the first length at or above 256K, the
