@@ -12,7 +12,8 @@ where (M_s, z_s) is the float32 memory before segment s (the caller builds it fr
 sigma, the division, the gate and the casts stay in registers; the head_dim x head_dim products
 run on tensor cores with bf16 operands and float32 accumulation for bf16 inputs, and with float32
 operands otherwise (exact for float32, TF32 for float16, whose inputs carry no more bits). The
-memories are float32 throughout.
+memories are float32; for bf16 inputs the retrieval reads a bf16 copy of them, the operand its
+products would round them to anyway.
 
 Tensors: q, local, out (batch, seqlen, heads, head_dim) and k, v (batch, seqlen, kv_heads,
 head_dim) with a contiguous last dim; memories (batch, segments, kv_heads, head_dim, head_dim)
@@ -316,6 +317,13 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _matrix_operand(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The memories as the retrieval kernels read them: bf16 for bf16 inputs (the products'
+    operands are bf16 there anyway; each token block reads its segment's memory, so this halves
+    that traffic), float32 otherwise."""
+    return m.to(torch.bfloat16).contiguous() if dtype == torch.bfloat16 else m.contiguous()
+
+
 def _n_seg(seqlen: int, segment_len: int) -> int:
     return -(-seqlen // segment_len)
 
@@ -375,7 +383,7 @@ def memory_retrieval(
     tiles = _tiles(d, q.dtype, _column_tile(d), _rows(d))
     grid = (triton.cdiv(min(segment_len, s), tiles["BLOCK_M"]), b * n_seg, heads)
     _retrieval_kernel[grid](
-        q, local, out, m_before.contiguous(), z_before.contiguous(), gate.float().contiguous(),
+        q, local, out, _matrix_operand(m_before, q.dtype), z_before.contiguous(), gate.float().contiguous(),
         s, n_seg, segment_len, heads, kv_heads, *q.stride()[:3], *local.stride()[:3], *out.stride()[:3],
         GROUP=heads // kv_heads, **tiles,
     )  # fmt: skip
@@ -405,7 +413,7 @@ def memory_retrieval_backward(
     ggate = torch.empty(b * n_seg, heads, n_m, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     _retrieval_backward_kernel[(n_m, b * n_seg, heads)](
-        q, local, dout, dq, dlocal, m_before, z_before, gate, inv, gden, ggate,
+        q, local, dout, dq, dlocal, _matrix_operand(m_before, q.dtype), z_before, gate, inv, gden, ggate,
         s, n_seg, segment_len, heads, kv_heads,
         *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dlocal.stride()[:3],
         GROUP=group, **tiles,
