@@ -5,14 +5,18 @@ lengths where it fits and finishes, in the same run on the same inputs.
 
     python launch/bench_infini.py --json infini.json
     python launch/bench_infini.py --lengths 262144 1048576 --segments 4096 --update delta
+    python launch/bench_infini.py --lengths 1048576 --segments 4096 --profile 1048576  # + kernels
     python launch/bench_infini.py --smoke          # CPU, Triton interpreter, tiny shapes
 
-Batch 1, bf16, 8 query / 8 key-value heads of 128 by default. Each cell is the median of --reps
-timed fwd+bwd runs after one warm-up; peak memory is the fwd+bwd's peak allocation above the
-inputs. Columns: tok/s, ns/token (linear scaling keeps it flat), its ratio to the first length
-at or above 256K, the memory path's share of time (1 - local attention time / Infini time) and
-the per-segment memory state against the q/k/v/out activations. Exact attention is skipped
-above --exact-max-len (its time grows as S^2) and reported as OOM when it does not fit.
+Batch 1, bf16, 8 query / 8 key-value heads of 128 by default (at 4M tokens q, k, v, the
+output gradient and the gradients take 56 GiB: chosen to fit one 141 GB H200). Each cell is the
+median of --reps timed fwd+bwd runs (``out.backward(dout)`` with a random bf16 dout) after one
+warm-up; peak memory is the fwd+bwd's peak allocation above the inputs and dout. Columns: tok/s,
+ns/token (linear scaling keeps it flat), its ratio to the first length at or above 256K, the
+local attention's throughput over Infini-attention's (the target is >= 0.8) and the float32
+memory state that the forward keeps for the backward against the q/k/v/out activations. A run
+that does not fit is reported as OOM and the benchmark goes on. Exact attention is skipped above
+--exact-max-len (its time grows as S^2). A summary against the targets ends the output.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exact-max-len", type=int, default=1 << 20, help="longest exact-attention run")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in the float32 memory matmuls")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument(
+        "--profile", type=int, default=None, metavar="TOKENS",
+        help="then profile one Infini-attention fwd+bwd at TOKENS (first --segments) and print its kernels",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="CPU smoke test at tiny shapes (Triton interpreter)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -62,11 +70,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(run, leaves, device: torch.device, reps: int) -> dict:
+def measure(run, leaves, dout: torch.Tensor, device: torch.device, reps: int) -> dict:
     """Median seconds of fwd+bwd and its peak memory above what was allocated before."""
     for t in leaves:
         t.grad = None
-    run().float().sum().backward()  # warm-up (compilation)
+    run().backward(dout)  # warm-up (compilation)
     times = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -76,7 +84,7 @@ def measure(run, leaves, device: torch.device, reps: int) -> dict:
             t.grad = None
         _sync(device)
         t0 = time.perf_counter()
-        run().float().sum().backward()
+        run().backward(dout)
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else 0.0
@@ -103,6 +111,7 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
     shapes = [(1, s, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
     try:
         q, k, v = (torch.randn(sh, device=device, dtype=dtype, generator=g).requires_grad_() for sh in shapes)
+        dout = torch.randn(shapes[0], device=device, dtype=dtype, generator=g)
     except torch.OutOfMemoryError:
         return [{"seqlen": s, "method": "inputs", "segment_len": None, "error": "OOM"}]
     beta = torch.zeros(args.heads, device=device, requires_grad=True)
@@ -121,14 +130,14 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
     for method, seg, run, leaves in runs:
         row = {"seqlen": s, "method": method, "segment_len": seg}
         try:
-            row.update(measure(functools.partial(run, seg), leaves, device, args.reps))
+            row.update(measure(functools.partial(run, seg), leaves, dout, device, args.reps))
             row["tokens_per_s"] = s / row["time_s"]
             row["ns_per_token"] = 1e9 * row["time_s"] / s
         except torch.OutOfMemoryError:
             row["error"] = "OOM"
         if method == "infini":
             row["memory_state_share"] = (
-                infini_memory_bytes(1, args.kv_heads, args.head_dim, s, seg) / activations
+                infini_memory_bytes(1, args.kv_heads, args.head_dim, s, seg, args.update) / activations
             )
         for t in leaves:
             t.grad = None
@@ -192,6 +201,58 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """Infini-attention against the targets, per segment length: throughput over the local
+    attention's (>= 0.8), ns/token from 256K to the longest length that ran (<= +10%), the memory
+    state kept for the backward against the activations (< 1%), and the longest length that fit."""
+    lines = []
+    for seg in sorted({r["segment_len"] for r in rows if r["method"] == "infini"}):
+        ran = [r for r in rows if r["method"] == "infini" and r["segment_len"] == seg and "time_s" in r]
+        if not ran:
+            lines.append(f"segment {seg}: no run fit")
+            continue
+        ratios = [r["local_throughput_ratio"] for r in ran if "local_throughput_ratio" in r]
+        growth = [r["ns_per_token_vs_256k"] for r in ran if "ns_per_token_vs_256k" in r]
+        longest = max(ran, key=lambda r: r["seqlen"])
+        parts = [
+            f"segment {seg}: longest that ran {longest['seqlen']} tokens (peak {longest['peak_gib']:.1f} GiB)"
+        ]
+        if ratios:
+            parts.append(
+                f"throughput / local attention's {min(ratios):.2f}-{max(ratios):.2f} (target >= 0.8)"
+            )
+        if len(growth) > 1:
+            parts.append(
+                f"ns/token {100 * (growth[-1] - 1):+.1f}% from 256K to {longest['seqlen']}, "
+                f"worst {100 * (max(growth) - 1):+.1f}% (target <= +10%)"
+            )
+        share = max(r["memory_state_share"] for r in ran)
+        parts.append(f"memory state kept {100 * share:.3f}% of activations (target < 1%)")
+        lines.append("; ".join(parts))
+    return "\n".join(lines)
+
+
+def profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> str:
+    """GPU time per kernel of one Infini-attention fwd+bwd (after a warm-up): which pass of the
+    memory path, the local attention or autograd's gradient sums takes the time."""
+    seqlen, seg = args.profile, args.segments[0]
+    shapes = [(1, seqlen, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
+    q, k, v = (torch.randn(sh, device=device, dtype=dtype).requires_grad_() for sh in shapes)
+    beta = torch.zeros(args.heads, device=device, requires_grad=True)
+    dout = torch.randn_like(q)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ringflash.infini_attention(q, k, v, beta, seg, update=args.update).backward(dout)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        ringflash.infini_attention(q, k, v, beta, seg, update=args.update).backward(dout)
+        _sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    title = f"profile: {seqlen} tokens, segment {seg}, one fwd+bwd"
+    return title + "\n" + prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
+
+
 def main() -> None:
     args = parse_args()
     device = "cpu (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
@@ -202,6 +263,11 @@ def main() -> None:
     )
     rows = bench(args)
     print(table(rows))
+    print(summary(rows))
+    if args.profile:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        target = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        print(profile(args, target, dtype))
     if args.json:
         meta = {
             "device": device,

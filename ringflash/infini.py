@@ -15,14 +15,17 @@ sigma = ELU + 1 and the memory (M, z) left by the segments before it:
 The memory is float32 (batch, kv_heads, head_dim, head_dim) and (batch, kv_heads, head_dim);
 query head h reads the memory of key/value head h // (heads / kv_heads), as in GQA.
 
-Linear update: each segment's contribution is computed for all segments at once and the memory
-before each segment is an exclusive cumulative sum over segments (a chunked linear-attention
-form). Delta update: the contribution depends on the memory before the segment, so the memories
-come from a loop over the segments (one small matmul chain per segment); the retrieval is then
-batched as for the linear update. Forward and backward are autograd over torch ops, in chunks of
-``CHUNK_TOKENS`` tokens whose float32 temporaries are recomputed in the backward (activation
-checkpointing): what stays for the backward is the inputs, the local attention's output and the
-float32 memory before each segment (``infini_memory_bytes``).
+Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s)) is computed for
+all segments at once by one kernel, and the memory before each segment is an exclusive cumulative
+sum over segments (a chunked linear-attention form); one more kernel does the retrieval, the
+division and the gate for every token (``kernels/infini_memory.py``: bf16 inputs run the
+head_dim x head_dim products on tensor cores with float32 accumulation). The backward rebuilds
+the memories from k and v instead of keeping them, so what stays for the backward is the
+inputs, the local attention's output and z before each segment (``infini_memory_bytes``).
+Delta update: the contribution depends on the memory before the segment, so the memories come
+from a loop over the segments in float32 torch ops (one small matmul chain per segment, in
+chunks of ``CHUNK_TOKENS`` tokens recomputed in the backward), kept for the backward; the
+retrieval is the same kernel.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -48,6 +51,12 @@ import torch.utils.checkpoint
 
 from . import comm
 from .kernels import flash_attn_varlen_func
+from .kernels.infini_memory import (
+    memory_retrieval,
+    memory_retrieval_backward,
+    memory_updates,
+    memory_updates_backward,
+)
 
 UPDATES = ("linear", "delta")
 
@@ -120,20 +129,14 @@ def infini_attention(
     m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
 
     n_seg = -(-seqlen // segment_len)
-    chunks = _chunks(n_seg, segment_len)
-    # Segment views of the inputs; padded keys are -inf, whose sigma is exactly 0 (nothing stored).
-    q_seg, k_seg, v_seg = (
-        _segments(t, n_seg, segment_len, fill) for t, fill in ((q, 0.0), (k, -math.inf), (v, 0.0))
-    )
-    sums = [_checkpoint(_memory_deltas, k_seg[:, a:b], v_seg[:, a:b], update == "linear") for a, b in chunks]
-    dz = torch.cat([dz_c for _, dz_c in sums], 1)  # (B, n, Hk, D)
-    if update == "linear":
-        dm = torch.cat([dm_c for dm_c, _ in sums], 1)  # (B, n, Hk, D, D)
-        if world > 1:
-            delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
-            pending = comm.exclusive_prefix_sum(delta, group)
+    # The per-segment updates (only z is used by the delta rule, whose matrix update needs M).
+    dm, dz = _MemoryUpdates.apply(k, v, segment_len)
+    if update == "linear" and world > 1:
+        delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
+        pending = comm.exclusive_prefix_sum(delta, group)
 
     local = segment_local_attention(q, k, v, segment_len, softmax_scale)
+    gate = torch.sigmoid(beta.float())
 
     if update == "linear":
         if world > 1:
@@ -143,44 +146,39 @@ def infini_attention(
         else:
             m_in, z_in = m0, z0
             final = InfiniMemory(m0 + dm.sum(1), z0 + dz.sum(1))
-        m_before = m_in[:, None] + _exclusive_cumsum(dm)
-        z_before = z_in[:, None] + _exclusive_cumsum(dz)
-    else:
-        if world > 1:
-            tensors = (q, k, v, beta, *(memory or ()))
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            m_in, z_in = comm.relay_in((m0, z0), group, requires_grad=needs_grad)
-        else:
-            m_in, z_in = m0, z0
-        z_before = z_in[:, None] + _exclusive_cumsum(dz)
-        m_before, m = [], m_in
-        for a, b in chunks:
-            m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
-            m_before.append(m_before_c)
-        m_before = torch.cat(m_before, 1)
-        final = InfiniMemory(m, z_in + dz.sum(1))
-        if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
-            local, shared = comm.relay_out(local, final, group, share_last=return_memory)
-            final = InfiniMemory(*shared) if return_memory else final
+        out = _LinearRetrieval.apply(q, local, gate, m_in, z_in, dm, dz, k, v, segment_len)
+        return (out, final) if return_memory else out
 
-    gate = torch.sigmoid(beta.float()).view(1, 1, 1, heads, 1)
-    local_seg = _segments(local, n_seg, segment_len, 0.0)
-    out = torch.cat(
-        [
-            _checkpoint(
-                _gated_output, q_seg[:, a:b], local_seg[:, a:b], m_before[:, a:b], z_before[:, a:b], gate
-            )
-            for a, b in chunks
-        ],
-        dim=1,
-    ).view(batch, n_seg * segment_len, heads, head_dim)[:, :seqlen]
+    if world > 1:
+        tensors = (q, k, v, beta, *(memory or ()))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        m_in, z_in = comm.relay_in((m0, z0), group, requires_grad=needs_grad)
+    else:
+        m_in, z_in = m0, z0
+    z_before = z_in[:, None] + _exclusive_cumsum(dz)
+    # Padded keys are -inf, whose sigma is exactly 0 (nothing stored).
+    k_seg, v_seg = (_segments(t, n_seg, segment_len, fill) for t, fill in ((k, -math.inf), (v, 0.0)))
+    m_before, m = [], m_in
+    for a, b in _chunks(n_seg, segment_len):
+        m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
+        m_before.append(m_before_c)
+    m_before = torch.cat(m_before, 1)
+    final = InfiniMemory(m, z_in + dz.sum(1))
+    if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
+        local, shared = comm.relay_out(local, final, group, share_last=return_memory)
+        final = InfiniMemory(*shared) if return_memory else final
+    out = _Retrieval.apply(q, local, gate, m_before, z_before, segment_len)
     return (out, final) if return_memory else out
 
 
-def infini_memory_bytes(batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int) -> int:
-    """Bytes of the float32 memories before each segment that the forward keeps for the backward
-    (batch x segments x kv_heads x head_dim x (head_dim + 1) x 4)."""
-    return 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim * (head_dim + 1)
+def infini_memory_bytes(
+    batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, update: str = "linear"
+) -> int:
+    """Bytes of float32 memory state that the forward keeps for the backward: z before each
+    segment (batch x segments x kv_heads x head_dim x 4) under the linear rule, whose backward
+    rebuilds M; M too under the delta rule (x (head_dim + 1))."""
+    per_segment = head_dim * (head_dim + 1) if update == "delta" else head_dim
+    return 4 * batch * -(-seqlen // segment_len) * kv_heads * per_segment
 
 
 def _check_inputs(q, k, v, beta, segment_len, update) -> None:
@@ -260,17 +258,68 @@ def _segments(x: torch.Tensor, n_seg: int, segment_len: int, fill: float) -> tor
     return x.view(x.shape[0], n_seg, segment_len, *x.shape[2:])
 
 
-def _memory_deltas(k: torch.Tensor, v: torch.Tensor, with_matrix: bool):
-    """What each segment adds under the linear rule: k, v (B, c, L, Hk, D) -> (sigma(K)^T V
-    (B, c, Hk, D, D) or None, sum of sigma(K) (B, c, Hk, D)), float32."""
-    keys = _sigma(k).transpose(2, 3)  # (B, c, Hk, L, D)
-    matrix = keys.transpose(-1, -2) @ v.float().transpose(2, 3) if with_matrix else None
-    return matrix, keys.sum(3)
-
-
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the segments (dim 1) before each one."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
+
+
+def _reverse_exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the segments (dim 1) after each one: the gradient of ``_exclusive_cumsum``."""
+    return _exclusive_cumsum(x.flip(1)).flip(1)
+
+
+class _MemoryUpdates(torch.autograd.Function):
+    """k, v -> (sigma(K_s)^T V_s, sum of sigma(K_s)) per segment, float32 (``memory_updates``)."""
+
+    @staticmethod
+    def forward(ctx, k, v, segment_len):
+        ctx.save_for_backward(k, v)
+        ctx.segment_len = segment_len
+        return memory_updates(k, v, segment_len)
+
+    @staticmethod
+    def backward(ctx, grad_dm, grad_dz):
+        k, v = ctx.saved_tensors
+        return *memory_updates_backward(k, v, ctx.segment_len, grad_dm, grad_dz), None
+
+
+class _Retrieval(torch.autograd.Function):
+    """gate A_mem + (1 - gate) local from the memory before each segment (``memory_retrieval``)."""
+
+    @staticmethod
+    def forward(ctx, q, local, gate, m_before, z_before, segment_len):
+        ctx.save_for_backward(q, local, gate, m_before, z_before)
+        ctx.segment_len = segment_len
+        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *memory_retrieval_backward(*ctx.saved_tensors, ctx.segment_len, dout), None
+
+
+class _LinearRetrieval(torch.autograd.Function):
+    """``_Retrieval`` under the linear rule, from the memory entering the call (m_in, z_in) and
+    the per-segment updates (dm, dz): the memories before each segment are an exclusive
+    cumulative sum, and the backward rebuilds M's from k and v (one more read of them) instead of
+    keeping them, so only z's (head_dim floats per segment and head) stay for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, local, gate, m_in, z_in, dm, dz, k, v, segment_len):
+        z_before = z_in[:, None] + _exclusive_cumsum(dz)
+        ctx.save_for_backward(q, local, gate, m_in, z_before, k, v)
+        ctx.segment_len = segment_len
+        m_before = m_in[:, None] + _exclusive_cumsum(dm)
+        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, local, gate, m_in, z_before, k, v = ctx.saved_tensors
+        m_before = m_in[:, None] + _exclusive_cumsum(memory_updates(k, v, ctx.segment_len)[0])
+        dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
+            q, local, gate, m_before, z_before, ctx.segment_len, dout
+        )
+        grads_in = gm.sum(1), gz.sum(1), _reverse_exclusive_cumsum(gm), _reverse_exclusive_cumsum(gz)
+        return dq, dlocal, dgate, *grads_in, None, None, None
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,20 +331,6 @@ def _divide_where_stored(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den, and 0 where den = 0 (an empty memory), without NaN in either direction."""
     stored = den > 0
     return torch.where(stored, num / torch.where(stored, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
-def _gated_output(q, local, m_before, z_before, gate) -> torch.Tensor:
-    """sigmoid(beta) A_mem + (1 - sigmoid(beta)) A_local for a chunk of segments: q, local
-    (B, c, L, H, D), m_before (B, c, Hk, D, D), z_before (B, c, Hk, D), gate (1, 1, 1, H, 1)
-    -> (B, c, L, H, D) in q's dtype; query head h reads kv head h // (H / Hk)."""
-    b, n, seg, heads, d = q.shape
-    kv_heads = m_before.shape[2]
-    group_size = heads // kv_heads
-    x = _sigma(q).view(b, n, seg, kv_heads, group_size, d).permute(0, 1, 3, 2, 4, 5)
-    x = x.reshape(b, n, kv_heads, seg * group_size, d)
-    a = _divide_where_stored(x @ m_before, x @ z_before[..., None])
-    a = a.view(b, n, kv_heads, seg, group_size, d).permute(0, 1, 3, 2, 4, 5).reshape(b, n, seg, heads, d)
-    return (gate * a + (1 - gate) * local.float()).to(q.dtype)
 
 
 def _delta_memories(

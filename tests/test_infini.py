@@ -79,6 +79,7 @@ def _check(name, got, want, tol):
         ("linear", 2, 13, 8, 2, 2, torch.float16),  # batch rows folded into the varlen call
         ("delta", 2, 13, 8, 2, 1, torch.float16),
         ("delta", 1, 6, 8, 2, 2, torch.float32),  # one segment: the memory stays empty
+        ("linear", 1, 150, 70, 2, 1, torch.float32),  # segments of two 64-row kernel blocks
     ],
 )
 def test_matches_float64_loop_over_segments(
@@ -97,6 +98,26 @@ def test_matches_float64_loop_over_segments(
     _check("out", out, ref_out, tol)
     _check("memory matrix", memory.matrix, ref_memory[0], tol)
     _check("memory normalizer", memory.normalizer, ref_memory[1], tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_bf16_tensor_core_memory_matches_float64(device, update):
+    """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
+    accumulation), which the interpreter cannot run: head_dim 128 (two column blocks), segments
+    of several token blocks, GQA and a shorter last segment, against the float64 loop."""
+    q, k, v, beta, dout = _inputs(2, 700, 4, 2, 128, torch.bfloat16, seed=7)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, ref_memory = infini_reference(*ref, 256, update)
+    ref_out.backward(dout.double().cpu())
+    tol = TOLERANCE[torch.bfloat16]
+    _check("out", out, ref_out, tol)
+    _check("memory matrix", memory.matrix, ref_memory[0], tol)
     for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
         _check(name, got.grad, want.grad, tol)
 
