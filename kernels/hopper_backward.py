@@ -422,7 +422,7 @@ def _compute_partition(
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
             alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-        if MASKED and not (SOFTCAP or HAS_ALIBI):  # masked edges, the unmasked middle, masked edges
+        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI):  # masked, unmasked middle, masked
             for t in range(t_full_lo):
                 dk, dv = _compute_tile(
                     p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
@@ -445,7 +445,7 @@ def _compute_partition(
                     alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                     HAS_ALIBI,
                 )  # fmt: skip
-        else:  # with a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
+        else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
             for t in range(p.n_tiles):
                 dk, dv = _compute_tile(
                     p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
