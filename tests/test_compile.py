@@ -19,8 +19,9 @@ import triton
 
 from ringflash.kernels.hopper_path import GLUON_TRITON
 
+# Run once per kernel (argv[1]: a KERNELS key), so that pytest -n spreads the builds.
 _SPECIALIZED = r"""
-import itertools
+import itertools, sys
 from ringflash.kernels.offline_compile import KERNELS, compile_kernel
 
 # Integer arguments that can arrive as 1 (positions of a stripe, a one-token sequence).
@@ -30,7 +31,8 @@ OFF = dict(softcap_log2=None, ALIBI=None)
 # Dense unmasked without softcap and ALiBi (whose arguments a launch then passes as None),
 # and varlen with window bounds, 64-bit tile offsets, softcap and ALiBi: each with and without
 # the specializations.
-for kernel, ones, varlen in itertools.product(KERNELS.values(), ((), ONES), (False, True)):
+kernel = KERNELS[sys.argv[1]]
+for ones, varlen in itertools.product(((), ONES), (False, True)):
     window = features = varlen
     compile_kernel(
         kernel,
@@ -46,19 +48,20 @@ print("compiled")
 # memory: otherwise only a GPU launch would tell. (The fp32 tiles compile to FMA code, up to 76 s
 # each here; all 9 fit, 145 KiB at most, checked on 2026-11-23 with table_launch(fp32=True).)
 _TABLE = r"""
+import sys
 from ringflash.kernels.offline_compile import (
     SHARED_MEMORY_LIMIT, compile_kernel, resource_usage, table_launch,
 )
 
-for name in ("forward", "dkdv", "dq"):
-    for head_dim in (64, 128, 256):
-        kernel, constexprs, cfg = table_launch(name, head_dim, causal=True)
-        k = compile_kernel(kernel, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], (name, head_dim, cfg, k.metadata.shared)
-        if (name, head_dim) == ("forward", 64):
-            use = resource_usage(k)  # ptxas -v, read back
-            assert 0 < use.registers <= 255 and use.spill_bytes >= 0, use
-        print(name, head_dim, cfg, k.metadata.shared)
+name = sys.argv[1]  # run once per kernel
+for head_dim in (64, 128, 256):
+    kernel, constexprs, cfg = table_launch(name, head_dim, causal=True)
+    k = compile_kernel(kernel, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], (name, head_dim, cfg, k.metadata.shared)
+    if (name, head_dim) == ("forward", 64):
+        use = resource_usage(k)  # ptxas -v, read back
+        assert 0 < use.registers <= 255 and use.spill_bytes >= 0, use
+    print(name, head_dim, cfg, k.metadata.shared)
 print("fits")
 """
 
@@ -189,14 +192,25 @@ def _compile_in_subprocess(script: str, tmp_path, *args: str) -> str:
     return run.stdout
 
 
-def test_kernels_compile_for_sm90_with_specialized_arguments(tmp_path):
-    assert _compile_in_subprocess(_SPECIALIZED, tmp_path).strip().endswith("compiled")
+KERNEL_NAMES = ["forward", "dkdv", "dq"]  # offline_compile.KERNELS, each built in its own test
 
 
-def test_table_configs_fit_sm90_shared_memory(tmp_path):
-    out = _compile_in_subprocess(_TABLE, tmp_path)
+def test_kernel_names_are_every_kernel():
+    from ringflash.kernels.offline_compile import KERNELS
+
+    assert sorted(KERNELS) == sorted(KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+def test_kernels_compile_for_sm90_with_specialized_arguments(tmp_path, kernel):
+    assert _compile_in_subprocess(_SPECIALIZED, tmp_path, kernel).strip().endswith("compiled")
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+def test_table_configs_fit_sm90_shared_memory(tmp_path, kernel):
+    out = _compile_in_subprocess(_TABLE, tmp_path, kernel)
     assert out.strip().endswith("fits")
-    assert len(out.strip().splitlines()) == 3 * 3 + 1  # every (kernel, head_dim) ran
+    assert len(out.strip().splitlines()) == 3 + 1  # every head_dim ran
 
 
 GLUON = pytest.mark.skipif(

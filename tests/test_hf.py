@@ -73,10 +73,11 @@ def _eager_step(model_type: str, batch: int, feature: bool = True):
     return model, loss
 
 
+# 2 ranks each: the integration's path does not depend on the group's size (the ring's behaviour
+# over 3 and 4 ranks is tests/test_ring.py's; HF Llama on 2 x 2 ranks is tests/test_deepspeed.py's).
 @pytest.mark.parametrize(
     ("model_type", "layout", "world"),
-    [("llama", "zigzag", 2), ("mistral", "stripe", 2), ("llama", "zigzag", 4), ("gemma2", "zigzag", 2),
-     ("gpt_oss", "contiguous", 2)],
+    [("llama", "zigzag", 2), ("mistral", "stripe", 2), ("gemma2", "zigzag", 2), ("gpt_oss", "contiguous", 2)],
 )  # fmt: skip
 def test_hf_model_sequence_parallel_step(rank_pool, model_type, layout, world):
     """Gemma-2 (softcap) and gpt-oss (sinks, whose gradients are compared too) included."""

@@ -1,5 +1,5 @@
 """Infini-attention against a float64 loop over segments: single device (both update rules, GQA,
-a last segment shorter than the others, fp32/fp16), streaming, sequence parallel on 2-4 gloo
+a last segment shorter than the others, fp32/fp16), streaming, sequence parallel on 2-3 gloo
 ranks, the prefix-sum collective's gradient, and bad arguments."""
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ def _sequence_parallel(update, world_dtype_seed):
     return [t.detach().cpu() for t in (out, *memory, *(t.grad for t in leaves), beta.grad)]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 2 ranks: first and last only; 3 ranks add a middle one that both receives and sends (the
+# relay) or sits inside the prefix sum. A fourth rank would only repeat the middle.
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("update", ["linear", "delta"])
 def test_sequence_parallel_equals_single_device(rank_pool, world, update):
     seed = 10 + world

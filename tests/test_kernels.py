@@ -267,10 +267,11 @@ def test_dout_with_strided_last_dim(device):
 @pytest.mark.parametrize("causal", [False, True])
 def test_offsets_past_2_to_the_31_elements(device, causal):
     """Every tensor a view whose rows lie past 2^31 elements from its start (the largest token
-    stride check_token_stride allows, 200 tokens): 32-bit row offsets would wrap and read or
-    write the wrong rows. One shared, mostly untouched storage (6.7 GB of fp16, virtual on the
-    CPU) holds the eight tensors side by side in each token's row."""
-    s, h, hk, d = 200, 2, 1, 64
+    stride check_token_stride allows, 160 tokens: rows 129-159 lie past it, and the interpreter's
+    16-row tile at 144 starts past it): 32-bit offsets would wrap and read or write the wrong rows.
+    One shared, mostly untouched storage (5.4 GB of fp16, virtual on the CPU) holds the eight
+    tensors side by side in each token's row."""
+    s, h, hk, d = 160, 2, 1, 64
     stride = (2**31 - 1 - d) // MAX_TILE_ROWS
     assert (s - 1) * stride > 2**31
     storage = torch.empty(s * stride, dtype=torch.float16, device=device)
