@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DeepSpeed + ringflash training runs on a 2-GPU machine (never CI):
-#   bash launch/gpu_train.sh              # every stage: a b c d e (~10 min on 2x H200)
+#   bash launch/gpu_train.sh              # every 2-GPU stage: a b c d e (~10 min on 2x H200)
+#   ATTN=infini bash launch/gpu_train.sh f  # one GPU: the recall curriculum with Infini-attention
 #   bash launch/gpu_train.sh a b c        # some stages (e.g. "a b c" now, "d e" later)
 #   LONG=1 bash launch/gpu_train.sh d     # the length probe also tries 512K (~2 more minutes)
 # Stages:
@@ -19,6 +20,11 @@
 #      seed 1 reached 0.58 accuracy per 100 steps, seed 0 0.15-0.17 (bf16, fp32). This form
 #      (2026-11-23, 2x H200, 497 s): last-20-step accuracy 0.54 at 256, 0.51 at 2K, 0.36 at 64K
 #      (chance 1/64); docs/performance.md and docs/recall_64k_2xh200.png
+#   f  (one GPU, not in the default list) the recall curriculum of e at SP=1 with ATTN=exact (the
+#      default) or ATTN=infini (Infini-attention, linear update, SEGMENT tokens per segment,
+#      default 2048; at 256 tokens the segment is the whole sequence): accuracy and tok/s of
+#      the two at 64K, where a key and its query lie up to 31 segments apart. One call per ATTN:
+#      each curriculum takes most of a 10-minute call.
 # On a machine without DeepSpeed and some of its pure-python deps, put their wheels in .whl/
 # (installed from there, offline). Every run has its own time limit, and BUDGET (seconds,
 # default 560) caps the whole script: runs that no longer fit are skipped, never cut mid-way.
@@ -89,7 +95,18 @@ for stage in $STAGES; do
       --json "$OUT/e_recall_2k.json"
     run e_recall_64k 90 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 1290 --resume $ck \
       --json "$OUT/e_recall_64k.json" --plot "$OUT/recall_loss.png" ;;
-  *) echo "unknown stage $stage (a b c d e)" ;;
+  f)
+    attn=${ATTN:-exact}; seg=${SEGMENT:-2048}; ck=/tmp/recall_ck_$attn; rm -rf $ck
+    recall="--model small --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --grad-clip 0 --seed 1"
+    recall="$recall --attention $attn --save-dir $ck"
+    at() { [ "$attn" = infini ] && echo "--segment-len $(( $1 < seg ? $1 : seg ))"; }
+    run "f_${attn}_256" 300 python3 launch/train.py $recall --seq-len 256 $(at 256) --grad-accum 8 --steps 1100 \
+      --save-every 100 --json "$OUT/f_${attn}_256.json"
+    run "f_${attn}_2k" 90 python3 launch/train.py $recall --seq-len 2048 $(at 2048) --grad-accum 8 --steps 1250 \
+      --save-every 50 --resume $ck --json "$OUT/f_${attn}_2k.json"
+    run "f_${attn}_64k" 120 python3 launch/train.py $recall --seq-len 65536 $(at 65536) --grad-accum 4 --steps 1290 \
+      --resume $ck --json "$OUT/f_${attn}_64k.json" --plot "$OUT/recall_loss_$attn.png" ;;
+  *) echo "unknown stage $stage (a b c d e f)" ;;
   esac
 done
 
@@ -99,13 +116,14 @@ if [ -f "$OUT/c_sp1.json" ] && [ -f "$OUT/c_sp2.json" ]; then
   echo; echo "## SP=1 vs SP=2, same seed (stage c)"
   python3 launch/train_report.py --compare "$OUT/c_sp1.json" "$OUT/c_sp2.json"
 fi
-if [ -f "$OUT/e_recall_64k.json" ]; then
-  echo; echo "## Recall accuracy (stage e), mean over the last 20 steps at each length"
-  python3 - "$OUT/e_recall_64k.json" <<'PY'
+for last in "$OUT"/e_recall_64k.json "$OUT"/f_*_64k.json; do
+  [ -f "$last" ] || continue
+  echo; echo "## Recall accuracy ($(basename "$last" .json)), mean over the last 20 steps at each length"
+  python3 - "$last" <<'PY'
 import json, sys
 history = json.load(open(sys.argv[1]))["history"]
 for n in sorted({r["seq_len"] for r in history}):
     acc = [r["recall_acc"] for r in history if r["seq_len"] == n]
     print(f"seq {n}: {len(acc)} steps, first {acc[0]:.2f}, last 20 {sum(acc[-20:]) / len(acc[-20:]):.2f}")
 PY
-fi
+done
