@@ -75,7 +75,7 @@ print("fits")
 # per-head loop and softcap + ALiBi (the worst before its logits were reordered: 37, at a 30% loss
 # of backward speed); the masked loops of the three-loop variant reload 19 at head_dim 128, 60
 # with runtime position strides (they run only the edge tiles). At head_dim 256 (64 x 64 tiles)
-# no dQ ring: 5 x 8 + 4 wgmma per warpgroup (S^T/dP^T at 16 k-steps each, the other three at 4),
+# no dQ ring: 44 wgmma per tile loop (S^T and dP^T 16 k-steps each, dV, dQ and dK 4 each),
 # one tile loop for every mask, dQ by 32 two-wide atomic adds per thread, and 0-4 reloads.
 # (causal, group, accumulate, softcap + ALiBi, head_dim, mask, most loop spills) as measured on
 # 2026-11-24 (docs in the module); mask: "" none or DIAGONAL (causal alone), "tail" lengths not
