@@ -8,7 +8,7 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
 - loader, 1 warp: K/V once, then Q/dO tiles by TMA and their LSE/delta rows by cp.async into a
   two-stage ring (ready/empty mbarriers);
 - dQ writer, 1 warp: adds each float32 dQ tile from a two-buffer ring in shared memory into the
-  dQ buffer with one TMA reduce-add;
+  dQ buffer with one TMA reduce-add (idle at head_dim 256, below);
 - compute, 8 warps at 240 registers: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T (scaled by
   softmax_scale, which serves dK and dQ), dV += P^T dO, dQ = dS K, dK += dS^T Q, the dK product
   left in flight while the next tile's S^T/dP^T are issued.
@@ -38,10 +38,23 @@ Tiles per head_dim (``TILES``): 64 query x 128 key rows at head_dim 128 and 64, 
 FlashAttention-3's sm90 backward at 128. At 64 it takes 128 x 128 with two MMA warpgroups that
 split the work differently; here, with eight compute warps sharing every product, 128 x 128
 spilled 32-62 registers per tile and serialized every wgmma (sm_90 build, 2026-11-24), while
-64 x 128 spills none. Head_dim 256 stays with the Triton kernels: its float32 dQ ring alone
-(2 x 64 x 256 x 4 bytes) and the Q/dO stages (2 x 2 x 64 x 256 x 2) fill 192 KiB of the 227 KiB
-of shared memory before K and V (64 KiB more at 64 key rows), and dK + dV of a 128-row key tile
-in float32 would take 256 registers per thread.
+64 x 128 spills none.
+
+Head_dim 256 takes 64 x 64 tiles, as FlashAttention-3's sm90 backward does (64 x 64 or 64 x 80),
+and changes three things (constexprs SPLIT_N and DQ_ATOMIC, derived from the tiles):
+- dK + dV of a 64-row key tile take 128 float32 registers per thread; 64 rows are one wgmma's M,
+  so the two warpgroups split columns instead of rows (S^T/dP^T: 32 queries each; dK/dV/dQ: 128
+  of head_dim each), and P^T and dS^T, which each warpgroup needs whole, go to the dV and dK
+  products through shared memory (P^T in a buffer of its own, dS^T in the one dQ reads);
+- shared memory: K, V and the two Q/dO stages (2 x 2 x 64 x 256 x 2 bytes) take 192 KiB of the
+  227 KiB, with dS^T and P^T 208 KiB, leaving no room for the float32 dQ ring (2 x 64 KiB). The
+  compute warps add dQ tiles into the dQ buffer themselves, by relaxed float32 atomic adds (32
+  two-wide ``red`` per thread per tile), as FlashAttention-3's does at 256; the writer warp idles;
+- dK is retired at the end of each tile, its product overlapping the atomic adds: left in flight
+  into the next tile's S^T/dP^T, ptxas serialized every wgmma (C7515), and the three loops of the
+  masked variant spilled 65-91 registers per tile, so every masked launch runs one masked loop.
+Built for sm_90 (2026-11-24, every mask, GQA, softcap + ALiBi): 214,284 bytes of shared memory,
+no wgmma serialized, 0-4 registers spilled per tile.
 
 dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
 varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
@@ -77,7 +90,7 @@ from .positions import MaskBounds
 from .problem import AttentionProblem
 
 # head_dim -> (query rows per tile, key rows per program)
-TILES = {64: (64, 128), 128: (64, 128)}
+TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
 NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # At entry; warp specialization pads the two 1-warp workers to a warpgroup and redistributes:
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.
@@ -112,6 +125,7 @@ class Shared:
     do_smem: gl.shared_memory_descriptor
     rows_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
+    p_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
     kv_bar: gl.shared_memory_descriptor
     qdo_ready: gl.shared_memory_descriptor
@@ -133,8 +147,8 @@ class Shared:
     @gluon.constexpr_function
     def __init__(
         self, q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
-        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row, v_row, n0,
-        lo, qcol, kcol, n_tiles, len_q,
+        p_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row,
+        v_row, n0, lo, qcol, kcol, n_tiles, len_q,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -147,6 +161,7 @@ class Shared:
         self.do_smem = do_smem
         self.rows_smem = rows_smem
         self.ds_smem = ds_smem
+        self.p_smem = p_smem
         self.dq_smem = dq_smem
         self.kv_bar = kv_bar
         self.qdo_ready = qdo_ready
@@ -267,18 +282,22 @@ def _load_partition(
 
 
 @gluon.jit
-def _dq_partition(p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _dq_partition(
+    p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_ATOMIC: gl.constexpr
+):
     # Rows of a tile past the sequence get exact zeros (their dS is 0): harmless to the next
-    # sequence's rows, and clipped past the tensor's end.
-    for i in range(GROUP * p.n_tiles):
-        j = i % 2
-        mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
-        m0 = p.lo + (i % p.n_tiles) * BLOCK_M
-        col = p.qcol + (i // p.n_tiles) * HEAD_DIM
-        tma_reduce_add(p.dq_desc, [p.dq_row0 + m0, col], p.dq_smem.index(j))
-        tma.store_wait(1)  # the previous tile's reduce has read its buffer
-        mbarrier.arrive(p.dq_empty.index(1 - j), count=1, pred=i > 0)
-    tma.store_wait(0)
+    # sequence's rows, and clipped past the tensor's end. Under DQ_ATOMIC the compute warps add
+    # dQ themselves and this warp idles.
+    if not DQ_ATOMIC:
+        for i in range(GROUP * p.n_tiles):
+            j = i % 2
+            mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
+            m0 = p.lo + (i % p.n_tiles) * BLOCK_M
+            col = p.qcol + (i // p.n_tiles) * HEAD_DIM
+            tma_reduce_add(p.dq_desc, [p.dq_row0 + m0, col], p.dq_smem.index(j))
+            tma.store_wait(1)  # the previous tile's reduce has read its buffer
+            mbarrier.arrive(p.dq_empty.index(1 - j), count=1, pred=i > 0)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -313,16 +332,21 @@ def _visible_t(mk: Mask, offs_n, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
 
 @gluon.jit
 def _compute_tile(
-    p: Shared, mk: Mask, i, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-    alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+    p: Shared, mk: Mask, dq_ptr, dq_stride, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
+    softmax_scale, alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
-    """Query tile t (ring slot i): dV and dK (left in flight) added to dv/dk, its dQ tile handed to
-    the writer. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T
-    takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``).
-    Under MASKED, P^T = 0 where a pair is not visible, set after the exp, so that the LSE of rows
-    past a sequence (never loaded) cannot reach it."""
+    """Query tile t of the group's query head g (ring slot i): dV and dK added to dv/dk (dK left
+    in flight), its dQ tile handed to the writer; under DQ_ATOMIC dQ is added into the dQ buffer
+    at dq_ptr by these warps (``_add_dq``) and dK retired. Under SPLIT_N the two warpgroups hold
+    halves of the columns (queries of S^T, head_dim of dK/dV), so P^T and dS^T reach the dV and
+    dK products from shared memory (p_smem, ds_smem) rather than from registers. Under SOFTCAP
+    the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T takes the factor 1 - tanh^2;
+    under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``). Under MASKED, P^T = 0 where a
+    pair is not visible, set after the exp, so that the LSE of rows past a sequence (never loaded)
+    cannot reach it."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -365,38 +389,79 @@ def _compute_tile(
         pt = pt * (softmax_scale - (softmax_scale * t) * t)
     else:
         pv = pt
+    if SPLIT_N:
+        p.p_smem.store(pv.to(dtype))
+        fence_async_shared()
     dp_t = warpgroup_mma_wait(0, deps=(dpt,))
-    dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_s, dv, is_async=True)
+    if SPLIT_N:
+        dv = warpgroup_mma(p.p_smem, do_s, dv, is_async=True)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_s, dv, is_async=True)
     if SOFTCAP:
         dst16 = (pt * (dp_t - delta[None, :])).to(dtype)
     else:
         dst16 = (pt * (dp_t - delta[None, :]) * softmax_scale).to(dtype)
     p.ds_smem.store(dst16)
     fence_async_shared()
-    mbarrier.wait(p.dq_empty.index(s), ((i // 2) & 1) ^ 1)
+    if not DQ_ATOMIC:
+        mbarrier.wait(p.dq_empty.index(s), ((i // 2) & 1) ^ 1)
     # wgmma groups retire in issue order: dK goes after dQ so that it can stay in flight.
     dq = warpgroup_mma(p.ds_smem.permute((1, 0)), p.k_smem, dq_zero, use_acc=False, is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_s, dk, is_async=True)
+    if SPLIT_N:
+        dk = warpgroup_mma(p.ds_smem, q_s, dk, is_async=True)
+    else:
+        dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_s, dk, is_async=True)
     dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-    p.dq_smem.index(s).store(dq)
-    fence_async_shared()
-    mbarrier.arrive(p.dq_ready.index(s), count=1)
+    if DQ_ATOMIC:
+        _add_dq(p, dq, dq_ptr, dq_stride, m0, g, MASKED, HEAD_DIM)
+        # dK retired here, its product overlapping the adds: left in flight into the next
+        # tile's S^T/dP^T at head_dim 256, it made ptxas serialize every wgmma (C7515).
+        dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+    else:
+        p.dq_smem.index(s).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(p.dq_ready.index(s), count=1)
     return dk, dv
 
 
 @gluon.jit
+def _add_dq(p: Shared, dq, dq_ptr, dq_stride, m0, g, MASKED: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Add the float32 dQ tile ``dq`` (query rows from m0, query head g of the group) into the dQ
+    buffer (dq_ptr: this group's first head at the sequence's first row; rows dq_stride apart)
+    with relaxed atomic adds, rows past the sequence masked under MASKED (they may lie
+    past the tensor). The tile's first row goes through int64; offsets inside it fit in int32."""
+    layout: gl.constexpr = dq.type.layout
+    rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    base = dq_ptr + m0.to(gl.int64) * dq_stride + g * HEAD_DIM
+    ptrs = base + (rows * dq_stride)[:, None] + cols[None, :]
+    if MASKED:
+        ok = ((m0 + rows) < p.len_q)[:, None] & (cols < HEAD_DIM)[None, :]
+        gl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
+    else:
+        gl.atomic_add(ptrs, dq, sem="relaxed")
+
+
+@gluon.jit
 def _compute_partition(
-    p: Shared, mk: Mask, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale, alibi_ptr,
+    p: Shared, mk: Mask, dq_ptr, dq_stride, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale,
+    alibi_ptr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
+    # Key rows split between the warpgroups, or (SPLIT_N: a key tile of one wgmma's 64 rows)
+    # the columns: queries of S^T/dP^T, head_dim of dK/dV.
+    col_groups: gl.constexpr = num_warps // 4 if SPLIT_N else 1
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
+        version=[3, 0], warps_per_cta=[num_warps // col_groups, col_groups],
+        instr_shape=[16, BLOCK_M // col_groups, 16],
+    )  # fmt: skip
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+        version=[3, 0], warps_per_cta=[num_warps // col_groups, col_groups],
+        instr_shape=[16, HEAD_DIM // col_groups, 16],
+    )  # fmt: skip
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16]
     )
@@ -422,35 +487,37 @@ def _compute_partition(
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
             alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI):  # masked, unmasked middle, masked
+        # Masked, unmasked middle, masked; at head_dim 256 (DQ_ATOMIC) the three loops spilled
+        # 65-91 registers per tile where one masked loop spills none.
+        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DQ_ATOMIC):
             for t in range(t_full_lo):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HAS_ALIBI,
+                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
                 )  # fmt: skip
             # dK retired between the loops: in flight from one loop into the next, ptxas
             # serializes every wgmma at head_dim 128 (see above).
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_lo, t_full_hi):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HAS_ALIBI,
+                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
                 )  # fmt: skip
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_hi, p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HAS_ALIBI,
+                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
                 )  # fmt: skip
         else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
             for t in range(p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale,
-                    alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL, MASKED, HAS_LEFT, HAS_RIGHT,
-                    SOFTCAP, HAS_ALIBI,
+                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL,
+                    MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
                 )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
@@ -469,7 +536,7 @@ def _fused_bwd_kernel(
     seqlen_q, seqlen_k, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
-    win_left, win_right,
+    win_left, win_right, DQ, stride_dqs,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -479,7 +546,13 @@ def _fused_bwd_kernel(
     its tile and every pair visible, or under DIAGONAL a key at index n visible to a query at
     index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
     CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
-    per_len folds each sequence's length into its positions' start (positions.py)."""
+    per_len folds each sequence's length into its positions' start (positions.py). DQ is dq_desc's
+    tensor (row stride stride_dqs), which the compute warps add into themselves past head_dim 128."""
+    # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
+    SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
+    # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
+    # Q/dO stages: dQ goes by atomic adds from registers instead (as FlashAttention-3's at 256).
+    DQ_ATOMIC: gl.constexpr = HEAD_DIM > 128
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
@@ -503,7 +576,15 @@ def _fused_bwd_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     rows_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    # Buffers a variant does not use stand in for ones it does not allocate.
+    if SPLIT_N:
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+    else:
+        p_smem = ds_smem
+    if DQ_ATOMIC:
+        dq_smem = rows_smem
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -519,6 +600,7 @@ def _fused_bwd_kernel(
     # per_len: offsets that scale with each sequence's length (positions.py). New names, not
     # reassigned arguments: Triton specializes an argument equal to 1 as a constant.
     q_start = q_start0 + q_per_len * len_q
+    zero = len_q * 0  # arguments that arrive as the constant 1 made scalars for the aggregate
     k_start = k_start0 + k_per_len * len_k
     if MASKED:
         key_lo = k_start + k_stride * n0
@@ -552,13 +634,19 @@ def _fused_bwd_kernel(
         n_tiles = len_q // BLOCK_M
         t_full_lo = n_tiles
         t_full_hi = n_tiles
+    dq_row0 = b * dq_batch_rows + q0
+    if DQ_ATOMIC:
+        dq_ptr = DQ + dq_row0.to(gl.int64) * stride_dqs + hk * GROUP * HEAD_DIM
+        dq_stride = stride_dqs + zero
+    else:  # unused: nothing for the compute warps to carry
+        dq_ptr = 0
+        dq_stride = 0
     p = Shared(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
-        dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
-        b * do_batch_rows + q0, b * dq_batch_rows + q0, b * k_batch_rows + k0 + n0,
-        b * v_batch_rows + k0 + n0, n0, lo, hk * GROUP * HEAD_DIM, hk * HEAD_DIM, n_tiles, len_q,
+        p_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
+        b * do_batch_rows + q0, dq_row0, b * k_batch_rows + k0 + n0, b * v_batch_rows + k0 + n0, n0, lo,
+        hk * GROUP * HEAD_DIM, hk * HEAD_DIM, n_tiles, len_q,
     )  # fmt: skip
-    zero = len_q * 0  # arguments that arrive as the constant 1 made scalars for the aggregate
     mk = Mask(
         len_q, len_k, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start, k_stride + zero,
     )  # fmt: skip
@@ -573,6 +661,8 @@ def _fused_bwd_kernel(
                 (
                     p,
                     mk,
+                    dq_ptr,
+                    dq_stride,
                     t_full_lo,
                     t_full_hi,
                     qk_scale,
@@ -589,6 +679,8 @@ def _fused_bwd_kernel(
                     HAS_RIGHT,
                     SOFTCAP,
                     HAS_ALIBI,
+                    SPLIT_N,
+                    DQ_ATOMIC,
                     num_warps,
                 ),
             ),
@@ -596,7 +688,7 @@ def _fused_bwd_kernel(
                 _load_partition,
                 (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED),
             ),
-            (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM)),
+            (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM, DQ_ATOMIC)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
@@ -617,7 +709,7 @@ def _fused_bwd_kernel(
 
 def backward_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_backward`` computes ``problem`` (the GPU, dtype and tensor layouts are the
-    gate's to check, hopper_path.py): head_dim 64 or 128 (``TILES``), and every position and
+    gate's to check, hopper_path.py): head_dim 64, 128 or 256 (``TILES``), and every position and
     window bound of magnitude below ``POSITION_LIMIT`` (int32 sums), with ALiBi below
     ``ALIBI_POSITION_LIMIT`` (float32 differences). Any lengths, packed documents, windows,
     positions, GQA/MQA, softcap and ALiBi."""
@@ -703,6 +795,7 @@ def fused_backward(
         problem.max_seqlen_q, problem.max_seqlen_k, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
+        dq, dq.stride(1),
         GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,

@@ -1,8 +1,8 @@
 """When the Hopper Gluon kernels (hopper_forward.py, hopper_backward.py) run instead of Triton's.
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
-windows, a ring step's positions): the forward at head_dim 64, 128 and 256, the fused backward
-at 64 and 128. Everything else, fp32, and every machine without Gluon or an sm_90 GPU
+windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
+and 256. Everything else, fp32, and every machine without Gluon or an sm_90 GPU
 (the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
 Hopper kernel needs, each kernel's module what it adds.
 """

@@ -126,9 +126,13 @@ def table_launch(
     return KERNELS[name], constexprs, cfg
 
 
-def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: dict, target: GPUTarget):
+def _compile_gluon(
+    kernel, descs: dict, consts: dict, pointers: dict, options: dict, target: GPUTarget,
+    aligned: tuple[str, ...] = (),
+):  # fmt: skip
     """Build a Gluon kernel: TMA descriptor arguments from ``descs`` (example descriptors),
-    pointer arguments typed by ``pointers``, other scalars i32 (fp32 when named *scale*)."""
+    pointer arguments typed by ``pointers``, other scalars i32 (fp32 when named *scale*). Arguments
+    named in ``aligned`` get the hint a launch gives a pointer or integer divisible by 16."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -142,7 +146,8 @@ def _compile_gluon(kernel, descs: dict, consts: dict, pointers: dict, options: d
             sig[name] = pointers[name]
         else:
             sig[name] = "fp32" if "scale" in name else "i32"
-    return triton.compile(GluonASTSource(kernel, sig, consts), target=target, options=options)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=target, options=options)
 
 
 # Contiguous positions, as most launches have them: Triton specializes an integer argument equal to
@@ -189,10 +194,14 @@ def compile_fused_backward(
     grads = "*fp32" if accumulate else "*bf16"
     cu = "*i32" if varlen else "*fp32"
     pointers = {
-        "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
+        "DQ": "*fp32", "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32",
+        "CU_Q": cu, "CU_K": cu,
     }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
-    return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)
+    # dQ's pointer and row stride (heads * head_dim) as a launch sees them: divisible by 16; the
+    # atomic adds of head_dim 256 depend on it.
+    aligned = ("DQ", "stride_dqs")
+    return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target, aligned)
 
 
 def compile_fused_forward(

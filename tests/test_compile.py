@@ -74,7 +74,9 @@ print("fits")
 # few registers reloaded from local memory per tile: an address or two unmasked, more with GQA's
 # per-head loop and softcap + ALiBi (the worst before its logits were reordered: 37, at a 30% loss
 # of backward speed); the masked loops of the three-loop variant reload 19 at head_dim 128, 60
-# with runtime position strides (they run only the edge tiles).
+# with runtime position strides (they run only the edge tiles). At head_dim 256 (64 x 64 tiles)
+# no dQ ring: 44 wgmma per tile loop (S^T and dP^T 16 k-steps each, dV, dQ and dK 4 each),
+# one tile loop for every mask, dQ by 32 two-wide atomic adds per thread, and 0-4 reloads.
 # (causal, group, accumulate, softcap + ALiBi, head_dim, mask, most loop spills) as measured on
 # 2026-11-24 (docs in the module); mask: "" none or DIAGONAL (causal alone), "tail" lengths not
 # multiples of the tiles, "left" a window's left bound, "varlen" packed documents.
@@ -96,6 +98,12 @@ CASES = {
         (True, 2, True, False, 64, "left varlen", 0), (False, 1, False, True, 64, "tail", 0),
         (True, 2, True, True, 64, "left varlen ones", 0),
     ],
+    "d256": [
+        (False, 1, False, False, 256, "", 0), (True, 4, True, False, 256, "", 0),
+        (True, 1, False, True, 256, "", 0), (True, 1, False, False, 256, "tail", 0),
+        (True, 4, True, False, 256, "left varlen", 2), (False, 1, False, True, 256, "varlen", 0),
+        (True, 1, False, False, 256, "left strides", 6), (True, 2, True, True, 256, "left varlen ones", 6),
+    ],
 }[sys.argv[1]]
 # "ones": every integer argument that a launch can specialize to the constant 1 (one-token
 # sequences, unit strides and offsets, a window of 1): the kernel must not reassign them.
@@ -114,11 +122,14 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     ptx = k.asm["ptx"]
     regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     assert regs == [24, 240], regs
-    assert ptx.count("cp.async.bulk.commit_group") == 1, ptx.count("cp.async.bulk.commit_group")
+    # One TMA reduce-add per dQ tile, or at head_dim 256 none and 32 two-wide atomic adds.
+    atomic = head_dim == 256
+    assert ptx.count("cp.async.bulk.commit_group") == (0 if atomic else 1), case
+    assert ptx.count("atom.global.gpu.relaxed.add.v2.f32") == (32 if atomic else 0), case
     # MASKED without GQA, softcap or ALiBi: masked edges, unmasked middle, masked edges (3 loops).
-    loops = 3 if mask and group == 1 and not softcap else 1
+    loops = 3 if mask and group == 1 and not softcap and not atomic else 1
     wgmma = ptx.count("wgmma.mma_async")
-    assert wgmma == loops * (32 if head_dim == 128 else 24), wgmma
+    assert wgmma == loops * {64: 24, 128: 32, 256: 44}[head_dim], wgmma
     assert ("tanh.approx.f32" in ptx) == softcap
     sass = disassemble(k)
     assert not serialized_wgmma(sass), case
@@ -140,8 +151,9 @@ base = AttentionProblem(
 )
 def ok(**kw):
     return hb.backward_supports(dataclasses.replace(base, **kw))
-assert ok() and ok(head_dim=128) and ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
-assert not ok(head_dim=96) and not ok(head_dim=256)
+assert ok() and ok(head_dim=128) and ok(head_dim=256)
+assert ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
+assert not ok(head_dim=96) and not ok(head_dim=192) and not ok(head_dim=512)
 assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
 assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens 2^24 apart: past POSITION_LIMIT
 slopes = torch.ones(1, 4)
@@ -220,7 +232,7 @@ GLUON = pytest.mark.skipif(
 
 
 @GLUON
-@pytest.mark.parametrize("cases", ["plain", "masked"])
+@pytest.mark.parametrize("cases", ["plain", "masked", "d256"])
 def test_fused_backward_compiles_for_sm90(tmp_path, cases):
     assert _compile_in_subprocess(_FUSED, tmp_path, cases).strip().endswith("fused ok")
 

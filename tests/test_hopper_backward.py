@@ -2,6 +2,9 @@
 
 Each case first asserts that ``uses_fused_backward`` picks the fused kernel, so a test cannot
 pass on the Triton kernels by accident. Its sm_90 build on the CPU is checked in test_compile.py.
+Head_dim 256 (64 x 64 tiles, dQ by atomic adds, P^T/dS^T through shared memory) runs every kind
+of case that 128 does: dtypes, odd lengths, packed documents, windows, ring positions, GQA,
+softcap, ALiBi.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ringflash.kernels.backward import uses_fused_backward
 pytestmark = [pytest.mark.gpu, SM90]
 
 D = 128
+HEAD_DIMS = [64, 128, 256]  # the fused kernel's (hopper_backward.TILES)
 
 
 def _reference_grads(q, k, v, dout, causal, **kw):
@@ -33,6 +37,7 @@ def _reference_grads(q, k, v, dout, causal, **kw):
     return qd.grad, kd.grad, vd.grad
 
 
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal"),
@@ -44,11 +49,11 @@ def _reference_grads(q, k, v, dout, causal, **kw):
         (2, 512, 128, 6, 3, False),
     ],
 )
-def test_fused_backward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal):
-    q = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=1).requires_grad_()
-    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=2).requires_grad_()
-    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=3).requires_grad_()
-    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=4)
+def test_fused_backward_matches_float64(head_dim, dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal):
+    q = cuda_randn(batch, seqlen_q, heads, head_dim, dtype=dtype, seed=1).requires_grad_()
+    k = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=2).requires_grad_()
+    v = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=3).requires_grad_()
+    dout = cuda_randn(batch, seqlen_q, heads, head_dim, dtype=dtype, seed=4)
     problem = build_problem(q, k, v, None, causal, (-1, -1))
     assert uses_fused_backward(problem, q, k, v)
     ringflash.flash_attn_func(q, k, v, causal=causal).backward(dout)
@@ -60,10 +65,11 @@ def test_fused_backward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads,
         assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
 
 
-def test_fused_backward_on_slices_adds_into_float32_buffers():
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+def test_fused_backward_on_slices_adds_into_float32_buffers(head_dim):
     """The ring's call: query/key slices of larger shards, dQ/dK/dV added to float32 buffers."""
     big_q, big_k, big_v, big_do = (
-        cuda_randn(2, 640, h, D, seed=s) for s, h in ((5, 4), (6, 2), (7, 2), (8, 4))
+        cuda_randn(2, 640, h, head_dim, seed=s) for s, h in ((5, 4), (6, 2), (7, 2), (8, 4))
     )
     qs, ks = slice(128, 384), slice(256, 640)
     q, k, v, dout = big_q[:, qs], big_k[:, ks], big_v[:, ks], big_do[:, qs]
@@ -100,9 +106,10 @@ def test_fused_backward_on_slices_adds_into_float32_buffers():
         assert torch.equal(buf[:, outside], base[:, outside])
 
 
-def test_fused_backward_on_a_diagonal_block_with_offsets():
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+def test_fused_backward_on_a_diagonal_block_with_offsets(head_dim):
     """A ring shard's own causal block sits at the same global positions on both sides."""
-    q, k, v, dout = (cuda_randn(1, 256, 2, D, seed=s) for s in range(10, 14))
+    q, k, v, dout = (cuda_randn(1, 256, 2, head_dim, seed=s) for s in range(10, 14))
     pos = TokenPositions(1024)
     problem = build_problem(q, k, v, None, True, (-1, -1), q_positions=pos, k_positions=pos)
     assert uses_fused_backward(problem, q, k, v)
@@ -125,7 +132,8 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     assert fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(1, 2))  # stripe
     assert fused(q=q[:, :193], k=k[:, :193], v=v[:, :193])
     assert fused(*(t[..., :64].contiguous() for t in (q, k, v)))
-    assert not fused(*(torch.cat([t, t], -1) for t in (q, k, v)))  # head_dim 256: Triton kernels
+    assert fused(*(torch.cat([t, t], -1) for t in (q, k, v)))  # head_dim 256
+    assert not fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # no tiles: Triton kernels
     assert not fused(*(t.float() for t in (q, k, v)))
     assert not fused(q=cuda_randn(1, 256, 4, D)[:, :, ::2])  # heads not packed in the token's row
     assert not fused(window=(2**29, 0))  # int32 position sums in the kernel
@@ -140,6 +148,7 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     assert fused()
 
 
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("softcap, q_scale", [(5.0, 4.0), (30.0, 16.0)])
 @pytest.mark.parametrize(
@@ -147,14 +156,14 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     [(2, 384, 384, 4, 4, False), (1, 512, 512, 8, 2, True), (1, 256, 512, 4, 1, False)],
 )
 def test_fused_backward_with_softcap_matches_float64(
-    dtype, softcap, q_scale, batch, seqlen_q, seqlen_k, heads, kv_heads, causal
+    head_dim, dtype, softcap, q_scale, batch, seqlen_q, seqlen_k, heads, kv_heads, causal
 ):
     """Scores large enough that the cap bites (see test_hopper_forward.SOFTCAPS); gradients
     compared with float64 and with the uncapped float64 gradients (which they must not match)."""
-    q = (cuda_randn(batch, seqlen_q, heads, D, dtype=torch.float32, seed=31) * q_scale).to(dtype)
-    k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=32)
-    v = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=33)
-    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=34)
+    q = (cuda_randn(batch, seqlen_q, heads, head_dim, dtype=torch.float32, seed=31) * q_scale).to(dtype)
+    k = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=32)
+    v = cuda_randn(batch, seqlen_k, kv_heads, head_dim, dtype=dtype, seed=33)
+    dout = cuda_randn(batch, seqlen_q, heads, head_dim, dtype=dtype, seed=34)
     problem = build_problem(q, k, v, None, causal, (-1, -1), softcap=softcap)
     assert uses_fused_backward(problem, q, k, v)
     out, lse = attention_forward(q, k, v, problem)
@@ -168,17 +177,19 @@ def test_fused_backward_with_softcap_matches_float64(
         assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "softcap", "positions"), ALIBI_CASES
 )
 def test_fused_backward_with_alibi_matches_float64(
-    dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
+    head_dim, dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions
 ):
     q, k, v, slopes, kw, ref_kw = alibi_inputs(
-        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=50
-    )
-    dout = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=55)
+        batch, seqlen_q, seqlen_k, heads, kv_heads, causal, softcap, positions, dtype, seed=50,
+        head_dim=head_dim,
+    )  # fmt: skip
+    dout = cuda_randn(batch, seqlen_q, heads, head_dim, dtype=dtype, seed=55)
     problem = build_problem(q, k, v, None, causal, (-1, -1), **kw)
     assert uses_fused_backward(problem, q, k, v)
     out, lse = attention_forward(q, k, v, problem)
@@ -193,7 +204,7 @@ def test_fused_backward_with_alibi_matches_float64(
         assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
 
 
-# The kernel's masked variants (any lengths, packed documents, windows, positions, head_dim 64),
+# The kernel's masked variants (any lengths, packed documents, windows, positions, every head_dim),
 # called directly: the gate (hopper_path.hopper_path_ok) decides separately which problems reach
 # it through attention_backward. LSE and delta come from the library's forward and
 # attention_delta, as in a training step.
@@ -270,7 +281,7 @@ DENSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal", "window"), DENSE_CASES
@@ -302,7 +313,7 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("lens_q", "lens_k", "heads", "kv_heads", "causal", "window"), VARLEN_CASES)
 def test_fused_kernel_packed_documents(head_dim, dtype, heads, kv_heads, lens_q, lens_k, causal, window):
@@ -335,7 +346,7 @@ POSITION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("seqlen_q", "seqlen_k", "q_pos", "k_pos", "causal", "window"), POSITION_CASES)
 def test_fused_kernel_ring_step_positions(head_dim, dtype, seqlen_q, seqlen_k, q_pos, k_pos, causal, window):
@@ -352,7 +363,7 @@ def test_fused_kernel_ring_step_positions(head_dim, dtype, seqlen_q, seqlen_k, q
     _check(got, expected, dtype, bases=before)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 def test_fused_kernel_masked_with_softcap_and_alibi(head_dim):
     """Packed documents, a causal window, a softcap that bites and ALiBi, in the MASKED variant."""
     lens = [129, 1, 300, 127]
@@ -383,13 +394,14 @@ def test_fused_kernel_masked_with_softcap_and_alibi(head_dim):
     _check(got, expected, torch.bfloat16)
 
 
-def test_fused_kernel_adds_zeros_outside_its_rows():
+@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+def test_fused_kernel_adds_zeros_outside_its_rows(head_dim):
     """Tiles that run past a slice's end reduce-add exact zeros into the rows after it (the first
-    sequence's, inside the tensor) and past the tensor's end (the second's, clipped by TMA): a
-    float32 dQ buffer's other rows keep their bits, and dK/dV rows outside the slice are not
-    written."""
+    sequence's, inside the tensor) and past the tensor's end (the second's, clipped by TMA), or
+    at head_dim 256 mask those rows out of their atomic adds: a float32 dQ buffer's other rows
+    keep their bits, and dK/dV rows outside the slice are not written."""
     big_q, big_k, big_v, big_do = (
-        cuda_randn(2, 1200, h, D, seed=s) for s, h in ((101, 4), (102, 2), (103, 2), (104, 4))
+        cuda_randn(2, 1200, h, head_dim, seed=s) for s, h in ((101, 4), (102, 2), (103, 2), (104, 4))
     )
     qs, ks = slice(100, 1099), slice(1051, 1200)  # 999 queries; 149 keys, the last at the end
     q, k, v, dout = big_q[:, qs], big_k[:, ks], big_v[:, ks], big_do[:, qs]
