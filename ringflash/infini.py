@@ -50,13 +50,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from . import comm
-from .kernels import flash_attn_varlen_func
-from .kernels.infini_memory import (
-    memory_retrieval,
-    memory_retrieval_backward,
-    memory_updates,
-    memory_updates_backward,
-)
+from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
+from .kernels.infini_memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
+from .kernels.infini_retrieval import memory_retrieval, memory_retrieval_backward
 
 UPDATES = ("linear", "delta")
 
@@ -129,26 +125,31 @@ def infini_attention(
     m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
 
     n_seg = -(-seqlen // segment_len)
-    # The per-segment updates (only z is used by the delta rule, whose matrix update needs M).
-    dm, dz = _MemoryUpdates.apply(k, v, segment_len)
-    if update == "linear" and world > 1:
-        delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
-        pending = comm.exclusive_prefix_sum(delta, group)
-
-    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
     gate = torch.sigmoid(beta.float())
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    # On one device the local attention runs inside the memory path's autograd Function, whose
+    # backward adds the local attention's dq, dk, dv into its own (no autograd sums); under a
+    # group it runs outside, while the memory is communicated.
+    fused_local = world == 1 and head_dim % 8 == 0
+    local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
 
     if update == "linear":
+        updates = None
         if world > 1:
+            dm, dz = _MemoryUpdates.apply(k, v, segment_len)
+            pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
             prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
             m_in, z_in = m0 + prefix[0], z0 + prefix[1]
-            final = InfiniMemory(m0 + total[0], z0 + total[1])
+            updates = (dm.detach(), dz.detach())
         else:
             m_in, z_in = m0, z0
-            final = InfiniMemory(m0 + dm.sum(1), z0 + dz.sum(1))
-        out = _LinearRetrieval.apply(q, local, gate, m_in, z_in, dm, dz, k, v, segment_len)
-        return (out, final) if return_memory else out
+        out, *final = _GatedMemory.apply(q, k, v, local, gate, m_in, z_in, segment_len, scale, updates)
+        if world > 1:
+            final = (m0 + total[0], z0 + total[1])
+        return (out, InfiniMemory(*final)) if return_memory else out
 
+    # Delta rule: the contribution depends on the memory before the segment (a loop over them).
+    dz = _MemoryUpdates.apply(k, v, segment_len)[1]
     if world > 1:
         tensors = (q, k, v, beta, *(memory or ()))
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -167,7 +168,7 @@ def infini_attention(
     if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
         local, shared = comm.relay_out(local, final, group, share_last=return_memory)
         final = InfiniMemory(*shared) if return_memory else final
-    out = _Retrieval.apply(q, local, gate, m_before, z_before, segment_len)
+    out = _GatedMemory.apply(q, k, v, local, gate, m_before, z_before, segment_len, scale, None)
     return (out, final) if return_memory else out
 
 
@@ -283,43 +284,77 @@ class _MemoryUpdates(torch.autograd.Function):
         return *memory_updates_backward(k, v, ctx.segment_len, grad_dm, grad_dz), None
 
 
-class _Retrieval(torch.autograd.Function):
-    """gate A_mem + (1 - gate) local from the memory before each segment (``memory_retrieval``)."""
+def _local_problem(q, k, v, segment_len: int, scale: float):
+    """The local attention as one varlen problem over every segment of every batch row, on
+    (batch * seqlen, heads, head_dim) views."""
+    b, s = q.shape[:2]
+    cu = _segment_bounds(b, s, segment_len, q.device)
+    longest = min(segment_len, s)
+    flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+    return flat, build_problem(*flat, scale, True, (-1, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
+
+
+class _GatedMemory(torch.autograd.Function):
+    """gate A_mem + (1 - gate) local, from the memory before each segment.
+
+    Linear rule (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and (B, Hk, D)): the
+    memories before the segments are the scan of the per-segment updates of k and v (``updates``
+    if given, detached), and the outputs are (out, M after the call, z after it); the backward
+    rebuilds the M's from k and v (one more read of them) instead of keeping them, so only the
+    z's stay. Delta rule (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D)
+    and (B, n_seg, Hk, D)): the output is out, and m, z get their gradients.
+
+    ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
+    memory path's dq, dk, dv and the local attention's backward adds into them, with its delta
+    from the retrieval's backward pass."""
 
     @staticmethod
-    def forward(ctx, q, local, gate, m_before, z_before, segment_len):
-        ctx.save_for_backward(q, local, gate, m_before, z_before)
-        ctx.segment_len = segment_len
-        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates):
+        ctx.linear = m.dim() == 4
+        ctx.segment_len, ctx.scale, ctx.fused_local = segment_len, scale, local is None
+        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
+        lse = None
+        if local is None:
+            flat, problem = _local_problem(q, k, v, segment_len, scale)
+            local, lse = attention_forward(*flat, problem)
+            local = local.view(q.shape)
+        if ctx.linear:
+            dm, dz = updates if updates is not None else memory_updates(k, v, segment_len)
+            m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
+            z_before, z_final = memory_scan(dz, z, torch.float32)
+            ctx.save_for_backward(q, k, v, local, lse, gate, m, z_before)
+            out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+            return out, m_final, z_final
+        ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
+        return memory_retrieval(q, local, gate, m, z, segment_len)
 
     @staticmethod
-    def backward(ctx, dout):
-        return *memory_retrieval_backward(*ctx.saved_tensors, ctx.segment_len, dout), None
-
-
-class _LinearRetrieval(torch.autograd.Function):
-    """``_Retrieval`` under the linear rule, from the memory entering the call (m_in, z_in) and
-    the per-segment updates (dm, dz): the memories before each segment are an exclusive
-    cumulative sum, and the backward rebuilds M's from k and v (one more read of them) instead of
-    keeping them, so only z's (head_dim floats per segment and head) stay for the backward."""
-
-    @staticmethod
-    def forward(ctx, q, local, gate, m_in, z_in, dm, dz, k, v, segment_len):
-        z_before = z_in[:, None] + _exclusive_cumsum(dz)
-        ctx.save_for_backward(q, local, gate, m_in, z_before, k, v)
-        ctx.segment_len = segment_len
-        m_before = m_in[:, None] + _exclusive_cumsum(dm)
-        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, local, gate, m_in, z_before, k, v = ctx.saved_tensors
-        m_before = m_in[:, None] + _exclusive_cumsum(memory_updates(k, v, ctx.segment_len)[0])
+    def backward(ctx, dout, *final_grads):
+        q, k, v, local, lse, gate, m, z_before = ctx.saved_tensors
+        seg, matrix_dtype = ctx.segment_len, operand_dtype(q.dtype)
+        if dout is None:
+            dout = torch.zeros_like(q)
+        m_before = memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0] if ctx.linear else m
+        delta = torch.empty_like(lse) if ctx.fused_local else None
         dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
-            q, local, gate, m_before, z_before, ctx.segment_len, dout
+            q, local, gate, m_before, z_before, seg, dout, delta
         )
-        grads_in = gm.sum(1), gz.sum(1), _reverse_exclusive_cumsum(gm), _reverse_exclusive_cumsum(gz)
-        return dq, dlocal, dgate, *grads_in, None, None, None
+        del m_before
+        dk = dv = None
+        if ctx.linear:
+            g_mfinal, g_zfinal = final_grads
+            grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
+            grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
+            dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
+        if ctx.fused_local:
+            flat, problem = _local_problem(q, k, v, seg, ctx.scale)
+            if dk is None:
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dlocal, dq, dk, dv)]
+            attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
+            dlocal = None
+        return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

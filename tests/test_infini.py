@@ -15,6 +15,7 @@ from reference import TOLERANCE, rel_err
 
 import ringflash
 from ringflash import comm, infini
+from ringflash.kernels import infini_memory
 
 
 def infini_reference(q, k, v, beta, segment_len, update, memory=None):
@@ -102,12 +103,34 @@ def test_matches_float64_loop_over_segments(
         _check(name, got.grad, want.grad, tol)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("update", ["linear", "delta"])
-def test_bf16_tensor_core_memory_matches_float64(device, update):
+def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device, update):
+    """Few (segment, head) programs split segments into one row block per program; many take
+    whole segments and loop over their row blocks (here 3 of 64 rows, the last one partial)."""
+    monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
+    monkeypatch.setattr(infini, "CHUNK_TOKENS", 140)
+    q, k, v, beta, dout = _inputs(1, 300, 2, 1, 16, torch.float32, seed=11)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out = ringflash.infini_attention(q, k, v, beta, 140, update=update)
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, _ = infini_reference(*ref, 140, update)
+    ref_out.backward(dout.double().cpu())
+    _check("out", out, ref_out, TOLERANCE[torch.float32])
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("whole_segments", [False, True])
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments):
     """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
-    accumulation), which the interpreter cannot run: head_dim 128 (two column blocks), segments
-    of several token blocks, GQA and a shorter last segment, against the float64 loop."""
+    accumulation), which the interpreter cannot run: head_dim 128, segments of several token
+    blocks (one program per row block, or with ``whole_segments`` per segment), GQA and a
+    shorter last segment, against the float64 loop."""
+    if whole_segments:
+        monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
     q, k, v, beta, dout = _inputs(2, 700, 4, 2, 128, torch.bfloat16, seed=7)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)
