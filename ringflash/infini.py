@@ -16,12 +16,15 @@ The memory is float32 (batch, kv_heads, head_dim, head_dim) and (batch, kv_heads
 query head h reads the memory of key/value head h // (heads / kv_heads), as in GQA.
 
 Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s)) is computed for
-all segments at once by one kernel, and the memory before each segment is an exclusive cumulative
-sum over segments (a chunked linear-attention form); one more kernel does the retrieval, the
-division and the gate for every token (``kernels/infini_memory.py``: bf16 inputs run the
-head_dim x head_dim products on tensor cores with float32 accumulation). The backward rebuilds
-the memories from k and v instead of keeping them, so what stays for the backward is the
-inputs, the local attention's output and z before each segment (``infini_memory_bytes``).
+all segments at once by one kernel, and the memory before each segment is an exclusive scan over
+segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
+the gate for every token (``kernels/infini_memory.py``, ``kernels/infini_retrieval.py``: bf16
+inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). The
+backward rebuilds the memories from k and v instead of keeping them, so what stays for the
+backward is the inputs, the local attention's output and LSE, and z before each segment
+(``infini_memory_bytes``). On one device the local attention runs inside the same autograd
+Function (``_GatedMemory``): its backward adds into the memory path's dq, dk, dv and takes its
+delta from the retrieval's backward pass, so no separate sums of two gradients are made.
 Delta update: the contribution depends on the memory before the segment, so the memories come
 from a loop over the segments in float32 torch ops (one small matmul chain per segment, in
 chunks of ``CHUNK_TOKENS`` tokens recomputed in the backward), kept for the backward; the
@@ -131,13 +134,14 @@ def infini_attention(
     # backward adds the local attention's dq, dk, dv into its own (no autograd sums); under a
     # group it runs outside, while the memory is communicated.
     fused_local = world == 1 and head_dim % 8 == 0
-    local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
 
     if update == "linear":
         updates = None
         if world > 1:
             dm, dz = _MemoryUpdates.apply(k, v, segment_len)
             pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
+        local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
+        if world > 1:
             prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
             m_in, z_in = m0 + prefix[0], z0 + prefix[1]
             updates = (dm.detach(), dz.detach())
@@ -149,6 +153,7 @@ def infini_attention(
         return (out, InfiniMemory(*final)) if return_memory else out
 
     # Delta rule: the contribution depends on the memory before the segment (a loop over them).
+    local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
     dz = _MemoryUpdates.apply(k, v, segment_len)[1]
     if world > 1:
         tensors = (q, k, v, beta, *(memory or ()))
