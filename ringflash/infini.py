@@ -25,10 +25,12 @@ backward is the inputs, the local attention's output and LSE, and z before each 
 (``infini_memory_bytes``). On one device the local attention runs inside the same autograd
 Function (``_GatedMemory``): its backward adds into the memory path's dq, dk, dv and takes its
 delta from the retrieval's backward pass, so no separate sums of two gradients are made.
-Delta update: the contribution depends on the memory before the segment, so the memories come
-from a loop over the segments in float32 torch ops (one small matmul chain per segment, in
-chunks of ``CHUNK_TOKENS`` tokens recomputed in the backward), kept for the backward; the
-retrieval is the same kernel.
+Delta update: the contribution depends on the memory before the segment, so one kernel walks
+the segments in order, one program per (batch row, kv head, column block of M) with its block
+of M in registers, and writes the memory before each segment (float32, kept for the backward);
+the backward walks them in reverse with the block of M's gradient carried
+(``kernels/infini_delta.py``). z is a plain sum over segments (torch ops) and the retrieval is
+the same kernel as for the linear rule.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -49,11 +51,10 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from . import comm
 from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
+from .kernels.infini_delta import delta_memories, delta_memories_backward
 from .kernels.infini_memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
 from .kernels.infini_retrieval import memory_retrieval, memory_retrieval_backward
 
@@ -127,7 +128,6 @@ def infini_attention(
             )
     m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
 
-    n_seg = -(-seqlen // segment_len)
     gate = torch.sigmoid(beta.float())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     # On one device the local attention runs inside the memory path's autograd Function, whose
@@ -162,13 +162,7 @@ def infini_attention(
     else:
         m_in, z_in = m0, z0
     z_before = z_in[:, None] + _exclusive_cumsum(dz)
-    # Padded keys are -inf, whose sigma is exactly 0 (nothing stored).
-    k_seg, v_seg = (_segments(t, n_seg, segment_len, fill) for t, fill in ((k, -math.inf), (v, 0.0)))
-    m_before, m = [], m_in
-    for a, b in _chunks(n_seg, segment_len):
-        m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
-        m_before.append(m_before_c)
-    m_before = torch.cat(m_before, 1)
+    m_before, m = _DeltaMemories.apply(k, v, m_in, z_before, segment_len)
     final = InfiniMemory(m, z_in + dz.sum(1))
     if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
         local, shared = comm.relay_out(local, final, group, share_last=return_memory)
@@ -237,41 +231,9 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
-# Tokens per chunk of segments whose float32 temporaries exist at once; the backward recomputes
-# them chunk by chunk (activation checkpointing), so the memory path keeps only its bf16/fp16
-# inputs and the per-segment memories.
-CHUNK_TOKENS = 1 << 16
-
-
-def _chunks(n_seg: int, segment_len: int) -> list[tuple[int, int]]:
-    per_chunk = max(1, CHUNK_TOKENS // segment_len)
-    return [(a, min(a + per_chunk, n_seg)) for a in range(0, n_seg, per_chunk)]
-
-
-def _checkpoint(fn, *args):
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-def _sigma(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x.float()) + 1
-
-
-def _segments(x: torch.Tensor, n_seg: int, segment_len: int, fill: float) -> torch.Tensor:
-    """(B, S, H, D) -> (B, n_seg, segment_len, H, D), padded at the end with ``fill``."""
-    pad = n_seg * segment_len - x.shape[1]
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad), value=fill)
-    return x.view(x.shape[0], n_seg, segment_len, *x.shape[2:])
-
-
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the segments (dim 1) before each one."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
-
-
-def _reverse_exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the segments (dim 1) after each one: the gradient of ``_exclusive_cumsum``."""
-    return _exclusive_cumsum(x.flip(1)).flip(1)
 
 
 class _MemoryUpdates(torch.autograd.Function):
@@ -287,6 +249,29 @@ class _MemoryUpdates(torch.autograd.Function):
     def backward(ctx, grad_dm, grad_dz):
         k, v = ctx.saved_tensors
         return *memory_updates_backward(k, v, ctx.segment_len, grad_dm, grad_dz), None
+
+
+class _DeltaMemories(torch.autograd.Function):
+    """k, v, the memory entering the sequence and z before each segment -> (M before each
+    segment, M after the last one), float32, by the delta rule (``delta_memories``)."""
+
+    @staticmethod
+    def forward(ctx, k, v, m_in, z_before, segment_len):
+        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to carry
+        m_before, m_final = delta_memories(k, v, m_in, z_before, segment_len)
+        ctx.save_for_backward(k, v, m_before, z_before)
+        ctx.segment_len = segment_len
+        return m_before, m_final
+
+    @staticmethod
+    def backward(ctx, grad_m_before, grad_m_final):
+        k, v, m_before, z_before = ctx.saved_tensors
+        if grad_m_before is None:
+            grad_m_before = torch.zeros_like(m_before)
+        dk, dv, dm_in, dz_before = delta_memories_backward(
+            k, v, m_before, z_before, ctx.segment_len, grad_m_before, grad_m_final
+        )
+        return dk, dv, dm_in, dz_before, None
 
 
 def _local_problem(q, k, v, segment_len: int, scale: float):
@@ -365,28 +350,6 @@ class _GatedMemory(torch.autograd.Function):
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, z = flat.split([head_dim * head_dim, head_dim], dim=-1)
     return m.unflatten(-1, (head_dim, head_dim)), z
-
-
-def _divide_where_stored(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den, and 0 where den = 0 (an empty memory), without NaN in either direction."""
-    stored = den > 0
-    return torch.where(stored, num / torch.where(stored, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
-def _delta_memories(
-    k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, z_before: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delta rule over a chunk of segments, one after another: k, v (B, c, L, Hk, D), m
-    (B, Hk, D, D) entering the chunk, z_before (B, c, Hk, D) -> (memory before each segment
-    (B, c, Hk, D, D), memory after the chunk)."""
-    keys_all, values_all = _sigma(k).transpose(2, 3), v.float().transpose(2, 3)  # (B, c, Hk, L, D)
-    before = []
-    for s in range(k.shape[1]):
-        before.append(m)
-        keys = keys_all[:, s]
-        stored = _divide_where_stored(keys @ m, keys @ z_before[:, s, :, :, None])
-        m = m + keys.transpose(-1, -2) @ (values_all[:, s] - stored)
-    return torch.stack(before, dim=1), m
 
 
 @functools.lru_cache(maxsize=64)
