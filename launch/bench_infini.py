@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--exact-max-len", type=int, default=1 << 20, help="longest exact-attention run")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 in the float32 memory matmuls")
+    p.add_argument(
+        "--tf32", action="store_true", help="TF32 in torch float32 matmuls (not in the memory kernels)"
+    )
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument(
         "--profile", type=int, default=None, metavar="TOKENS",

@@ -16,16 +16,21 @@ The memory is float32 (batch, kv_heads, head_dim, head_dim) and (batch, kv_heads
 query head h reads the memory of key/value head h // (heads / kv_heads), as in GQA.
 
 Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s)) is computed for
-all segments at once by one kernel, and the memory before each segment is an exclusive cumulative
-sum over segments (a chunked linear-attention form); one more kernel does the retrieval, the
-division and the gate for every token (``kernels/infini_memory.py``: bf16 inputs run the
-head_dim x head_dim products on tensor cores with float32 accumulation). The backward rebuilds
-the memories from k and v instead of keeping them, so what stays for the backward is the
-inputs, the local attention's output and z before each segment (``infini_memory_bytes``).
-Delta update: the contribution depends on the memory before the segment, so the memories come
-from a loop over the segments in float32 torch ops (one small matmul chain per segment, in
-chunks of ``CHUNK_TOKENS`` tokens recomputed in the backward), kept for the backward; the
-retrieval is the same kernel.
+all segments at once by one kernel, and the memory before each segment is an exclusive scan over
+segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
+the gate for every token (``kernels/infini_memory.py``, ``kernels/infini_retrieval.py``: bf16
+inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). The
+backward rebuilds the memories from k and v instead of keeping them, so what stays for the
+backward is the inputs, the local attention's output and LSE, and z before each segment
+(``infini_memory_bytes``). On one device the local attention runs inside the same autograd
+Function (``_GatedMemory``): its backward adds into the memory path's dq, dk, dv and takes its
+delta from the retrieval's backward pass, so no separate sums of two gradients are made.
+Delta update: the contribution depends on the memory before the segment, so one kernel walks
+the segments in order, one program per (batch row, kv head, column block of M) with its block
+of M in registers, and writes the memory before each segment (float32, kept for the backward);
+the backward walks them in reverse with the block of M's gradient carried
+(``kernels/infini_delta.py``). z is a plain sum over segments (torch ops) and the retrieval is
+the same kernel as for the linear rule.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -46,17 +51,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from . import comm
-from .kernels import flash_attn_varlen_func
-from .kernels.infini_memory import (
-    memory_retrieval,
-    memory_retrieval_backward,
-    memory_updates,
-    memory_updates_backward,
-)
+from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
+from .kernels.infini_delta import delta_memories, delta_memories_backward
+from .kernels.infini_memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
+from .kernels.infini_retrieval import memory_retrieval, memory_retrieval_backward
 
 UPDATES = ("linear", "delta")
 
@@ -128,27 +128,33 @@ def infini_attention(
             )
     m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
 
-    n_seg = -(-seqlen // segment_len)
-    # The per-segment updates (only z is used by the delta rule, whose matrix update needs M).
-    dm, dz = _MemoryUpdates.apply(k, v, segment_len)
-    if update == "linear" and world > 1:
-        delta = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
-        pending = comm.exclusive_prefix_sum(delta, group)
-
-    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
     gate = torch.sigmoid(beta.float())
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    # On one device the local attention runs inside the memory path's autograd Function, whose
+    # backward adds the local attention's dq, dk, dv into its own (no autograd sums); under a
+    # group it runs outside, while the memory is communicated.
+    fused_local = world == 1 and head_dim % 8 == 0
 
     if update == "linear":
+        updates = None
+        if world > 1:
+            dm, dz = _MemoryUpdates.apply(k, v, segment_len)
+            pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
+        local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
         if world > 1:
             prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
             m_in, z_in = m0 + prefix[0], z0 + prefix[1]
-            final = InfiniMemory(m0 + total[0], z0 + total[1])
+            updates = (dm.detach(), dz.detach())
         else:
             m_in, z_in = m0, z0
-            final = InfiniMemory(m0 + dm.sum(1), z0 + dz.sum(1))
-        out = _LinearRetrieval.apply(q, local, gate, m_in, z_in, dm, dz, k, v, segment_len)
-        return (out, final) if return_memory else out
+        out, *final = _GatedMemory.apply(q, k, v, local, gate, m_in, z_in, segment_len, scale, updates)
+        if world > 1:
+            final = (m0 + total[0], z0 + total[1])
+        return (out, InfiniMemory(*final)) if return_memory else out
 
+    # Delta rule: the contribution depends on the memory before the segment (a loop over them).
+    local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
+    dz = _MemoryUpdates.apply(k, v, segment_len)[1]
     if world > 1:
         tensors = (q, k, v, beta, *(memory or ()))
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -156,18 +162,12 @@ def infini_attention(
     else:
         m_in, z_in = m0, z0
     z_before = z_in[:, None] + _exclusive_cumsum(dz)
-    # Padded keys are -inf, whose sigma is exactly 0 (nothing stored).
-    k_seg, v_seg = (_segments(t, n_seg, segment_len, fill) for t, fill in ((k, -math.inf), (v, 0.0)))
-    m_before, m = [], m_in
-    for a, b in _chunks(n_seg, segment_len):
-        m_before_c, m = _checkpoint(_delta_memories, k_seg[:, a:b], v_seg[:, a:b], m, z_before[:, a:b])
-        m_before.append(m_before_c)
-    m_before = torch.cat(m_before, 1)
+    m_before, m = _DeltaMemories.apply(k, v, m_in, z_before, segment_len)
     final = InfiniMemory(m, z_in + dz.sum(1))
     if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
         local, shared = comm.relay_out(local, final, group, share_last=return_memory)
         final = InfiniMemory(*shared) if return_memory else final
-    out = _Retrieval.apply(q, local, gate, m_before, z_before, segment_len)
+    out = _GatedMemory.apply(q, k, v, local, gate, m_before, z_before, segment_len, scale, None)
     return (out, final) if return_memory else out
 
 
@@ -231,41 +231,9 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
-# Tokens per chunk of segments whose float32 temporaries exist at once; the backward recomputes
-# them chunk by chunk (activation checkpointing), so the memory path keeps only its bf16/fp16
-# inputs and the per-segment memories.
-CHUNK_TOKENS = 1 << 16
-
-
-def _chunks(n_seg: int, segment_len: int) -> list[tuple[int, int]]:
-    per_chunk = max(1, CHUNK_TOKENS // segment_len)
-    return [(a, min(a + per_chunk, n_seg)) for a in range(0, n_seg, per_chunk)]
-
-
-def _checkpoint(fn, *args):
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-def _sigma(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x.float()) + 1
-
-
-def _segments(x: torch.Tensor, n_seg: int, segment_len: int, fill: float) -> torch.Tensor:
-    """(B, S, H, D) -> (B, n_seg, segment_len, H, D), padded at the end with ``fill``."""
-    pad = n_seg * segment_len - x.shape[1]
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad), value=fill)
-    return x.view(x.shape[0], n_seg, segment_len, *x.shape[2:])
-
-
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the segments (dim 1) before each one."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
-
-
-def _reverse_exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the segments (dim 1) after each one: the gradient of ``_exclusive_cumsum``."""
-    return _exclusive_cumsum(x.flip(1)).flip(1)
 
 
 class _MemoryUpdates(torch.autograd.Function):
@@ -283,70 +251,105 @@ class _MemoryUpdates(torch.autograd.Function):
         return *memory_updates_backward(k, v, ctx.segment_len, grad_dm, grad_dz), None
 
 
-class _Retrieval(torch.autograd.Function):
-    """gate A_mem + (1 - gate) local from the memory before each segment (``memory_retrieval``)."""
+class _DeltaMemories(torch.autograd.Function):
+    """k, v, the memory entering the sequence and z before each segment -> (M before each
+    segment, M after the last one), float32, by the delta rule (``delta_memories``)."""
 
     @staticmethod
-    def forward(ctx, q, local, gate, m_before, z_before, segment_len):
-        ctx.save_for_backward(q, local, gate, m_before, z_before)
+    def forward(ctx, k, v, m_in, z_before, segment_len):
+        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to carry
+        m_before, m_final = delta_memories(k, v, m_in, z_before, segment_len)
+        ctx.save_for_backward(k, v, m_before, z_before)
         ctx.segment_len = segment_len
-        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+        return m_before, m_final
 
     @staticmethod
-    def backward(ctx, dout):
-        return *memory_retrieval_backward(*ctx.saved_tensors, ctx.segment_len, dout), None
-
-
-class _LinearRetrieval(torch.autograd.Function):
-    """``_Retrieval`` under the linear rule, from the memory entering the call (m_in, z_in) and
-    the per-segment updates (dm, dz): the memories before each segment are an exclusive
-    cumulative sum, and the backward rebuilds M's from k and v (one more read of them) instead of
-    keeping them, so only z's (head_dim floats per segment and head) stay for the backward."""
-
-    @staticmethod
-    def forward(ctx, q, local, gate, m_in, z_in, dm, dz, k, v, segment_len):
-        z_before = z_in[:, None] + _exclusive_cumsum(dz)
-        ctx.save_for_backward(q, local, gate, m_in, z_before, k, v)
-        ctx.segment_len = segment_len
-        m_before = m_in[:, None] + _exclusive_cumsum(dm)
-        return memory_retrieval(q, local, gate, m_before, z_before, segment_len)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, local, gate, m_in, z_before, k, v = ctx.saved_tensors
-        m_before = m_in[:, None] + _exclusive_cumsum(memory_updates(k, v, ctx.segment_len)[0])
-        dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
-            q, local, gate, m_before, z_before, ctx.segment_len, dout
+    def backward(ctx, grad_m_before, grad_m_final):
+        k, v, m_before, z_before = ctx.saved_tensors
+        if grad_m_before is None:
+            grad_m_before = torch.zeros_like(m_before)
+        dk, dv, dm_in, dz_before = delta_memories_backward(
+            k, v, m_before, z_before, ctx.segment_len, grad_m_before, grad_m_final
         )
-        grads_in = gm.sum(1), gz.sum(1), _reverse_exclusive_cumsum(gm), _reverse_exclusive_cumsum(gz)
-        return dq, dlocal, dgate, *grads_in, None, None, None
+        return dk, dv, dm_in, dz_before, None
+
+
+def _local_problem(q, k, v, segment_len: int, scale: float):
+    """The local attention as one varlen problem over every segment of every batch row, on
+    (batch * seqlen, heads, head_dim) views."""
+    b, s = q.shape[:2]
+    cu = _segment_bounds(b, s, segment_len, q.device)
+    longest = min(segment_len, s)
+    flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+    return flat, build_problem(*flat, scale, True, (-1, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
+
+
+class _GatedMemory(torch.autograd.Function):
+    """gate A_mem + (1 - gate) local, from the memory before each segment.
+
+    Linear rule (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and (B, Hk, D)): the
+    memories before the segments are the scan of the per-segment updates of k and v (``updates``
+    if given, detached), and the outputs are (out, M after the call, z after it); the backward
+    rebuilds the M's from k and v (one more read of them) instead of keeping them, so only the
+    z's stay. Delta rule (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D)
+    and (B, n_seg, Hk, D)): the output is out, and m, z get their gradients.
+
+    ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
+    memory path's dq, dk, dv and the local attention's backward adds into them, with its delta
+    from the retrieval's backward pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates):
+        ctx.linear = m.dim() == 4
+        ctx.segment_len, ctx.scale, ctx.fused_local = segment_len, scale, local is None
+        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
+        lse = None
+        if local is None:
+            flat, problem = _local_problem(q, k, v, segment_len, scale)
+            local, lse = attention_forward(*flat, problem)
+            local = local.view(q.shape)
+        if ctx.linear:
+            dm, dz = updates if updates is not None else memory_updates(k, v, segment_len)
+            m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
+            z_before, z_final = memory_scan(dz, z, torch.float32)
+            ctx.save_for_backward(q, k, v, local, lse, gate, m, z_before)
+            out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+            return out, m_final, z_final
+        ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
+        return memory_retrieval(q, local, gate, m, z, segment_len)
+
+    @staticmethod
+    def backward(ctx, dout, *final_grads):
+        q, k, v, local, lse, gate, m, z_before = ctx.saved_tensors
+        seg, matrix_dtype = ctx.segment_len, operand_dtype(q.dtype)
+        if dout is None:
+            dout = torch.zeros_like(q)
+        m_before = memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0] if ctx.linear else m
+        delta = torch.empty_like(lse) if ctx.fused_local else None
+        dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
+            q, local, gate, m_before, z_before, seg, dout, delta
+        )
+        del m_before
+        dk = dv = None
+        if ctx.linear:
+            g_mfinal, g_zfinal = final_grads
+            grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
+            grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
+            dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
+        if ctx.fused_local:
+            flat, problem = _local_problem(q, k, v, seg, ctx.scale)
+            if dk is None:
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dlocal, dq, dk, dv)]
+            attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
+            dlocal = None
+        return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, z = flat.split([head_dim * head_dim, head_dim], dim=-1)
     return m.unflatten(-1, (head_dim, head_dim)), z
-
-
-def _divide_where_stored(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den, and 0 where den = 0 (an empty memory), without NaN in either direction."""
-    stored = den > 0
-    return torch.where(stored, num / torch.where(stored, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
-def _delta_memories(
-    k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, z_before: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delta rule over a chunk of segments, one after another: k, v (B, c, L, Hk, D), m
-    (B, Hk, D, D) entering the chunk, z_before (B, c, Hk, D) -> (memory before each segment
-    (B, c, Hk, D, D), memory after the chunk)."""
-    keys_all, values_all = _sigma(k).transpose(2, 3), v.float().transpose(2, 3)  # (B, c, Hk, L, D)
-    before = []
-    for s in range(k.shape[1]):
-        before.append(m)
-        keys = keys_all[:, s]
-        stored = _divide_where_stored(keys @ m, keys @ z_before[:, s, :, :, None])
-        m = m + keys.transpose(-1, -2) @ (values_all[:, s] - stored)
-    return torch.stack(before, dim=1), m
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,8 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, rel_err
 
 import ringflash
-from ringflash import comm, infini
+from ringflash import comm
+from ringflash.kernels import infini_delta, infini_memory
 
 
 def infini_reference(q, k, v, beta, segment_len, update, memory=None):
@@ -85,7 +86,6 @@ def _check(name, got, want, tol):
 def test_matches_float64_loop_over_segments(
     monkeypatch, device, update, batch, seqlen, segment_len, heads, kv_heads, dtype
 ):
-    monkeypatch.setattr(infini, "CHUNK_TOKENS", segment_len)  # one segment per checkpointed chunk
     q, k, v, beta, dout = _inputs(batch, seqlen, heads, kv_heads, 16, dtype, seed=seqlen + heads)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, segment_len, update=update, return_memory=True)
@@ -102,12 +102,59 @@ def test_matches_float64_loop_over_segments(
         _check(name, got.grad, want.grad, tol)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("update", ["linear", "delta"])
-def test_bf16_tensor_core_memory_matches_float64(device, update):
+def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device, update):
+    """Few (segment, head) programs split segments into one row block per program; many take
+    whole segments and loop over their row blocks (here 3 of 64 rows, the last one partial)."""
+    monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
+    q, k, v, beta, dout = _inputs(1, 300, 2, 1, 16, torch.float32, seed=11)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out = ringflash.infini_attention(q, k, v, beta, 140, update=update)
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, _ = infini_reference(*ref, 140, update)
+    ref_out.backward(dout.double().cpu())
+    _check("out", out, ref_out, TOLERANCE[torch.float32])
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype):
+    """The delta kernels split M into column blocks of 16 (head_dim 32: two programs per head,
+    whose parts of dk and dz are summed), each walking 3 segments of four 32-row blocks (the
+    last one partial; the last segment one partial block), from a given memory whose gradient
+    is checked too."""
+    monkeypatch.setattr(infini_delta, "DELTA_MAX_COLUMNS", 16)
+    q, k, v, beta, dout = _inputs(2, 230, 2, 1, 32, dtype, seed=21)
+    g = torch.Generator().manual_seed(22)
+    memory = (torch.randn(2, 1, 32, 32, generator=g) * 0.1, torch.rand(2, 1, 32, generator=g) * 10)
+    memory_grad = torch.randn(2, 1, 32, 32, generator=g)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v, beta, *memory)]
+    out, final = ringflash.infini_attention(
+        *leaves[:4], 100, update="delta", memory=tuple(leaves[4:]), return_memory=True
+    )
+    ((out * dout.to(device)).sum() + (final.matrix * memory_grad.to(device)).sum()).backward()
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out, ref_memory = infini_reference(*ref[:4], 100, "delta", memory=ref[4:])
+    ((ref_out * dout.double()).sum() + (ref_memory[0] * memory_grad.double()).sum()).backward()
+    tol = TOLERANCE[dtype]
+    _check("out", out, ref_out, tol)
+    _check("memory matrix", final.matrix, ref_memory[0], tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dmatrix", "dnormalizer"), leaves, ref):
+        _check(name, got.grad, want.grad, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("whole_segments", [False, True])
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments):
     """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
-    accumulation), which the interpreter cannot run: head_dim 128 (two column blocks), segments
-    of several token blocks, GQA and a shorter last segment, against the float64 loop."""
+    accumulation), which the interpreter cannot run: head_dim 128, segments of several token
+    blocks (one program per row block, or with ``whole_segments`` per segment), GQA and a
+    shorter last segment, against the float64 loop."""
+    if whole_segments:
+        monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
     q, k, v, beta, dout = _inputs(2, 700, 4, 2, 128, torch.bfloat16, seed=7)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)

@@ -1,0 +1,263 @@
+"""Infini-attention's gated retrieval from the memory before each segment, forward and backward,
+as Triton kernels (the memory's updates and scan are in ``infini_memory.py``):
+
+    A   = sigma(Q_s) M_s / (sigma(Q_s) z_s), 0 where sigma(Q_s) z_s = 0 (an empty memory)
+    out = gate_h * A + (1 - gate_h) * local
+
+for segment s, query head h reading key/value head h // (heads / kv_heads). sigma, the division,
+the gate and the casts stay in registers; a program takes a chunk of a segment's rows and, with
+head_dim <= 128, reads the segment's M once before them.
+
+Tensors: q, local, out (batch, seqlen, heads, head_dim) with a contiguous last dim; M (batch,
+segments, kv_heads, head_dim, head_dim) in ``operand_dtype`` and z (batch, segments, kv_heads,
+head_dim) float32, contiguous; gate (heads,) float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .infini_memory import (
+    _dot,
+    _load_sigma,
+    _load_state,
+    _operand,
+    _row_chunk,
+    _segment,
+    _sigma_grad,
+    column_tile,
+    last_dim_contiguous,
+    operand_dtype,
+    row_chunk,
+    row_tile,
+    tiles,
+)
+
+
+@triton.jit
+def _retrieval_kernel(
+    Q, LOCAL, OUT, M, Z, GATE, seqlen, n_seg, segment_len, chunk, kv_heads,
+    stride_qb, stride_qs, stride_qh, stride_lb, stride_ls, stride_lh, stride_ob, stride_os, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (row chunk, segment, query head): out = gate A + (1 - gate) local."""
+    pid_c = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    b, lo, hi = _row_chunk(pid_c, pid_bs, n_seg, segment_len, chunk, seqlen)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    state = pid_bs.to(tl.int64) * kv_heads + h // GROUP
+    m_base = M + state * HEAD_DIM * HEAD_DIM
+    z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    gate = tl.load(GATE + h)
+    if BLOCK_N == BLOCK_D:
+        m_all = _load_state(m_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
+    for t0 in range(lo, hi, BLOCK_M):
+        rows = t0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < hi
+        rows64 = rows[:, None].to(tl.int64)
+        queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+        den = tl.sum(queries * z[None, :], 1)
+        queries = _operand(queries, LOW_PRECISION)
+        scale = gate * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            if BLOCK_N == BLOCK_D:
+                m = m_all
+            else:
+                m = _load_state(m_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            num = _dot(queries, m, zero, LOW_PRECISION, DOT_PRECISION)
+            mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+            local_ptrs = LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :]
+            local = tl.load(local_ptrs, mask=mask)
+            out = num * scale[:, None] + (1.0 - gate) * local.to(tl.float32)
+            o_ptrs = OUT + b * stride_ob + h * stride_oh + rows64 * stride_os + cols[None, :]
+            tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _retrieval_backward_kernel(
+    Q, LOCAL, DOUT, DQ, DLOCAL, M, Z, GATE, INV, GDEN, GGATE, DELTA,
+    seqlen, n_seg, segment_len, chunk, heads, kv_heads,
+    stride_qb, stride_qs, stride_qh, stride_lb, stride_ls, stride_lh, stride_gb, stride_gs, stride_gh,
+    stride_dqb, stride_dqs, stride_dqh, stride_dlb, stride_dls, stride_dlh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOCAL_DELTA: tl.constexpr,
+):  # fmt: skip
+    """One (row chunk, segment, query head): dq, dlocal = (1 - gate) dout, this chunk's part of
+    the gate's gradient, per row 1 / den and d den for the memory-gradient pass, and with
+    LOCAL_DELTA the local attention's backward delta, rowsum(dlocal * local), laid out as its
+    varlen LSE (heads, batch * seqlen)."""
+    pid_c = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    b, lo, hi = _row_chunk(pid_c, pid_bs, n_seg, segment_len, chunk, seqlen)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    state = pid_bs.to(tl.int64) * kv_heads + h // GROUP
+    m_base = M + state * HEAD_DIM * HEAD_DIM
+    z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    gate = tl.load(GATE + h)
+    if BLOCK_N == BLOCK_D:
+        m_all = _load_state(m_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
+    gate_grad = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * (A - local)
+    for t0 in range(lo, hi, BLOCK_M):
+        rows = t0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < hi
+        rows64 = rows[:, None].to(tl.int64)
+        queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+        den = tl.sum(queries * z[None, :], 1)
+        queries_op = _operand(queries, LOW_PRECISION)
+        inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+        dqueries = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        dout_a = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * A
+        dout_local = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * local
+        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+            if BLOCK_N == BLOCK_D:
+                m = m_all
+            else:
+                m = _load_state(m_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            a = _dot(queries_op, m, zero, LOW_PRECISION, DOT_PRECISION) * inv[:, None]
+            local_ptrs = LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :]
+            local = tl.load(local_ptrs, mask=mask, other=0.0).to(tl.float32)
+            g_ptrs = DOUT + b * stride_gb + h * stride_gh + rows64 * stride_gs + cols[None, :]
+            dout = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+            dl_ptrs = DLOCAL + b * stride_dlb + h * stride_dlh + rows64 * stride_dls + cols[None, :]
+            tl.store(dl_ptrs, ((1.0 - gate) * dout).to(DLOCAL.dtype.element_ty), mask=mask)
+            dout_a += tl.sum(dout * a, 1)
+            dout_local += tl.sum(dout * local, 1)
+            dnum = dout * (gate * inv)[:, None]
+            dqueries = _dot(dnum, tl.trans(m), dqueries, LOW_PRECISION, DOT_PRECISION)
+        gden = -gate * dout_a * inv  # d/d den of num / den = -(dA . A) / den
+        dqueries += gden[:, None] * z[None, :]
+        dq = dqueries * _sigma_grad(queries)
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64 * stride_dqs + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        row_idx = (b * heads + h) * seqlen + rows
+        tl.store(INV + row_idx, inv, mask=row_ok)
+        tl.store(GDEN + row_idx, gden, mask=row_ok)
+        gate_grad += tl.where(row_ok, dout_a - dout_local, 0.0)
+        if LOCAL_DELTA:
+            tl.store(DELTA + h * (tl.num_programs(1) // n_seg) * seqlen + b * seqlen + rows,
+                     (1.0 - gate) * dout_local, mask=row_ok)  # fmt: skip
+    n_c = tl.num_programs(0)
+    tl.store(GGATE + (pid_bs.to(tl.int64) * heads + h) * n_c + pid_c, tl.sum(gate_grad, 0))
+
+
+@triton.jit
+def _retrieval_state_backward_kernel(
+    Q, DOUT, INV, GDEN, GATE, GM, GZ, seqlen, n_seg, segment_len, heads, kv_heads,
+    stride_qb, stride_qs, stride_qh, stride_gb, stride_gs, stride_gh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (segment, kv head, column block): the gradient of the memory before the segment,
+    summed over its tokens and the query heads that read it."""
+    pid_bs = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    pid_n = tl.program_id(2)
+    b, start, end = _segment(pid_bs, n_seg, segment_len, seqlen)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < HEAD_DIM
+    acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    gz = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        gate = tl.load(GATE + h)
+        q_base = Q + b * stride_qb + h * stride_qh
+        for t0 in range(start, end, BLOCK_M):
+            rows = t0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            queries = _load_sigma(q_base, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+            row_idx = (b * heads + h) * seqlen + rows
+            inv = tl.load(INV + row_idx, mask=row_ok, other=0.0)
+            gden = tl.load(GDEN + row_idx, mask=row_ok, other=0.0)
+            g_ptrs = (
+                DOUT + b * stride_gb + h * stride_gh + rows[:, None].to(tl.int64) * stride_gs + cols[None, :]
+            )
+            dout = tl.load(g_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            acc = _dot(tl.trans(queries), dout * (gate * inv)[:, None], acc, LOW_PRECISION, DOT_PRECISION)
+            gz += tl.sum(queries * gden[:, None], 0)
+    state = pid_bs.to(tl.int64) * kv_heads + kvh
+    gm_ptrs = GM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
+    tl.store(gm_ptrs, acc, mask=d_ok[:, None] & col_ok[None, :])
+    tl.store(GZ + state * HEAD_DIM + offs_d, gz, mask=d_ok & (pid_n == 0))
+
+
+def memory_retrieval(
+    q: torch.Tensor,
+    local: torch.Tensor,
+    gate: torch.Tensor,
+    m_before: torch.Tensor,
+    z_before: torch.Tensor,
+    segment_len: int,
+) -> torch.Tensor:
+    """gate * sigma(Q) M / (sigma(Q) z) + (1 - gate) * local per segment (module docstring):
+    q, local (batch, seqlen, heads, head_dim) -> out, same shape, in q's dtype."""
+    q, local = last_dim_contiguous(q), last_dim_contiguous(local)
+    b, s, heads, d = q.shape
+    n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
+    out = torch.empty_like(q)
+    t = tiles(d, q.dtype, column_tile(d), row_tile(d))
+    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * heads, t["BLOCK_M"])
+    _retrieval_kernel[(chunks, b * n_seg, heads)](
+        q, local, out, m_before.to(operand_dtype(q.dtype)).contiguous(), z_before.float().contiguous(),
+        gate.float().contiguous(), s, n_seg, segment_len, chunk, kv_heads,
+        *q.stride()[:3], *local.stride()[:3], *out.stride()[:3], GROUP=heads // kv_heads, **t,
+    )  # fmt: skip
+    return out
+
+
+def memory_retrieval_backward(
+    q: torch.Tensor,
+    local: torch.Tensor,
+    gate: torch.Tensor,
+    m_before: torch.Tensor,
+    z_before: torch.Tensor,
+    segment_len: int,
+    dout: torch.Tensor,
+    local_delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``memory_retrieval``: (dq, dlocal, dgate (heads,) float32, d m_before,
+    d z_before (float32, m_before's and z_before's shapes)). ``local_delta`` (heads, batch *
+    seqlen) float32, contiguous, if given, receives rowsum(dlocal * local): the delta of the
+    local attention's backward (the varlen layout of its LSE), without another pass over local."""
+    q, local, dout = (last_dim_contiguous(t) for t in (q, local, dout))
+    b, s, heads, d = q.shape
+    n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
+    z_before, gate = z_before.float().contiguous(), gate.float().contiguous()
+    dq, dlocal = torch.empty_like(q), torch.empty_like(local)
+    inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
+    gden = torch.empty_like(inv)
+    t = tiles(d, q.dtype, column_tile(d), 32)
+    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * heads, t["BLOCK_M"])
+    ggate = torch.empty(b * n_seg, heads, chunks, device=q.device, dtype=torch.float32)
+    group = heads // kv_heads
+    _retrieval_backward_kernel[(chunks, b * n_seg, heads)](
+        q, local, dout, dq, dlocal, m_before.to(operand_dtype(q.dtype)).contiguous(), z_before, gate, inv,
+        gden, ggate, inv if local_delta is None else local_delta, s, n_seg, segment_len, chunk, heads,
+        kv_heads,
+        *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dlocal.stride()[:3],
+        GROUP=group, LOCAL_DELTA=local_delta is not None, **t,
+    )  # fmt: skip
+    gm = torch.empty(m_before.shape, device=q.device, dtype=torch.float32)
+    gz = torch.empty_like(z_before)
+    # All columns (<= 128) in one program reads q once: 128 x 128 float32 accumulators at 32 rows
+    # build without spills (sm_90, bf16, 254 registers; 64 rows spill 1 KB).
+    t = tiles(d, q.dtype, column_tile(d), 32)
+    _retrieval_state_backward_kernel[(b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))](
+        q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
+        *q.stride()[:3], *dout.stride()[:3], GROUP=group, **t,
+    )  # fmt: skip
+    return dq, dlocal, ggate.sum((0, 2)), gm, gz
