@@ -5,6 +5,9 @@ ranks, the prefix-sum collective's gradient, and bad arguments."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -143,6 +146,49 @@ def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype):
     _check("memory matrix", final.matrix, ref_memory[0], tol)
     for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dmatrix", "dnormalizer"), leaves, ref):
         _check(name, got.grad, want.grad, tol)
+
+
+# The delta kernels built for sm_90 (no GPU needed: Triton ships ptxas) as launched, bf16, at
+# head_dim 64 and 128 with 16 and 32 columns, integer arguments free or specialized to 1 as a
+# launch does: they compile, fit shared memory and spill at most 64 B (docs/experiments.md 20).
+_DELTA_SM90 = r"""
+import itertools, torch, triton
+from ringflash.kernels import infini_delta as delta
+from ringflash.kernels.offline_compile import HOPPER, SHARED_MEMORY_LIMIT, resource_usage
+
+FLOAT32 = {"M_IN", "Z_BEFORE", "M_BEFORE", "M_FINAL", "GM_BEFORE", "GM_FINAL", "GM_IN", "GZ_PART", "DK_PART"}
+for head_dim, states, ones in itertools.product((64, 128), (1, 64), (False, True)):
+    t = delta._tiles(head_dim, torch.bfloat16, states)
+    for kernel in (delta._delta_forward_kernel, delta._delta_backward_kernel):
+        sig, consts = {}, {}
+        for name, param in zip(kernel.arg_names, kernel.params):
+            if param.is_constexpr:
+                consts[name] = t.get(name, True)  # HAS_FINAL
+            elif name[0].isupper():
+                sig[name] = "*fp32" if name in FLOAT32 else "*bf16"
+            elif ones:
+                sig[name], consts[name] = "constexpr", 1
+            else:
+                sig[name] = "i32"
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+        k = triton.compile(src, target=HOPPER, options={"num_warps": t["num_warps"], "num_stages": 2})
+        use = resource_usage(k)
+        assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90] and use.spill_bytes <= 64, (head_dim, t, use)
+        print(kernel.fn.__name__, head_dim, t["BLOCK_N"], ones, use)
+print("delta ok")
+"""
+
+
+def test_delta_kernels_compile_for_sm90(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    run = subprocess.run(
+        [sys.executable, "-c", _DELTA_SM90], env=env, capture_output=True, text=True, timeout=900
+    )
+    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip("this Triton install has no ptxas")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("delta ok")
 
 
 @pytest.mark.gpu
