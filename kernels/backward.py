@@ -13,8 +13,9 @@ the softcap's derivative 1 - tanh^2 multiplies dS (nothing extra is stored), and
 constant bias, changes only P. Both are constexpr-gated: calls without them run the plain
 kernels.
 
-On an H100/H200 at head_dim 64, 128 and 256 a call that wants dQ and dK/dV together runs the fused Gluon
-kernel of hopper_backward.py instead (five products per tile pair instead of seven), where
+On an H100/H200 at head_dim 64-256 (multiples of 8; between 64, 128 and 256 on zero-padded
+copies) a call that wants dQ and dK/dV together runs the fused Gluon kernel of
+hopper_backward.py instead (five products per tile pair instead of seven), where
 ``uses_fused_backward`` says it can.
 """
 
@@ -343,9 +344,10 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     (hopper_backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
 
     It does where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
-    and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256; any lengths, masks and
-    packed documents), but not under ``torch.use_deterministic_algorithms(True)`` (its dQ sums
-    in a varying order), nor with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
+    and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256, or a multiple of 8
+    between them on zero-padded copies; any lengths, masks and packed documents), but not
+    under ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor
+    with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
     if (
         torch.are_deterministic_algorithms_enabled()
         or problem.deterministic

@@ -165,7 +165,8 @@ def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tens
     """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (hopper_forward.py)
     on these q (batch, seqlen_q, heads_q, head_dim) or packed (total, heads_q, head_dim) and k/v
     tensors: where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts),
-    the head_dim is one it is built for (64, 128, 256; ``hopper_forward.forward_supports``) and
+    the head_dim is one it runs (64, 128, 256, and multiples of 8 between them on zero-padded
+    copies; ``hopper_forward.forward_supports``) and
     ``RINGFLASH_FUSED_FORWARD`` is not 0 in the environment. Its results equal the Triton
     kernel's up to float rounding."""
     if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):

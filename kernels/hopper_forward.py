@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .forward import LOG2E
+from .hopper_padding import padded_forward, run_head_dim
 from .hopper_tma import rows_descriptor
 from .problem import AttentionProblem
 
@@ -60,8 +61,9 @@ LOADER_REGS = gl.constexpr(24)
 
 def forward_supports(problem: AttentionProblem) -> bool:
     """Whether this kernel computes ``problem`` (beyond what ``hopper_path.hopper_path_ok``
-    checks of every Hopper kernel): its head_dim is one it is built for."""
-    return problem.head_dim in HEAD_DIMS
+    checks of every Hopper kernel): its head_dim is one it is built for, or a multiple of 8
+    between two builds (run on zero-padded copies, ``hopper_padding``)."""
+    return run_head_dim(problem.head_dim, HEAD_DIMS) is not None
 
 
 @aggregate
@@ -604,12 +606,16 @@ def fused_forward(
     """Write attention's output into ``out`` and its row logsumexp into ``lse``.
 
     q: (batch, seqlen_q, heads_q, head_dim) or packed (total_q, heads_q, head_dim) with
-    ``problem.cu_seqlens_q``; k/v likewise with heads_k; head_dim in ``HEAD_DIMS``; bf16/fp16 on
+    ``problem.cu_seqlens_q``; k/v likewise with heads_k; ``forward_supports``' head_dims; bf16/fp16 on
     an sm_90 GPU, in layouts ``tma_layout_ok`` accepts. out: q's shape, any float dtype, unit
     stride in head_dim (e.g. a float32 ring buffer's view); lse: ``problem.lse_shape`` float32,
     unit stride in the sequence. Any lengths, window and positions (``problem.bounds``,
     ``q_positions``/``k_positions``); a softcap (``problem.softcap``) is applied to the scaled
-    scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions."""
+    scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions.
+    A head_dim between two builds runs the next larger one on zero-padded copies."""
+    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
+    if head_dim != problem.head_dim:
+        return padded_forward(fused_forward, q, k, v, problem, out, lse, head_dim)
     varlen = problem.varlen
     q4, k4, v4, o4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v, out))
     block_n = BLOCK_N[problem.head_dim]

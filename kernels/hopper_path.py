@@ -2,7 +2,8 @@
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
-and 256. Everything else, fp32, and every machine without Gluon or an sm_90 GPU
+and 256, and every multiple of 8 between those on zero-padded copies (hopper_padding.py).
+Everything else, fp32, and every machine without Gluon or an sm_90 GPU
 (the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
 Hopper kernel needs, each kernel's module what it adds.
 """

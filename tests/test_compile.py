@@ -139,7 +139,7 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
 print("fused ok")
 """
 
-# Which problems the fused backward computes (it imports only outside the interpreter).
+# Which problems the Hopper kernels compute (they import only outside the interpreter).
 _SUPPORTS = r"""
 import dataclasses, torch
 from ringflash.kernels import hopper_backward as hb
@@ -153,7 +153,11 @@ def ok(**kw):
     return hb.backward_supports(dataclasses.replace(base, **kw))
 assert ok() and ok(head_dim=128) and ok(head_dim=256)
 assert ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
-assert not ok(head_dim=96) and not ok(head_dim=192) and not ok(head_dim=512)
+assert ok(head_dim=96) and ok(head_dim=192)  # on zero-padded copies (hopper_padding)
+assert not ok(head_dim=32) and not ok(head_dim=512)
+from ringflash.kernels import hopper_forward as hf
+assert all(hf.forward_supports(dataclasses.replace(base, head_dim=d)) for d in (64, 96, 128, 192, 256))
+assert not hf.forward_supports(dataclasses.replace(base, head_dim=32))
 assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
 assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens 2^24 apart: past POSITION_LIMIT
 slopes = torch.ones(1, 4)
@@ -238,7 +242,7 @@ def test_fused_backward_compiles_for_sm90(tmp_path, cases):
 
 
 @GLUON
-def test_fused_backward_supports(tmp_path):
+def test_hopper_kernels_support(tmp_path):
     assert _compile_in_subprocess(_SUPPORTS, tmp_path).strip().endswith("supports ok")
 
 

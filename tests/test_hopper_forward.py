@@ -108,7 +108,8 @@ def test_fused_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert fused(q_positions=TokenPositions(0, 2), k_positions=TokenPositions(1, 2))  # stripe
     assert fused(q=q[:, :193], k=k[:, :193], v=v[:, :193])
     assert fused(*(t[..., :64].contiguous() for t in (q, k, v)))
-    assert not fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # no 96 build
+    assert fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # the 128 build, zero-padded
+    assert not fused(*(t[..., :32].contiguous() for t in (q, k, v)))  # below every build: Triton
     assert not fused(*(t.float() for t in (q, k, v)))
     assert not fused(window=(2**29, 0))  # int32 position sums in the kernel
     monkeypatch.setenv("RINGFLASH_FUSED_FORWARD", "0")
