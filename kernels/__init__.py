@@ -8,8 +8,8 @@ ring engine uses, with masks in global token positions (``TokenPositions``);
 head dims that are not multiples of 8.
 """
 
-from .backward import attention_backward, attention_delta, uses_fused_backward
-from .forward import attention_forward, uses_fused_forward
+from .backward import attention_backward, attention_delta
+from .forward import attention_forward
 from .functional import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -20,6 +20,7 @@ from .functional import (
     pad_head_dim,
     padded_head_dim,
 )
+from .hopper.dispatch import uses_fused_backward, uses_fused_forward
 from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window

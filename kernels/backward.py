@@ -15,7 +15,7 @@ kernels.
 
 On an H100/H200 at head_dim 64-256 (multiples of 8; between 64, 128 and 256 on zero-padded
 copies) a call that wants dQ and dK/dV together runs the fused Gluon kernel of
-hopper_backward.py instead (five products per tile pair instead of seven), where
+hopper/backward.py instead (five products per tile pair instead of seven), where
 ``uses_fused_backward`` says it can.
 """
 
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
-from .hopper_path import enabled, hopper_module, hopper_path_ok
+from .hopper.dispatch import hopper_module, uses_fused_backward
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
@@ -339,31 +339,11 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
     return delta
 
 
-def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``attention_backward`` computing dQ and dK/dV together runs the fused Hopper kernel
-    (hopper_backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
-
-    It does where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
-    and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256, or a multiple of 8
-    between them on zero-padded copies; any lengths, masks and packed documents), but not
-    under ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor
-    with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
-    if (
-        torch.are_deterministic_algorithms_enabled()
-        or problem.deterministic
-        or not enabled("RINGFLASH_FUSED_BACKWARD")
-        or not hopper_path_ok(problem, q, k, v)
-    ):
-        return False
-    module = hopper_module("hopper_backward")
-    return module is not None and module.backward_supports(problem)
-
-
 def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):
     """attention_backward on the fused kernel: dQ goes through a float32 buffer that the kernel
     adds into (the caller's own when it is one)."""
-    module = hopper_module("hopper_backward")
-    tma_ok = hopper_module("hopper_tma").tma_layout_ok
+    module = hopper_module("backward")
+    tma_ok = hopper_module("tma").tma_layout_ok
     vl = problem.varlen
     if not tma_ok(as_4d(dout, vl)):
         dout = dout.contiguous()

@@ -9,7 +9,7 @@ as in flash-attn (scores.py); both are constexpr-gated, so calls without them ru
 kernel.
 
 On an H100/H200 at head_dim 128 ``attention_forward`` runs the warp-specialized Gluon kernel of
-hopper_forward.py instead, where ``uses_fused_forward`` says it can.
+hopper/forward.py instead, where ``uses_fused_forward`` says it can.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, forward_config
-from .hopper_path import enabled, hopper_module, hopper_path_ok
+from .hopper.dispatch import hopper_module, uses_fused_forward
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import LOG2E as LOG2E  # re-exported: the Hopper kernels take it from here
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales
@@ -161,20 +161,6 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (hopper_forward.py)
-    on these q (batch, seqlen_q, heads_q, head_dim) or packed (total, heads_q, head_dim) and k/v
-    tensors: where ``hopper_path.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts),
-    the head_dim is one it runs (64, 128, 256, and multiples of 8 between them on zero-padded
-    copies; ``hopper_forward.forward_supports``) and
-    ``RINGFLASH_FUSED_FORWARD`` is not 0 in the environment. Its results equal the Triton
-    kernel's up to float rounding."""
-    if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):
-        return False
-    module = hopper_module("hopper_forward")
-    return module is not None and module.forward_supports(problem)
-
-
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,7 +183,7 @@ def attention_forward(
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
     if lse.stride(-1) == 1 and uses_fused_forward(problem, q, k, v):
-        hopper_module("hopper_forward").fused_forward(q, k, v, problem, out, lse)
+        hopper_module("forward").fused_forward(q, k, v, problem, out, lse)
         return out, lse
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     vl = problem.varlen

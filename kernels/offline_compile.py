@@ -160,7 +160,7 @@ def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16", he
     kernel depends on its block shape, dtype and layout, not on the sizes)."""
     import torch
 
-    from .hopper_tma import rows_descriptor
+    from .hopper.tma import rows_descriptor
 
     t = torch.empty(1, 1024, heads, head_dim, dtype=getattr(torch, dtype))
     return rows_descriptor(t, block_rows)[0]
@@ -171,13 +171,13 @@ def compile_fused_backward(
     target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
     tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES),
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
-    """Build hopper_backward's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
+    """Build hopper/backward.py's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
     ALiBi, at ``head_dim``. Masks: ``causal`` alone builds the DIAGONAL variant (aligned causal
     blocks); ``left`` (a left bound, with ``causal`` a right one too), ``varlen`` (packed
     documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one. Integer
     arguments named in ``ones`` arrive as the constant 1 (a launch's specialization)."""
-    from . import hopper_backward as hb
+    from .hopper import backward as hb
 
     block_m, block_n = hb.TILES[head_dim]
     masked = left or varlen or tail
@@ -208,10 +208,10 @@ def compile_fused_forward(
     causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
     head_dim: int = 128, window: bool = False, varlen: bool = False, target: GPUTarget = HOPPER,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
-    """Build hopper_forward's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
+    """Build hopper/forward.py's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
     output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap, ALiBi,
     a left window bound (``window``) and packed documents (``varlen``)."""
-    from . import hopper_forward as hf
+    from .hopper import forward as hf
 
     block_n = hf.BLOCK_N[head_dim]
     kv = _example_descriptor(1, block_n, head_dim=head_dim)

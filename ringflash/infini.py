@@ -18,7 +18,7 @@ query head h reads the memory of key/value head h // (heads / kv_heads), as in G
 Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s)) is computed for
 all segments at once by one kernel, and the memory before each segment is an exclusive scan over
 segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
-the gate for every token (``kernels/infini_memory.py``, ``kernels/infini_retrieval.py``: bf16
+the gate for every token (``kernels/infini/memory.py``, ``kernels/infini/retrieval.py``: bf16
 inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). The
 backward rebuilds the memories from k and v instead of keeping them, so what stays for the
 backward is the inputs, the local attention's output and LSE, and z before each segment
@@ -29,7 +29,7 @@ Delta update: the contribution depends on the memory before the segment, so one 
 the segments in order, one program per (batch row, kv head, column block of M) with its block
 of M in registers, and writes the memory before each segment (float32, kept for the backward);
 the backward walks them in reverse with the block of M's gradient carried
-(``kernels/infini_delta.py``). z is a plain sum over segments (torch ops) and the retrieval is
+(``kernels/infini/delta.py``). z is a plain sum over segments (torch ops) and the retrieval is
 the same kernel as for the linear rule.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
@@ -54,9 +54,9 @@ import torch.distributed as dist
 
 from . import comm
 from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
-from .kernels.infini_delta import delta_memories, delta_memories_backward
-from .kernels.infini_memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
-from .kernels.infini_retrieval import memory_retrieval, memory_retrieval_backward
+from .kernels.infini.delta import delta_memories, delta_memories_backward
+from .kernels.infini.memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
+from .kernels.infini.retrieval import memory_retrieval, memory_retrieval_backward
 
 UPDATES = ("linear", "delta")
 

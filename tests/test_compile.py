@@ -17,7 +17,7 @@ import sys
 import pytest
 import triton
 
-from ringflash.kernels.hopper_path import GLUON_TRITON
+from ringflash.kernels.hopper.dispatch import GLUON_TRITON
 
 # Run once per kernel (argv[1]: a KERNELS key), so that pytest -n spreads the builds.
 _SPECIALIZED = r"""
@@ -66,7 +66,7 @@ print("fits")
 """
 
 
-# The fused Hopper backward (kernels/hopper_backward.py) must keep building for sm_90: its TMA
+# The fused Hopper backward (kernels/hopper/backward.py) must keep building for sm_90: its TMA
 # reduce-add comes from Triton's IR builder, not a public API. Compute warps at 240 registers and
 # the two 1-warp workers at 24, one TMA reduce-add group per dQ tile, one tile loop (5 x 8 wgmma
 # per warpgroup at head_dim 128, 5 x 8 minus the halved dQ products at 64, causal or not; three
@@ -142,7 +142,7 @@ print("fused ok")
 # Which problems the Hopper kernels compute (they import only outside the interpreter).
 _SUPPORTS = r"""
 import dataclasses, torch
-from ringflash.kernels import hopper_backward as hb
+from ringflash.kernels.hopper import backward as hb
 from ringflash.kernels.positions import MaskBounds, TokenPositions
 from ringflash.kernels.problem import AttentionProblem
 
@@ -153,9 +153,9 @@ def ok(**kw):
     return hb.backward_supports(dataclasses.replace(base, **kw))
 assert ok() and ok(head_dim=128) and ok(head_dim=256)
 assert ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
-assert ok(head_dim=96) and ok(head_dim=192)  # on zero-padded copies (hopper_padding)
+assert ok(head_dim=96) and ok(head_dim=192)  # on zero-padded copies (hopper/padding.py)
 assert not ok(head_dim=32) and not ok(head_dim=512)
-from ringflash.kernels import hopper_forward as hf
+from ringflash.kernels.hopper import forward as hf
 assert all(hf.forward_supports(dataclasses.replace(base, head_dim=d)) for d in (64, 96, 128, 192, 256))
 assert not hf.forward_supports(dataclasses.replace(base, head_dim=32))
 assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
@@ -165,7 +165,7 @@ assert ok(alibi_slopes=slopes) and not ok(alibi_slopes=slopes, q_positions=Token
 print("supports ok")
 """
 
-# The warp-specialized Hopper forward (kernels/hopper_forward.py): both compute warpgroups at 240
+# The warp-specialized Hopper forward (kernels/hopper/forward.py): both compute warpgroups at 240
 # registers and the loader at 24, wgmma never serialized, shared memory within the chip's, and at
 # most a few spilled scalars in a key-tile loop (2026-11-24: 0-8 loads per tile, 20 at head_dim
 # 256 with softcap and ALiBi). Built: the most masks at
@@ -231,7 +231,7 @@ def test_table_configs_fit_sm90_shared_memory(tmp_path, kernel):
 
 GLUON = pytest.mark.skipif(
     not triton.__version__.startswith(GLUON_TRITON),
-    reason=f"the Gluon kernels are built with Triton {GLUON_TRITON}x only (kernels/hopper_path.py)",
+    reason=f"the Gluon kernels are built with Triton {GLUON_TRITON}x only (kernels/hopper/dispatch.py)",
 )
 
 

@@ -1,4 +1,4 @@
-"""The fused Hopper backward (kernels/hopper_backward.py) on an sm_90 GPU, against float64.
+"""The fused Hopper backward (kernels/hopper/backward.py) on an sm_90 GPU, against float64.
 
 Each case first asserts that ``uses_fused_backward`` picks the fused kernel, so a test cannot
 pass on the Triton kernels by accident. Its sm_90 build on the CPU is checked in test_compile.py.
@@ -21,13 +21,13 @@ from ringflash.kernels import (
     attention_delta,
     attention_forward,
     build_problem,
+    uses_fused_backward,
 )
-from ringflash.kernels.backward import uses_fused_backward
 
 pytestmark = [pytest.mark.gpu, SM90]
 
 D = 128
-HEAD_DIMS = [64, 128, 256]  # the fused kernel's (hopper_backward.TILES)
+HEAD_DIMS = [64, 128, 256]  # the fused kernel's (hopper/backward.py TILES)
 
 
 def _reference_grads(q, k, v, dout, causal, **kw):
@@ -206,7 +206,7 @@ def test_fused_backward_with_alibi_matches_float64(
 
 
 # The kernel's masked variants (any lengths, packed documents, windows, positions, every head_dim),
-# called directly: the gate (hopper_path.hopper_path_ok) decides separately which problems reach
+# called directly: the gate (hopper/dispatch.py hopper_path_ok) decides separately which problems reach
 # it through attention_backward. LSE and delta come from the library's forward and
 # attention_delta, as in a training step.
 
@@ -217,9 +217,9 @@ def _positions(tp: TokenPositions, n: int) -> torch.Tensor:
 
 
 def _fused_grads(q, k, v, dout, problem, accumulate_into=None):
-    """dq, dk, dv from hopper_backward.fused_backward alone (asserting that it takes the problem);
+    """dq, dk, dv from hopper/backward.py fused_backward alone (asserting that it takes the problem);
     with ``accumulate_into`` = (dq, dk, dv) float32 buffers, added into them."""
-    from ringflash.kernels import hopper_backward
+    from ringflash.kernels.hopper import backward as hopper_backward
 
     assert hopper_backward.backward_supports(problem)
     out, lse = attention_forward(q, k, v, problem)

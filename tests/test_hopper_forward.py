@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper forward (kernels/hopper_forward.py) on an sm_90 GPU, against float64.
+"""The warp-specialized Hopper forward (kernels/hopper/forward.py) on an sm_90 GPU, against float64.
 
 Each case first asserts that ``uses_fused_forward`` picks the Hopper kernel, so a test cannot
 pass on the Triton kernel by accident. Its sm_90 build on the CPU is checked in test_compile.py.
@@ -37,7 +37,7 @@ def _check(out, lse, q, k, v, causal, dtype):
     ],
 )
 def test_fused_forward_matches_float64(dtype, batch, seqlen_q, seqlen_k, heads, kv_heads, causal):
-    from ringflash.kernels.hopper_forward import fused_forward
+    from ringflash.kernels.hopper.forward import fused_forward
 
     q = cuda_randn(batch, seqlen_q, heads, D, dtype=dtype, seed=1)
     k = cuda_randn(batch, seqlen_k, kv_heads, D, dtype=dtype, seed=2)

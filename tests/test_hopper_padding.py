@@ -1,4 +1,4 @@
-"""kernels/hopper_padding.py: head dims between the Hopper kernels' builds (96, 192, ...).
+"""kernels/hopper/padding.py: head dims between the Hopper kernels' builds (96, 192, ...).
 
 On the CPU the padding wrappers run around a torch stand-in for the kernel (same signature and
 contract), against the stand-in called at the real head_dim: the padding must be exact, the
@@ -16,7 +16,7 @@ from reference import TOLERANCE, reference_attention, reference_attention_packed
 
 import ringflash
 from ringflash.kernels import build_problem
-from ringflash.kernels.hopper_padding import padded_backward, padded_forward, run_head_dim
+from ringflash.kernels.hopper.padding import padded_backward, padded_forward, run_head_dim
 
 BUILT = (64, 128, 256)
 
@@ -116,8 +116,7 @@ SM90 = pytest.mark.skipif(
 def test_hopper_kernels_between_builds_match_float64(head_dim, dtype, causal):
     from sm90 import cuda_randn
 
-    from ringflash.kernels import uses_fused_forward
-    from ringflash.kernels.backward import uses_fused_backward
+    from ringflash.kernels import uses_fused_backward, uses_fused_forward
 
     q = cuda_randn(2, 1000, 8, head_dim, dtype=dtype, seed=1).requires_grad_()
     k, v = (cuda_randn(2, 1000, 2, head_dim, dtype=dtype, seed=s).requires_grad_() for s in (2, 3))

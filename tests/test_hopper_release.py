@@ -1,28 +1,28 @@
 """The Hopper Gluon kernels run only under the Triton release they are built for; any other
-release falls back to the Triton kernels instead of failing (kernels/hopper_path.py)."""
+release falls back to the Triton kernels instead of failing (kernels/hopper/dispatch.py)."""
 
 from __future__ import annotations
 
 import pytest
 import triton
 
-from ringflash.kernels import hopper_path
+from ringflash.kernels.hopper import dispatch
 
 
 @pytest.fixture
 def fresh_gate():
-    hopper_path.hopper_module.cache_clear()
+    dispatch.hopper_module.cache_clear()
     yield
-    hopper_path.hopper_module.cache_clear()
+    dispatch.hopper_module.cache_clear()
 
 
-@pytest.mark.skipif(not triton.__version__.startswith(hopper_path.GLUON_TRITON), reason="another Triton")
+@pytest.mark.skipif(not triton.__version__.startswith(dispatch.GLUON_TRITON), reason="another Triton")
 def test_the_gluon_release_imports_the_hopper_modules(fresh_gate):
-    for name in ("hopper_tma", "hopper_forward", "hopper_backward"):
-        assert hopper_path.hopper_module(name) is not None, name
+    for name in ("tma", "forward", "backward"):
+        assert dispatch.hopper_module(name) is not None, name
 
 
 def test_another_triton_release_turns_the_hopper_path_off(fresh_gate, monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.8.0")
-    for name in ("hopper_tma", "hopper_forward", "hopper_backward"):
-        assert hopper_path.hopper_module(name) is None, name
+    for name in ("tma", "forward", "backward"):
+        assert dispatch.hopper_module(name) is None, name

@@ -18,7 +18,8 @@ from reference import TOLERANCE, rel_err
 
 import ringflash
 from ringflash import comm
-from ringflash.kernels import infini_delta, infini_memory
+from ringflash.kernels.infini import delta as infini_delta
+from ringflash.kernels.infini import memory as infini_memory
 
 
 def infini_reference(q, k, v, beta, segment_len, update, memory=None):
@@ -153,7 +154,7 @@ def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype):
 # launch does: they compile, fit shared memory and spill at most 64 B (docs/experiments.md 20).
 _DELTA_SM90 = r"""
 import itertools, torch, triton
-from ringflash.kernels import infini_delta as delta
+from ringflash.kernels.infini import delta
 from ringflash.kernels.offline_compile import HOPPER, SHARED_MEMORY_LIMIT, resource_usage
 
 FLOAT32 = {"M_IN", "Z_BEFORE", "M_BEFORE", "M_FINAL", "GM_BEFORE", "GM_FINAL", "GM_IN", "GZ_PART", "DK_PART"}

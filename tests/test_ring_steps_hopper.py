@@ -54,7 +54,7 @@ def test_ring_steps_take_the_hopper_forward(monkeypatch, layout, causal, window,
     doc_lens = (total,) if docs is None else document_lengths(cu, total, layout, world)
     index = [layout_indices(layout, r, world, total, cu_seqlens=cu).cuda() for r in range(world)]
     shards = [(k[:, i], v[:, i]) for i in index]
-    from ringflash.kernels import hopper_forward
+    from ringflash.kernels.hopper import forward as hopper_forward
 
     launched, fused_forward = [], hopper_forward.fused_forward
     monkeypatch.setattr(hopper_forward, "fused_forward", lambda *a: launched.append(1) or fused_forward(*a))

@@ -1,5 +1,5 @@
 """Infini-attention's gated retrieval from the memory before each segment, forward and backward,
-as Triton kernels (the memory's updates and scan are in ``infini_memory.py``):
+as Triton kernels (the memory's updates and scan are in ``memory.py``):
 
     A   = sigma(Q_s) M_s / (sigma(Q_s) z_s), 0 where sigma(Q_s) z_s = 0 (an empty memory)
     out = gate_h * A + (1 - gate_h) * local
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .infini_memory import (
+from .memory import (
     _dot,
     _load_sigma,
     _load_state,

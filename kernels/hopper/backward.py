@@ -83,12 +83,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_forward import score_scales, tanh_approx
-from .hopper_padding import padded_backward, run_head_dim
-from .hopper_path import ALIBI_POSITION_LIMIT, POSITION_LIMIT
-from .hopper_tma import rows_descriptor
-from .positions import MaskBounds
-from .problem import AttentionProblem
+from ..positions import MaskBounds
+from ..problem import AttentionProblem
+from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT
+from .forward import score_scales, tanh_approx
+from .padding import padded_backward, run_head_dim
+from .tma import rows_descriptor
 
 # head_dim -> (query rows per tile, key rows per program)
 TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
@@ -710,8 +710,8 @@ def _fused_bwd_kernel(
 
 def backward_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_backward`` computes ``problem`` (the GPU, dtype and tensor layouts are the
-    gate's to check, hopper_path.py): head_dim 64, 128 or 256 (``TILES``) or a multiple of 8
-    between them (zero-padded, ``hopper_padding``), and every position and
+    gate's to check, dispatch.py): head_dim 64, 128 or 256 (``TILES``) or a multiple of 8
+    between them (zero-padded, ``padding``), and every position and
     window bound of magnitude below ``POSITION_LIMIT`` (int32 sums), with ALiBi below
     ``ALIBI_POSITION_LIMIT`` (float32 differences). Any lengths, packed documents, windows,
     positions, GQA/MQA, softcap and ALiBi."""
@@ -763,7 +763,7 @@ def fused_backward(
     The caller checks the rest (``backward_supports`` and the gate). Any mask the problem
     describes, a softcap and ALiBi are honoured as in the forward. dq is added to, never
     overwritten: zero it first for a plain backward. A head_dim between two builds runs the next
-    larger one on zero-padded copies (``hopper_padding``)."""
+    larger one on zero-padded copies (``padding``)."""
     head_dim = run_head_dim(problem.head_dim, TILES)
     if head_dim != problem.head_dim:
         args = (dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)

@@ -40,10 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .forward import LOG2E
-from .hopper_padding import padded_forward, run_head_dim
-from .hopper_tma import rows_descriptor
-from .problem import AttentionProblem
+from ..forward import LOG2E
+from ..problem import AttentionProblem
+from .padding import padded_forward, run_head_dim
+from .tma import rows_descriptor
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
 HALF_M = BLOCK_M // 2
@@ -60,9 +60,9 @@ LOADER_REGS = gl.constexpr(24)
 
 
 def forward_supports(problem: AttentionProblem) -> bool:
-    """Whether this kernel computes ``problem`` (beyond what ``hopper_path.hopper_path_ok``
+    """Whether this kernel computes ``problem`` (beyond what ``dispatch.hopper_path_ok``
     checks of every Hopper kernel): its head_dim is one it is built for, or a multiple of 8
-    between two builds (run on zero-padded copies, ``hopper_padding``)."""
+    between two builds (run on zero-padded copies, ``padding``)."""
     return run_head_dim(problem.head_dim, HEAD_DIMS) is not None
 
 

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import block_d
-from .infini_memory import _load_sigma, _sigma_grad, last_dim_contiguous
+from ..configs import block_d
+from .memory import _load_sigma, _sigma_grad, last_dim_contiguous
 
 
 @triton.jit

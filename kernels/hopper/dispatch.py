@@ -1,8 +1,8 @@
-"""When the Hopper Gluon kernels (hopper_forward.py, hopper_backward.py) run instead of Triton's.
+"""When the Hopper Gluon kernels (forward.py, backward.py) run instead of Triton's.
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
-and 256, and every multiple of 8 between those on zero-padded copies (hopper_padding.py).
+and 256, and every multiple of 8 between those on zero-padded copies (padding.py).
 Everything else, fp32, and every machine without Gluon or an sm_90 GPU
 (the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
 Hopper kernel needs, each kernel's module what it adds.
@@ -18,9 +18,9 @@ from types import ModuleType
 import torch
 import triton
 
-from .configs import INTERPRET
-from .positions import TokenPositions
-from .problem import AttentionProblem
+from ..configs import INTERPRET
+from ..positions import TokenPositions
+from ..problem import AttentionProblem
 
 # Positions and window bounds go through int32 in the kernels: every sum of two stays in range
 # (the backward's _visible_t adds up to four).
@@ -67,8 +67,8 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
     non-empty, positions and window bounds below ``POSITION_LIMIT``, ALiBi with positions and
     their differences below ``ALIBI_POSITION_LIMIT``, and q/k/v (batch, seqlen, heads, head_dim)
     or packed (total, heads, head_dim) with heads packed in each token's row
-    (``hopper_tma.tma_layout_ok``). Each kernel adds its own conditions (head dims, masks):
-    ``hopper_forward.forward_supports``, ``hopper_backward.backward_supports``."""
+    (``tma.tma_layout_ok``). Each kernel adds its own conditions (head dims, masks):
+    ``forward.forward_supports``, ``backward.backward_supports``."""
     if (
         INTERPRET
         or not q.is_cuda
@@ -89,7 +89,41 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
         return False
     if not _is_sm90(q.device):
         return False
-    tma = hopper_module("hopper_tma")
+    tma = hopper_module("tma")
     if problem.varlen:
         q, k, v = (t.unsqueeze(0) for t in (q, k, v))
     return tma is not None and all(tma.tma_layout_ok(t) for t in (q, k, v))
+
+
+def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (forward.py)
+    on these q (batch, seqlen_q, heads_q, head_dim) or packed (total, heads_q, head_dim) and k/v
+    tensors: where ``dispatch.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts),
+    the head_dim is one it runs (64, 128, 256, and multiples of 8 between them on zero-padded
+    copies; ``forward.forward_supports``) and
+    ``RINGFLASH_FUSED_FORWARD`` is not 0 in the environment. Its results equal the Triton
+    kernel's up to float rounding."""
+    if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):
+        return False
+    module = hopper_module("forward")
+    return module is not None and module.forward_supports(problem)
+
+
+def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention_backward`` computing dQ and dK/dV together runs the fused Hopper kernel
+    (backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
+
+    It does where ``dispatch.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
+    and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256, or a multiple of 8
+    between them on zero-padded copies; any lengths, masks and packed documents), but not
+    under ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor
+    with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
+    if (
+        torch.are_deterministic_algorithms_enabled()
+        or problem.deterministic
+        or not enabled("RINGFLASH_FUSED_BACKWARD")
+        or not hopper_path_ok(problem, q, k, v)
+    ):
+        return False
+    module = hopper_module("backward")
+    return module is not None and module.backward_supports(problem)

@@ -1,6 +1,6 @@
 """Infini-attention's compressive memory on segments: the per-segment updates, the scan over
 segments that turns them into the memory before each segment, and their backward, as Triton
-kernels (the retrieval is in ``infini_retrieval.py``).
+kernels (the retrieval is in ``retrieval.py``).
 
 With sigma(x) = ELU(x) + 1 (x + 1 above 0, exp(x) below), for segment s of a batch row and key/value
 head:
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import block_d
+from ..configs import block_d
 
 
 @triton.jit

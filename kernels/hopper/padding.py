@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from .problem import AttentionProblem
+from ..problem import AttentionProblem
 
 
 def run_head_dim(head_dim: int, built: Iterable[int]) -> int | None:
@@ -54,7 +54,7 @@ def padded_forward(
     lse: torch.Tensor,
     head_dim: int,
 ) -> None:
-    """``kernel(q, k, v, problem, out, lse)`` (``hopper_forward.fused_forward``'s signature) at
+    """``kernel(q, k, v, problem, out, lse)`` (``forward.fused_forward``'s signature) at
     ``head_dim`` > problem.head_dim: q/k/v zero-padded to it, the output's first
     problem.head_dim columns copied into ``out`` (same shapes and dtypes as the kernel's own
     arguments); lse is written directly (padding changes no score). ``problem.softmax_scale``
@@ -81,7 +81,7 @@ def padded_backward(
     head_dim: int,
 ) -> None:
     """``kernel(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)``
-    (``hopper_backward.fused_backward``'s signature and contract: dQ added into the float32
+    (``backward.fused_backward``'s signature and contract: dQ added into the float32
     ``dq``, dK/dV written, or added with ``accumulate``) at ``head_dim`` > problem.head_dim, on
     zero-padded copies; the gradients' first problem.head_dim columns go to the caller's
     buffers. delta (rowsum(dout * out)) is unchanged by the padding."""

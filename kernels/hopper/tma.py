@@ -1,4 +1,4 @@
-"""TMA descriptors for the Hopper Gluon kernels (hopper_forward.py, hopper_backward.py).
+"""TMA descriptors for the Hopper Gluon kernels (forward.py, backward.py).
 
 A (batch, seqlen, heads, head_dim) tensor is seen as a 2D (rows, heads * head_dim) tensor: token
 i of sequence b is row ``b * batch_rows + i`` and head h's columns start at ``h * head_dim``.

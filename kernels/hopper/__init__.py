@@ -1,0 +1,10 @@
+"""The Hopper (sm_90) kernels, written in Gluon (warp-specialized, TMA, wgmma).
+
+- ``dispatch``: when they run instead of the Triton kernels (the one place that decides);
+- ``forward``, ``backward``: the attention forward and the fused backward;
+- ``padding``: head dims between their builds, on zero-padded copies;
+- ``tma``: the TMA descriptors both use.
+
+Only ``dispatch`` and ``padding`` import without Gluon; the kernel modules are imported on first
+use (``dispatch.hopper_module``), never under the interpreter.
+"""
