@@ -221,3 +221,51 @@ def test_hf_packed_position_ids_sequence_parallel_refused(rank_pool, layout, doc
     for rank, error in enumerate(errors):
         assert error is not None and error.startswith("ValueError: position_ids restart"), (rank, error)
         assert 'cu_seq_lens_q=shard["cu_seqlens"]' in error, (rank, error)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: sliding-window masks as well
+def test_hf_refuses_padding_attention_mask(device, model_type):
+    """A 2D attention_mask with padding (zeros) raises ValueError: transformers builds no mask
+    for an implementation without a mask function, so the padding would otherwise never reach
+    the attention and padded keys would be attended to. An all-ones mask changes nothing."""
+    import ringflash.integrations.hf as rf_hf
+
+    model = _model(model_type, rf_hf.enable()).to(device)  # no process group: one device
+    ids = _ids().to(device)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        ones = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        assert torch.equal(plain, ones)
+        for padded in ([0] * 3 + [1] * (SEQ - 3), [1] * (SEQ - 3) + [0] * 3):  # left, right
+            mask = torch.tensor([[1] * SEQ, padded], device=device)
+            with pytest.raises(ValueError, match="attention_mask with padding"):
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def _hf_padding_mask_sequence_parallel():
+    """Every rank's error when only the last rank's shard of the attention_mask has padding."""
+    from distributed import errors_of
+
+    import ringflash.integrations.hf as rf_hf
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    model = _model("llama", rf_hf.enable(group=group)).to(worker_device())
+    shard = shard_batch({"input_ids": _ids(1).to(worker_device())}, group)
+    mask = torch.ones_like(shard["input_ids"])
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        mask[:, -2:] = 0
+
+    def forward(m: torch.Tensor):
+        ids, positions = shard["input_ids"], shard["position_ids"]
+        return lambda: model(input_ids=ids, position_ids=positions, attention_mask=m, use_cache=False)
+
+    return errors_of({"padded": forward(mask), "ones": forward(torch.ones_like(mask))})
+
+
+def test_hf_padding_mask_sequence_parallel_refused(rank_pool):
+    """Padding in one rank's shard raises ValueError on every rank (none is left waiting in the
+    ring); all-ones masks pass."""
+    for rank, errors in enumerate(rank_pool(2).run(_hf_padding_mask_sequence_parallel, timeout=120)):
+        assert errors["ones"] is None, (rank, errors)
+        padded = errors["padded"]
+        assert padded is not None and "attention_mask with padding" in padded, (rank, errors)

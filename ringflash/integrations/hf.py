@@ -17,8 +17,10 @@ Attention then stays inside each document. Under torch.compile these checks cann
 back; device-side asserts stop the step instead (``position_ids.assert_unpacked_in_graph``), so a
 compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
-The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. transformers
-builds no mask for an implementation it has no mask function for, so no S x S mask is made.
+The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. The mask
+function registered with it (``padding_mask_refusal``) builds no S x S mask: an all-ones 2D
+``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group).
+Without it transformers would drop a padding mask before the attention function sees it.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm import host_values_agree, resolve_group
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
 
@@ -69,6 +72,53 @@ def _check_keywords(kw: dict) -> None:
         )
 
 
+PADDING_HINT = (
+    "ringflash attention takes pad-free batches: pack the sequences instead (restarting position_ids, "
+    "or shard_batch's cu_seqlens passed as cu_seq_lens_q)"
+)
+
+
+def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
+    """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
+    padding. Without one, transformers drops the model's 2D ``attention_mask`` before the
+    attention function is called, so padded keys would silently be attended to.
+
+    It returns None (no mask: the attention function applies causality and windows itself) when
+    the mask is all ones and covers every key; otherwise ValueError. Sequence parallel (``group``
+    given, or torch.distributed initialized), every rank of the group joins a 16-byte host
+    all-reduce, so padding in one rank's shard fails every rank instead of leaving the others
+    waiting in the ring; under torch.compile a device-side assert stops the step instead.
+    """
+
+    def mask(
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        mask_function: object = None,
+        attention_mask: torch.Tensor | None = None,
+        **kw,
+    ) -> None:
+        if attention_mask is None:
+            return None
+        message = f"attention_mask with padding (zeros) is not supported: {hint}"
+        keys = attention_mask[:, -kv_length:]  # as transformers' FlashAttention mask: the last keys
+        if keys.shape[-1] != kv_length:
+            raise ValueError(f"{message} (the mask covers {keys.shape[-1]} of {kv_length} keys)")
+        if torch.compiler.is_compiling():
+            torch._assert_async(keys.bool().all(), message)
+            return None
+        padded = int(not bool(keys.bool().all()))
+        if is_sequence_parallel(group):
+            padded |= int(not host_values_agree(padded, resolve_group(group)))
+        if padded:
+            raise ValueError(message)
+        return None
+
+    return mask
+
+
 def _softcap(softcap: object) -> float:
     return 0.0 if softcap is None else softcap  # type: ignore[return-value]
 
@@ -85,7 +135,7 @@ def enable(
     torch.distributed is not initialized). layout, sp_mode, ulysses_size: as in ``sp_attn_func``
     and ``shard_batch``. Calling it again replaces the settings.
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     def attention(
         module: torch.nn.Module,
@@ -155,6 +205,7 @@ def enable(
         return out.reshape(batch, seqlen, *out.shape[2:]), None
 
     AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, padding_mask_refusal(group))
     return NAME
 
 
@@ -166,4 +217,4 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["IGNORED", "NAME", "PACKED_HINT", "enable", "is_available"]
+__all__ = ["IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available", "padding_mask_refusal"]
