@@ -269,3 +269,24 @@ def test_hf_padding_mask_sequence_parallel_refused(rank_pool):
         assert errors["ones"] is None, (rank, errors)
         padded = errors["padded"]
         assert padded is not None and "attention_mask with padding" in padded, (rank, errors)
+
+
+def test_hf_keyword_edge_cases(device):
+    """Bidirectional attention with a sliding window is refused: transformers itself gives it two
+    widths (FlashAttention: w - 1 keys each side; eager: w each side), and a one-sided window
+    would attend to every later key. Loss and output plumbing keywords that reach the attention
+    function (Trainer's num_items_in_batch, output_hidden_states) pass: they cannot change it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ringflash.integrations.hf as rf_hf
+
+    attention = ALL_ATTENTION_FUNCTIONS[rf_hf.enable()]
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 8, 16, device=device)  # (batch, heads, seqlen, head_dim)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention(module, q, q, q, None, sliding_window=4, is_causal=False)
+    module.is_causal = False  # an encoder's attention layer
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention(module, q, q, q, None, sliding_window=4)
+    out, _ = attention(module, q, q, q, None, num_items_in_batch=torch.tensor(7), output_hidden_states=True)
+    assert out.shape == (1, 8, 2, 16)

@@ -24,7 +24,8 @@ Without it transformers would drop a padding mask before the attention function 
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
-Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window``,
+Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window`` (causal
+only: bidirectional sliding windows are refused),
 ``softcap`` (Gemma-2), ``s_aux`` (gpt-oss attention sinks, which get their gradient),
 ``is_causal``, ``position_ids`` and the packed-document ``cu_seq_lens_q``/``cu_seq_lens_k`` are used; the
 plumbing keywords in ``IGNORED`` do not change the attention's result and are ignored; any
@@ -48,7 +49,10 @@ NAME = "sequence_parallel"
 # which the ring refuses), max lengths follow from cu_seq_lens, MoE router output is elsewhere.
 # (position_ids are used: rotary positions are already applied to q/k, but restarts mark packed
 # documents.)
-IGNORED = frozenset({"use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"})
+IGNORED = frozenset({
+    "use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits",
+    "output_hidden_states", "num_items_in_batch",  # loss and output plumbing (Trainer passes the latter)
+})  # fmt: skip
 
 PACKED_HINT = (
     "one rank's shard cannot show where the documents start, so without cu_seq_lens_q attention would "
@@ -174,6 +178,12 @@ def enable(
                 "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
             )
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if sliding_window and not causal:
+            raise ValueError(
+                f"ringflash attention cannot honour sliding_window={sliding_window} with bidirectional "
+                "attention (is_causal=False): transformers' FlashAttention and eager paths disagree on its "
+                "width, so use a causal model or no sliding window"
+            )
         window = (
             (sliding_window - 1, -1) if sliding_window else (-1, -1)
         )  # HF: the last `sliding_window` keys
