@@ -290,3 +290,39 @@ def test_hf_keyword_edge_cases(device):
         attention(module, q, q, q, None, sliding_window=4)
     out, _ = attention(module, q, q, q, None, num_items_in_batch=torch.tensor(7), output_hidden_states=True)
     assert out.shape == (1, 8, 2, 16)
+
+
+def test_hf_refuses_mask_patterns_it_cannot_honour(device):
+    """The attention pattern transformers builds into a mask function is checked too: causal,
+    causal sliding windows (the window reaches the attention as ``sliding_window``) and packed
+    documents pass, and chunks that hold the whole sequence; shorter chunks (Llama-4),
+    bidirectional overlays (Gemma-3 images) and bidirectional windows raise ValueError instead
+    of running as plain causal attention."""
+    from transformers import masking_utils as mu
+
+    import ringflash.integrations.hf as rf_hf
+
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.enable()]
+    packed = mu.packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long))
+    remapped = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, torch.arange(8)[None])
+    window, one_chunk = mu.sliding_window_causal_mask_function(4), mu.chunked_causal_mask_function(8, None)
+    for ok in (mu.causal_mask_function, mu.bidirectional_mask_function, window, one_chunk,
+               mu.and_masks(remapped, packed)):  # fmt: skip
+        assert mask(batch_size=1, q_length=8, kv_length=8, mask_function=ok) is None
+    refused = {
+        "chunked_overlay": mu.chunked_causal_mask_function(4, None),
+        "blockwise_overlay": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 8))),
+        "sliding_window_bidirectional_overlay": mu.sliding_window_bidirectional_mask_function(4),
+    }
+    for name, fn in refused.items():
+        with pytest.raises(ValueError, match=name):
+            mask(batch_size=1, q_length=8, kv_length=8, mask_function=fn)
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=1,
+        attention_chunk_size=4, max_position_embeddings=64, no_rope_layers=[1], interleave_moe_layer_step=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_hf.NAME).to(device)
+    with pytest.raises(ValueError, match="chunked_overlay"):
+        model(input_ids=_ids(1)[:, :12].to(device), use_cache=False)

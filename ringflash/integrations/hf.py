@@ -19,8 +19,10 @@ compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. The mask
 function registered with it (``padding_mask_refusal``) builds no S x S mask: an all-ones 2D
-``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group).
-Without it transformers would drop a padding mask before the attention function sees it.
+``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group), and
+so does a mask pattern the attention cannot apply (``unhonoured_mask_patterns``: e.g. Llama-4's
+attention chunks, Gemma-3's bidirectional image blocks). Without it transformers would drop both
+before the attention function sees them.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
@@ -82,16 +84,60 @@ PADDING_HINT = (
 )
 
 
+# transformers.masking_utils mask functions whose pattern the attention function applies itself:
+# causality (``is_causal``), a causal window (the model passes ``sliding_window`` too, as
+# transformers' FlashAttention path relies on) and packed documents (``position_ids`` /
+# ``cu_seq_lens_q``). ``and_masks`` and the packed-position remap are looked into.
+_HONOURED_PATTERNS = frozenset({
+    "causal_mask_function", "bidirectional_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+})  # fmt: skip
+_COMBINED_PATTERNS = {
+    "and_masks.<locals>.and_mask": "mask_functions",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function",
+}
+
+
+def unhonoured_mask_patterns(mask_function: object, total_keys: int) -> list[str]:
+    """Names of the parts of a transformers mask function that ringflash attention cannot apply
+    (chunked attention with chunks shorter than the ``total_keys`` of the whole sequence,
+    bidirectional overlays such as Gemma-3's image blocks, bidirectional windows, any
+    model-specific function); empty when it applies all of them."""
+    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    if getattr(mask_function, "__module__", None) != "transformers.masking_utils":
+        return [name]
+    if name in _HONOURED_PATTERNS:
+        return []
+    if name == "chunked_overlay.<locals>.inner_mask":  # Llama-4: one chunk holding every key is causal
+        return [] if _closure(mask_function)["chunk_size"] >= total_keys else [name]
+    if name in _COMBINED_PATTERNS:
+        inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
+        parts = inner if isinstance(inner, tuple) else (inner,)
+        return [p for f in parts for p in unhonoured_mask_patterns(f, total_keys)]
+    if name == "or_masks.<locals>.or_mask":  # a union widens what is seen: name what it joins
+        joined = _closure(mask_function)["mask_functions"]
+        return [name, *(getattr(f, "__qualname__", repr(f)) for f in joined)]
+    return [name]
+
+
+def _closure(fn) -> dict[str, object]:
+    """The variables a nested function closes over, by name."""
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
 def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
     """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
-    padding. Without one, transformers drops the model's 2D ``attention_mask`` before the
-    attention function is called, so padded keys would silently be attended to.
+    what the attention function cannot apply. Without one, transformers drops the model's 2D
+    ``attention_mask`` and its mask pattern before the attention function is called, so padded
+    keys would silently be attended to and e.g. Llama-4's chunked attention run as causal.
 
-    It returns None (no mask: the attention function applies causality and windows itself) when
-    the mask is all ones and covers every key; otherwise ValueError. Sequence parallel (``group``
-    given, or torch.distributed initialized), every rank of the group joins a 16-byte host
-    all-reduce, so padding in one rank's shard fails every rank instead of leaving the others
-    waiting in the ring; under torch.compile a device-side assert stops the step instead.
+    It returns None (no mask: the attention function applies causality, windows and packed
+    documents itself) when the pattern is one of those (``unhonoured_mask_patterns``) and the 2D
+    mask, if any, is all ones and covers every key; otherwise ValueError. Sequence parallel
+    (``group`` given, or torch.distributed initialized), a 2D mask's check joins every rank of the
+    group in a 16-byte host all-reduce, so padding in one rank's shard fails every rank instead of
+    leaving the others waiting in the ring; under torch.compile a device-side assert stops the
+    step instead, and the pattern is not checked (torch.compile cannot read closures).
     """
 
     def mask(
@@ -104,6 +150,18 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         attention_mask: torch.Tensor | None = None,
         **kw,
     ) -> None:
+        # The pattern is read from the mask function's closures, which torch.compile cannot trace:
+        # compiled, it is not checked (run one step eagerly to check a new model family).
+        unhonoured = []
+        if not torch.compiler.is_compiling():
+            world = dist.get_world_size(resolve_group(group)) if is_sequence_parallel(group) else 1
+            unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world)
+        if unhonoured:
+            raise ValueError(
+                f"ringflash attention cannot honour the model's attention pattern {unhonoured} (it applies "
+                "causal or bidirectional attention, causal sliding windows, packed documents and attention "
+                "chunks longer than the sequence only)"
+            )
         if attention_mask is None:
             return None
         message = f"attention_mask with padding (zeros) is not supported: {hint}"
@@ -227,4 +285,7 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available", "padding_mask_refusal"]
+__all__ = [
+    "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available", "padding_mask_refusal",
+    "unhonoured_mask_patterns",
+]  # fmt: skip
