@@ -131,6 +131,13 @@ def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi
     return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group)
 
 
+def _contradiction(ulysses_size: object, sp_mode: str, expected: str) -> str:
+    return (
+        f'ulysses_size={ulysses_size!r} contradicts sp_mode="{sp_mode}", whose Ulysses group size is '
+        f"{expected}: shards cut for another size hold other tokens; pass the sp_mode they were cut for"
+    )
+
+
 def sp_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,7 +176,8 @@ def sp_attn_func(
         layout: token layout of the ring part ("zigzag", "stripe", "contiguous").
         sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W) or "hybrid"
             (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across).
-        ulysses_size: the Ulysses group size U for "hybrid".
+        ulysses_size: the Ulysses group size U for "hybrid"; with "ring" only None or 1, with
+            "ulysses" only None or W (any other value raises ValueError).
         cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
             ``ring_flash_attn_func``; shard with ``shard_sequence(..., ulysses_size=U, cu_seqlens=...)``.
         softcap: scores -> softcap * tanh(scores / softcap); 0.0 = off.
@@ -187,6 +195,8 @@ def sp_attn_func(
         if sp_mode not in SP_MODES:
             raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
         check_layout(layout)
+        if sp_mode == "ring" and ulysses_size not in (None, 1):
+            raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
         if sp_mode != "ring":
             if sp_mode == "hybrid" and ulysses_size is None:
                 raise ValueError('sp_mode="hybrid" needs ulysses_size')
@@ -209,6 +219,10 @@ def sp_attn_func(
             raise error
         if alibi_slopes is not None:
             raise NotImplementedError("alibi_slopes with Ulysses/hybrid under torch.compile")
+        if sp_mode == "ulysses" and ulysses_size is not None:
+            world = dist.get_world_size(resolve_group(group))
+            if ulysses_size != world:
+                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
         u = 0 if sp_mode == "ulysses" else ulysses_size
         out, lse = ulysses_attention_op(
             q, k, v, group=group, layout=layout, ulysses_size=u, cu_seqlens=cu_seqlens, **options
@@ -227,6 +241,8 @@ def sp_attn_func(
     world = dist.get_world_size(group)
     if error is None:
         try:
+            if sp_mode == "ulysses" and ulysses_size not in (None, world):
+                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
             u = world if sp_mode == "ulysses" else check_ulysses_size(ulysses_size, world)
         except (ValueError, TypeError) as e:
             error = e

@@ -169,6 +169,10 @@ def _bad_inputs():
             "size": lambda: rf_ds.sequence_parallel_mpu(2).initialize_sequence_parallel(4),
             "groups": lambda: rf_ds.SequenceParallelMPU(None),
             "loss": lambda: rf_ds.backward(None, torch.ones(2)),
+            # settings DeepSpeed would ignore beside the config and mpu given: refused
+            "config_sp": lambda: rf_ds.initialize(model, {"sequence_parallel_size": 1}, 2),
+            "config_params": lambda: rf_ds.initialize(model, {}, 2, config_params={}),
+            "mesh_param": lambda: rf_ds.initialize(model, {}, 2, mesh_param=(1, 2)),
         }
     )
 
@@ -184,3 +188,6 @@ def test_bad_inputs(rank_pool):
     assert "built for sp_size=2, not 4" in errors["size"]
     assert errors["groups"].startswith("TypeError: groups must be ringflash.ParallelGroups")
     assert errors["loss"] == "TypeError: loss must be a scalar tensor"
+    assert "sequence_parallel_size=1 contradicts sp_size=2" in errors["config_sp"]
+    assert "do not pass config_params" in errors["config_params"]
+    assert "do not pass mesh_param" in errors["mesh_param"]

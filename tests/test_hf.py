@@ -221,3 +221,108 @@ def test_hf_packed_position_ids_sequence_parallel_refused(rank_pool, layout, doc
     for rank, error in enumerate(errors):
         assert error is not None and error.startswith("ValueError: position_ids restart"), (rank, error)
         assert 'cu_seq_lens_q=shard["cu_seqlens"]' in error, (rank, error)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: sliding-window masks as well
+def test_hf_refuses_padding_attention_mask(device, model_type):
+    """A 2D attention_mask with padding (zeros) raises ValueError: transformers builds no mask
+    for an implementation without a mask function, so the padding would otherwise never reach
+    the attention and padded keys would be attended to. An all-ones mask changes nothing."""
+    import ringflash.integrations.hf as rf_hf
+
+    model = _model(model_type, rf_hf.enable()).to(device)  # no process group: one device
+    ids = _ids().to(device)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        ones = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        assert torch.equal(plain, ones)
+        for padded in ([0] * 3 + [1] * (SEQ - 3), [1] * (SEQ - 3) + [0] * 3):  # left, right
+            mask = torch.tensor([[1] * SEQ, padded], device=device)
+            with pytest.raises(ValueError, match="attention_mask with padding"):
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def _hf_padding_mask_sequence_parallel():
+    """Every rank's error when only the last rank's shard of the attention_mask has padding."""
+    from distributed import errors_of
+
+    import ringflash.integrations.hf as rf_hf
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    model = _model("llama", rf_hf.enable(group=group)).to(worker_device())
+    shard = shard_batch({"input_ids": _ids(1).to(worker_device())}, group)
+    mask = torch.ones_like(shard["input_ids"])
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        mask[:, -2:] = 0
+
+    def forward(m: torch.Tensor):
+        ids, positions = shard["input_ids"], shard["position_ids"]
+        return lambda: model(input_ids=ids, position_ids=positions, attention_mask=m, use_cache=False)
+
+    return errors_of({"padded": forward(mask), "ones": forward(torch.ones_like(mask))})
+
+
+def test_hf_padding_mask_sequence_parallel_refused(rank_pool):
+    """Padding in one rank's shard raises ValueError on every rank (none is left waiting in the
+    ring); all-ones masks pass."""
+    for rank, errors in enumerate(rank_pool(2).run(_hf_padding_mask_sequence_parallel, timeout=120)):
+        assert errors["ones"] is None, (rank, errors)
+        padded = errors["padded"]
+        assert padded is not None and "attention_mask with padding" in padded, (rank, errors)
+
+
+def test_hf_keyword_edge_cases(device):
+    """Bidirectional attention with a sliding window is refused: transformers itself gives it two
+    widths (FlashAttention: w - 1 keys each side; eager: w each side), and a one-sided window
+    would attend to every later key. Loss and output plumbing keywords that reach the attention
+    function (Trainer's num_items_in_batch, output_hidden_states) pass: they cannot change it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ringflash.integrations.hf as rf_hf
+
+    attention = ALL_ATTENTION_FUNCTIONS[rf_hf.enable()]
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 8, 16, device=device)  # (batch, heads, seqlen, head_dim)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention(module, q, q, q, None, sliding_window=4, is_causal=False)
+    module.is_causal = False  # an encoder's attention layer
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention(module, q, q, q, None, sliding_window=4)
+    out, _ = attention(module, q, q, q, None, num_items_in_batch=torch.tensor(7), output_hidden_states=True)
+    assert out.shape == (1, 8, 2, 16)
+
+
+def test_hf_refuses_mask_patterns_it_cannot_honour(device):
+    """The attention pattern transformers builds into a mask function is checked too: causal,
+    causal sliding windows (the window reaches the attention as ``sliding_window``) and packed
+    documents pass, and chunks that hold the whole sequence; shorter chunks (Llama-4),
+    bidirectional overlays (Gemma-3 images) and bidirectional windows raise ValueError instead
+    of running as plain causal attention."""
+    from transformers import masking_utils as mu
+
+    import ringflash.integrations.hf as rf_hf
+
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.enable()]
+    packed = mu.packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long))
+    remapped = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, torch.arange(8)[None])
+    window, one_chunk = mu.sliding_window_causal_mask_function(4), mu.chunked_causal_mask_function(8, None)
+    for ok in (mu.causal_mask_function, mu.bidirectional_mask_function, window, one_chunk,
+               mu.and_masks(remapped, packed)):  # fmt: skip
+        assert mask(batch_size=1, q_length=8, kv_length=8, mask_function=ok) is None
+    refused = {
+        "chunked_overlay": mu.chunked_causal_mask_function(4, None),
+        "blockwise_overlay": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 8))),
+        "sliding_window_bidirectional_overlay": mu.sliding_window_bidirectional_mask_function(4),
+    }
+    for name, fn in refused.items():
+        with pytest.raises(ValueError, match=name):
+            mask(batch_size=1, q_length=8, kv_length=8, mask_function=fn)
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=1,
+        attention_chunk_size=4, max_position_embeddings=64, no_rope_layers=[1], interleave_moe_layer_step=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_hf.NAME).to(device)
+    with pytest.raises(ValueError, match="chunked_overlay"):
+        model(input_ids=_ids(1)[:, :12].to(device), use_cache=False)

@@ -395,3 +395,42 @@ def test_transformers_infini_refuses_packed_position_ids(device):
     positions = torch.cat([torch.arange(8), torch.arange(8)])[None]
     with pytest.raises(ValueError, match=r"position_ids restart \(packed documents\)"):
         model.float().to(device)(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False)
+
+
+def test_transformers_infini_refuses_what_it_cannot_honour(device):
+    """Keywords Infini-attention has no use for (Gemma-2's softcap, gpt-oss's sinks, bidirectional
+    attention, head masks...) and padding masks raise ValueError instead of being ignored."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ringflash.integrations.hf_infini as rf_infini
+
+    attention = ALL_ATTENTION_FUNCTIONS[rf_infini.enable(8)]
+    module = torch.nn.Module()
+    setattr(module, rf_infini.GATE, torch.nn.Parameter(torch.zeros(2, device=device)))
+    q = torch.randn(1, 2, 16, 8, device=device)  # (batch, heads, seqlen, head_dim)
+    out, _ = attention(module, q, q, q, None, position_ids=torch.arange(16, device=device)[None],
+                       use_cache=False, softcap=None, s_aux=None, is_causal=True)  # fmt: skip
+    assert out.shape == (1, 16, 2, 8)
+    for name, value in [("softcap", 1.0), ("s_aux", torch.zeros(2)), ("head_mask", torch.ones(2)),
+                        ("cu_seq_lens_k", torch.tensor([0, 16]))]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            attention(module, q, q, q, None, **{name: value})
+    with pytest.raises(ValueError, match="is_causal"):
+        attention(module, q, q, q, None, is_causal=False)
+    module.is_causal = False  # an encoder's attention layer
+    with pytest.raises(ValueError, match="is_causal"):
+        attention(module, q, q, q, None)
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_infini.enable(8))
+    rf_infini.add_gates(model)
+    model = model.float().to(device)
+    ids = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    with pytest.raises(ValueError, match="attention_mask with padding"):
+        padded = torch.tensor([[0] * 2 + [1] * 14], device=device)
+        model(input_ids=ids, attention_mask=padded, use_cache=False)

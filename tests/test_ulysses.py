@@ -100,12 +100,16 @@ def test_packed_documents_in_every_mode(rank_pool, ulysses, layout):
 def _bad_calls():
     q = torch.randn(1, 8, 3, 16, device=worker_device())
     kv = torch.randn(1, 8, 3, 16, device=worker_device())
+    q4 = torch.randn(1, 8, 4, 16, device=worker_device())
     return errors_of(
         {
             "heads": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="ulysses"),
             "mode": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="star"),
             "size": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid", ulysses_size=3),
             "missing": lambda: ringflash.sp_attn_func(q, kv, kv, sp_mode="hybrid"),
+            # a ulysses_size that contradicts sp_mode (shards cut for another U) is not ignored
+            "ring_size": lambda: ringflash.sp_attn_func(q4, q4, q4, sp_mode="ring", ulysses_size=2),
+            "ulysses_size": lambda: ringflash.sp_attn_func(q4, q4, q4, sp_mode="ulysses", ulysses_size=1),
         }
     )
 
@@ -116,6 +120,8 @@ def test_sp_attn_bad_inputs(rank_pool):
     assert "sp_mode must be one of" in errors["mode"]
     assert "ulysses_size 3 must divide" in errors["size"]
     assert "needs ulysses_size" in errors["missing"]
+    assert 'ulysses_size=2 contradicts sp_mode="ring"' in errors["ring_size"]
+    assert 'ulysses_size=1 contradicts sp_mode="ulysses"' in errors["ulysses_size"]
 
 
 def test_hybrid_layout_indices_cover_sequence():

@@ -114,7 +114,9 @@ def initialize(
     transformers model with ``attn_implementation=ringflash.integrations.hf.enable(group=...)``).
     config: a DeepSpeed config dict or JSON path; batch sizes count per data-parallel replica
     (train_batch_size = micro batch x accumulation x D). optimizer: a torch optimizer or None
-    (then the config's). kwargs: passed on (``lr_scheduler``, ``model_parameters``, ...).
+    (then the config's); a config ``sequence_parallel_size`` other than sp_size is refused.
+    kwargs: passed on (``lr_scheduler``, ``model_parameters``, ...); ``mpu``, ``mesh_param`` and
+    ``config_params`` are refused (they would contradict, or be ignored beside, what is passed).
     Returns DeepSpeed's (engine, optimizer, dataloader, lr_scheduler); ``engine.mpu`` is the
     ``SequenceParallelMPU``. Call ``backward(engine, loss)`` instead of ``engine.backward(loss)``.
     """
@@ -122,9 +124,19 @@ def initialize(
 
     if "mpu" in kwargs:
         raise TypeError("initialize builds the mpu itself from sp_size; do not pass mpu")
+    # DeepSpeed would ignore these beside the config and mpu passed here.
+    if "config_params" in kwargs:
+        raise TypeError("initialize passes config to DeepSpeed; do not pass config_params as well")
+    if "mesh_param" in kwargs:
+        raise TypeError("initialize builds the sequence-parallel groups from sp_size; do not pass mesh_param")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _load_config(config)
+    if config.get("sequence_parallel_size", sp_size) != sp_size:
+        raise ValueError(
+            f"the config's sequence_parallel_size={config['sequence_parallel_size']} contradicts "
+            f"sp_size={sp_size} (DeepSpeed would follow the mpu built from sp_size and ignore it)"
+        )
     mpu = sequence_parallel_mpu(sp_size)
     zero = config.get("zero_optimization") or {}
     if sp_size > 1 and int(zero.get("stage", 0)) == 3 and not zero.get("reduce_scatter", True):

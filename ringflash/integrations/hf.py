@@ -17,12 +17,17 @@ Attention then stays inside each document. Under torch.compile these checks cann
 back; device-side asserts stop the step instead (``position_ids.assert_unpacked_in_graph``), so a
 compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
-The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. transformers
-builds no mask for an implementation it has no mask function for, so no S x S mask is made.
+The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. The mask
+function registered with it (``padding_mask_refusal``) builds no S x S mask: an all-ones 2D
+``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group), and
+so does a mask pattern the attention cannot apply (``unhonoured_mask_patterns``: e.g. Llama-4's
+attention chunks, Gemma-3's bidirectional image blocks). Without it transformers would drop both
+before the attention function sees them.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
-Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window``,
+Every keyword the model passes is honoured or refused: ``scaling``, ``sliding_window`` (causal
+only: bidirectional sliding windows are refused),
 ``softcap`` (Gemma-2), ``s_aux`` (gpt-oss attention sinks, which get their gradient),
 ``is_causal``, ``position_ids`` and the packed-document ``cu_seq_lens_q``/``cu_seq_lens_k`` are used; the
 plumbing keywords in ``IGNORED`` do not change the attention's result and are ignored; any
@@ -35,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm import host_values_agree, resolve_group
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
 
@@ -45,7 +51,10 @@ NAME = "sequence_parallel"
 # which the ring refuses), max lengths follow from cu_seq_lens, MoE router output is elsewhere.
 # (position_ids are used: rotary positions are already applied to q/k, but restarts mark packed
 # documents.)
-IGNORED = frozenset({"use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits"})
+IGNORED = frozenset({
+    "use_cache", "cache_position", "max_length_q", "max_length_k", "output_router_logits",
+    "output_hidden_states", "num_items_in_batch",  # loss and output plumbing (Trainer passes the latter)
+})  # fmt: skip
 
 PACKED_HINT = (
     "one rank's shard cannot show where the documents start, so without cu_seq_lens_q attention would "
@@ -69,6 +78,109 @@ def _check_keywords(kw: dict) -> None:
         )
 
 
+PADDING_HINT = (
+    "ringflash attention takes pad-free batches: pack the sequences instead (restarting position_ids, "
+    "or shard_batch's cu_seqlens passed as cu_seq_lens_q)"
+)
+
+
+# transformers.masking_utils mask functions whose pattern the attention function applies itself:
+# causality (``is_causal``), a causal window (the model passes ``sliding_window`` too, as
+# transformers' FlashAttention path relies on) and packed documents (``position_ids`` /
+# ``cu_seq_lens_q``). ``and_masks`` and the packed-position remap are looked into.
+_HONOURED_PATTERNS = frozenset({
+    "causal_mask_function", "bidirectional_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+})  # fmt: skip
+_COMBINED_PATTERNS = {
+    "and_masks.<locals>.and_mask": "mask_functions",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function",
+}
+
+
+def unhonoured_mask_patterns(mask_function: object, total_keys: int) -> list[str]:
+    """Names of the parts of a transformers mask function that ringflash attention cannot apply
+    (chunked attention with chunks shorter than the ``total_keys`` of the whole sequence,
+    bidirectional overlays such as Gemma-3's image blocks, bidirectional windows, any
+    model-specific function); empty when it applies all of them."""
+    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    if getattr(mask_function, "__module__", None) != "transformers.masking_utils":
+        return [name]
+    if name in _HONOURED_PATTERNS:
+        return []
+    if name == "chunked_overlay.<locals>.inner_mask":  # Llama-4: one chunk holding every key is causal
+        return [] if _closure(mask_function)["chunk_size"] >= total_keys else [name]
+    if name in _COMBINED_PATTERNS:
+        inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
+        parts = inner if isinstance(inner, tuple) else (inner,)
+        return [p for f in parts for p in unhonoured_mask_patterns(f, total_keys)]
+    if name == "or_masks.<locals>.or_mask":  # a union widens what is seen: name what it joins
+        joined = _closure(mask_function)["mask_functions"]
+        return [name, *(getattr(f, "__qualname__", repr(f)) for f in joined)]
+    return [name]
+
+
+def _closure(fn) -> dict[str, object]:
+    """The variables a nested function closes over, by name."""
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
+    """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
+    what the attention function cannot apply. Without one, transformers drops the model's 2D
+    ``attention_mask`` and its mask pattern before the attention function is called, so padded
+    keys would silently be attended to and e.g. Llama-4's chunked attention run as causal.
+
+    It returns None (no mask: the attention function applies causality, windows and packed
+    documents itself) when the pattern is one of those (``unhonoured_mask_patterns``) and the 2D
+    mask, if any, is all ones and covers every key; otherwise ValueError. Sequence parallel
+    (``group`` given, or torch.distributed initialized), a 2D mask's check joins every rank of the
+    group in a 16-byte host all-reduce, so padding in one rank's shard fails every rank instead of
+    leaving the others waiting in the ring; under torch.compile a device-side assert stops the
+    step instead, and the pattern is not checked (torch.compile cannot read closures).
+    """
+
+    def mask(
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        mask_function: object = None,
+        attention_mask: torch.Tensor | None = None,
+        **kw,
+    ) -> None:
+        # The pattern is read from the mask function's closures, which torch.compile cannot trace:
+        # compiled, it is not checked (run one step eagerly to check a new model family).
+        unhonoured = []
+        if not torch.compiler.is_compiling():
+            world = dist.get_world_size(resolve_group(group)) if is_sequence_parallel(group) else 1
+            unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world)
+        if unhonoured:
+            raise ValueError(
+                f"ringflash attention cannot honour the model's attention pattern {unhonoured} (it applies "
+                "causal or bidirectional attention, causal sliding windows, packed documents and attention "
+                "chunks longer than the sequence only)"
+            )
+        if attention_mask is None:
+            return None
+        message = f"attention_mask with padding (zeros) is not supported: {hint}"
+        keys = attention_mask[:, -kv_length:]  # as transformers' FlashAttention mask: the last keys
+        if keys.shape[-1] != kv_length:
+            raise ValueError(f"{message} (the mask covers {keys.shape[-1]} of {kv_length} keys)")
+        if torch.compiler.is_compiling():
+            torch._assert_async(keys.bool().all(), message)
+            return None
+        padded = int(not bool(keys.bool().all()))
+        if is_sequence_parallel(group):
+            padded |= int(not host_values_agree(padded, resolve_group(group)))
+        if padded:
+            raise ValueError(message)
+        return None
+
+    return mask
+
+
 def _softcap(softcap: object) -> float:
     return 0.0 if softcap is None else softcap  # type: ignore[return-value]
 
@@ -85,7 +197,7 @@ def enable(
     torch.distributed is not initialized). layout, sp_mode, ulysses_size: as in ``sp_attn_func``
     and ``shard_batch``. Calling it again replaces the settings.
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     def attention(
         module: torch.nn.Module,
@@ -124,6 +236,12 @@ def enable(
                 "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
             )
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if sliding_window and not causal:
+            raise ValueError(
+                f"ringflash attention cannot honour sliding_window={sliding_window} with bidirectional "
+                "attention (is_causal=False): transformers' FlashAttention and eager paths disagree on its "
+                "width, so use a causal model or no sliding window"
+            )
         window = (
             (sliding_window - 1, -1) if sliding_window else (-1, -1)
         )  # HF: the last `sliding_window` keys
@@ -155,6 +273,7 @@ def enable(
         return out.reshape(batch, seqlen, *out.shape[2:]), None
 
     AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, padding_mask_refusal(group))
     return NAME
 
 
@@ -166,4 +285,7 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["IGNORED", "NAME", "PACKED_HINT", "enable", "is_available"]
+__all__ = [
+    "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available", "padding_mask_refusal",
+    "unhonoured_mask_patterns",
+]  # fmt: skip

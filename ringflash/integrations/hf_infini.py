@@ -11,7 +11,10 @@
 Each attention layer's softmax attention becomes ``ringflash.infini_attention`` with the gate
 ``infini_beta`` (heads,) that ``add_gates`` attaches to the layer (initialised to 0). Rotary
 embeddings follow ``position_ids``, as with ``integrations.hf``. Packed documents (``cu_seq_lens_q``
-or restarting ``position_ids``) and sliding windows are refused: the memory spans the whole row.
+or restarting ``position_ids``), padding masks and sliding windows are refused: the memory spans the
+whole row. Infini-attention is causal and has no softcap or sinks: ``is_causal=False`` (or a layer
+whose ``is_causal`` is False) and any other keyword that is not None and not in
+``integrations.hf.IGNORED`` raise ValueError too.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from torch import nn
 
 from ..infini import UPDATES, infini_attention
 from ..position_ids import check_shard_position_ids, documents_from_position_ids
+from .hf import IGNORED, padding_mask_refusal
 
 NAME = "infini_sequence_parallel"
 GATE = "infini_beta"
 PACKED_HINT = "Infini-attention's memory spans the whole row, so give it one sequence per row"
+# Keywords used (position_ids) or checked above (output_attentions) besides hf.IGNORED.
+_HANDLED = IGNORED | {"position_ids", "output_attentions"}
 
 
 def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str = "linear") -> str:
@@ -35,7 +41,7 @@ def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str
     shards); None: the world when torch.distributed is initialized, else one device. Calling it
     again replaces the settings.
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len <= 0:
         raise ValueError(f"segment_len must be a positive int, got {segment_len!r}")
@@ -56,6 +62,15 @@ def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str
             )
         if sliding_window:
             raise ValueError("Infini-attention replaces the sliding window: use a config without one")
+        is_causal = kw.pop("is_causal", None)
+        if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+            raise ValueError("Infini-attention is causal: got is_causal=False (bidirectional attention)")
+        refused = sorted(n for n, x in kw.items() if n not in _HANDLED and x is not None)
+        if refused:
+            raise ValueError(
+                f"Infini-attention cannot honour the keyword argument(s) {refused} passed by the model "
+                "(it has no softcap, sinks, head mask or bias): use a model that does not pass them"
+            )
         beta = getattr(module, GATE, None)
         if beta is None:
             raise ValueError(
@@ -79,6 +94,7 @@ def enable(segment_len: int, group: dist.ProcessGroup | None = None, update: str
         return out, None
 
     AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, padding_mask_refusal(group, PACKED_HINT))
     return NAME
 
 
