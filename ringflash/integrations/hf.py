@@ -140,12 +140,11 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     step instead, and the pattern is not checked (torch.compile cannot read closures).
     """
 
+    # Keyword-only with defaults: transformers 4.53-4.5x pass cache_position where 5.x passes
+    # q_length/q_offset; neither is needed here.
     def mask(
-        batch_size: int,
-        q_length: int,
+        *,
         kv_length: int,
-        q_offset: int = 0,
-        kv_offset: int = 0,
         mask_function: object = None,
         attention_mask: torch.Tensor | None = None,
         **kw,
