@@ -317,6 +317,11 @@ def test_hf_refuses_mask_patterns_it_cannot_honour(device):
     for name, fn in refused.items():
         with pytest.raises(ValueError, match=name):
             mask(batch_size=1, q_length=8, kv_length=8, mask_function=fn)
+    # transformers 4.53-4.5x call it with cache_position instead of q_length/q_offset.
+    old_call = dict(batch_size=2, cache_position=torch.arange(8), kv_length=8, kv_offset=0)
+    assert mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8)) is None
+    with pytest.raises(ValueError, match="attention_mask with padding"):
+        mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8).tril())
 
     config = transformers.Llama4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
