@@ -15,7 +15,7 @@ import torch
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
-from ringflash.kernels import build_problem
+from ringflash.kernels import build_problem, pad_head_dim
 from ringflash.kernels.hopper.padding import padded_backward, padded_forward, run_head_dim
 
 BUILT = (64, 128, 256)
@@ -108,10 +108,15 @@ SM90 = pytest.mark.skipif(
 )
 
 
+# flash-attn's test head dims between the builds (111 is first padded to 112 by flash_attn_func,
+# then to 128 here), each in bf16, and 96 / 192 in fp16 too.
+BETWEEN = [(d, torch.bfloat16) for d in (80, 96, 111, 160, 192, 224)]
+BETWEEN += [(96, torch.float16), (192, torch.float16)]
+
+
 @pytest.mark.gpu
 @SM90
-@pytest.mark.parametrize("head_dim", [96, 192])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("head_dim", "dtype"), BETWEEN, ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_kernels_between_builds_match_float64(head_dim, dtype, causal):
     from sm90 import cuda_randn
@@ -121,8 +126,9 @@ def test_hopper_kernels_between_builds_match_float64(head_dim, dtype, causal):
     q = cuda_randn(2, 1000, 8, head_dim, dtype=dtype, seed=1).requires_grad_()
     k, v = (cuda_randn(2, 1000, 2, head_dim, dtype=dtype, seed=s).requires_grad_() for s in (2, 3))
     dout = cuda_randn(2, 1000, 8, head_dim, dtype=dtype, seed=4)
-    problem = build_problem(q, k, v, None, causal, (-1, -1))
-    assert uses_fused_forward(problem, q, k, v) and uses_fused_backward(problem, q, k, v)
+    padded = pad_head_dim(q, k, v)  # what flash_attn_func hands the kernels
+    problem = build_problem(*padded, 1 / head_dim**0.5, causal, (-1, -1))
+    assert uses_fused_forward(problem, *padded) and uses_fused_backward(problem, *padded)
     out, lse = ringflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     out.backward(dout)
     qd, kd, vd = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
