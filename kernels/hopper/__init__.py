@@ -2,6 +2,7 @@
 
 - ``dispatch``: when they run instead of the Triton kernels (the one place that decides);
 - ``forward``, ``backward``: the attention forward and the fused backward;
+- ``spans``: which tiles a program visits (positions, windows);
 - ``padding``: head dims between their builds, on zero-padded copies;
 - ``tma``: the TMA descriptors both use.
 

@@ -88,6 +88,7 @@ from ..problem import AttentionProblem
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT
 from .forward import score_scales, tanh_approx
 from .padding import padded_backward, run_head_dim
+from .spans import count_at_or_before, first_at_or_after, query_span
 from .tma import rows_descriptor
 
 # head_dim -> (query rows per tile, key rows per program)
@@ -206,37 +207,6 @@ class Mask:
         self.q_stride = q_stride
         self.k_start = k_start
         self.k_stride = k_stride
-
-
-@gluon.jit
-def _first_at_or_after(pos, base, stride):
-    """Smallest index i >= 0 with base + stride * i >= pos (as tiling.py's)."""
-    return (gl.maximum(pos - base, 0) + stride - 1) // stride
-
-
-@gluon.jit
-def _count_at_or_before(pos, base, stride):
-    """Number of indices i >= 0 with base + stride * i <= pos (as tiling.py's)."""
-    return gl.maximum(pos - base + stride, 0) // stride
-
-
-@gluon.jit
-def _query_span(
-    key_lo, key_hi, q_start, q_stride, len_q, left, right,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-):  # fmt: skip
-    """The outer span of tiling.visible_tiles seen from a key tile at positions key_lo..key_hi (a
-    query at pq sees a key at pk iff pk - right <= pq <= pk + left): the query rows [start, end)
-    of the tiles that see some key, start a multiple of BLOCK_M, end clamped to len_q, both 0
-    when none does. (The inner, unmasked span goes unused: see _compute_tile.)"""
-    lo = len_q * 0
-    if HAS_RIGHT:
-        lo = _first_at_or_after(key_lo - right, q_start, q_stride)
-    hi = len_q + lo * 0
-    if HAS_LEFT:
-        hi = gl.minimum(_count_at_or_before(key_hi + left, q_start, q_stride), len_q)
-    empty = lo >= hi
-    return gl.where(empty, 0, (lo // BLOCK_M) * BLOCK_M), gl.where(empty, 0, hi)
 
 
 @gluon.jit
@@ -606,7 +576,7 @@ def _fused_bwd_kernel(
     if MASKED:
         key_lo = k_start + k_stride * n0
         key_hi = k_start + k_stride * (gl.minimum(n0 + BLOCK_N, len_k) - 1)
-        lo, hi = _query_span(
+        lo, hi = query_span(
             key_lo, key_hi, q_start, q_stride, len_q, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M
         )
         # Programs past their sequence's keys walk nothing and store nothing. Every partition
@@ -617,9 +587,9 @@ def _fused_bwd_kernel(
         full_lo = len_q * 0
         full_hi = len_q
         if HAS_RIGHT:
-            full_lo = _first_at_or_after(key_hi - win_right, q_start, q_stride)
+            full_lo = first_at_or_after(key_hi - win_right, q_start, q_stride)
         if HAS_LEFT:
-            full_hi = gl.minimum(_count_at_or_before(key_lo + win_left, q_start, q_stride), len_q)
+            full_hi = gl.minimum(count_at_or_before(key_lo + win_left, q_start, q_stride), len_q)
         t_full_lo = gl.minimum((gl.maximum(full_lo - lo, 0) + BLOCK_M - 1) // BLOCK_M, n_tiles)
         t_full_hi = gl.minimum(gl.maximum(full_hi - lo, 0) // BLOCK_M, n_tiles)
         none_full = (n0 + BLOCK_N > len_k) | (t_full_hi <= t_full_lo)

@@ -43,6 +43,7 @@ from triton.language.core import _aggregate as aggregate
 from ..forward import LOG2E
 from ..problem import AttentionProblem
 from .padding import padded_forward, run_head_dim
+from .spans import key_tiles
 from .tma import rows_descriptor
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
@@ -185,46 +186,6 @@ def score_scales(problem: AttentionProblem) -> tuple[float, float]:
     if problem.softcap:
         return problem.softcap * LOG2E, problem.softmax_scale / problem.softcap
     return problem.softmax_scale * LOG2E, 1.0
-
-
-@gluon.jit
-def _first_at_or_after(pos, base, stride):
-    """Smallest index i >= 0 with base + stride * i >= pos (non-negative integer math only)."""
-    return (gl.maximum(pos - base, 0) + stride - 1) // stride
-
-
-@gluon.jit
-def _count_at_or_before(pos, base, stride):
-    """Number of indices i >= 0 with base + stride * i <= pos."""
-    return gl.maximum(pos - base + stride, 0) // stride
-
-
-@gluon.jit
-def key_tiles(
-    q_lo, q_hi, k_start, k_stride, len_k, left, right,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    """For query rows at positions q_lo..q_hi, the key tiles of ``len_k`` keys (positions
-    k_start + k_stride * i) that any row sees, [t_lo, t_hi), and those that every row sees in
-    full, [t_full_lo, t_full_hi) (empty: t_full_lo == t_full_hi); the last, partial tile of the
-    keys is never full. The same rule as ``tiling.visible_tiles``, in tiles."""
-    zero = len_k * 0  # a runtime scalar, so that every branch yields one type
-    lo = zero
-    full_lo = zero
-    hi = len_k
-    full_hi = len_k
-    if HAS_LEFT:
-        lo = _first_at_or_after(q_lo - left, k_start, k_stride)
-        full_lo = _first_at_or_after(q_hi - left, k_start, k_stride)
-    if HAS_RIGHT:
-        hi = gl.minimum(_count_at_or_before(q_hi + right, k_start, k_stride), len_k)
-        full_hi = gl.minimum(_count_at_or_before(q_lo + right, k_start, k_stride), len_k)
-    t_lo = lo // BLOCK_N
-    t_hi = gl.where(lo < hi, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
-    t_full_lo = gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo)
-    t_full_hi = full_hi // BLOCK_N
-    t_full_hi = gl.where(t_full_lo < t_full_hi, t_full_hi, t_full_lo)
-    return t_lo, t_hi, t_full_lo, t_full_hi
 
 
 @gluon.jit
