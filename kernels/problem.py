@@ -215,6 +215,8 @@ def build_problem(
         raise ValueError(f"k head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
     check_head_dim(head_dim)
     heads_q, heads_k = q.shape[-2], k.shape[-2]
+    if heads_k < 1:
+        raise ValueError(f"k and v need at least one head, got shape {tuple(k.shape)}")
     if heads_q % heads_k != 0:
         raise ValueError(f"q heads ({heads_q}) must be divisible by k/v heads ({heads_k}) for GQA/MQA")
     causal, window_size = check_window(causal, window_size)

@@ -209,6 +209,10 @@ def _check_inputs(q, k, v, beta, segment_len, update) -> None:
             f"k and v must have q's batch, seqlen and head_dim and equal shapes: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.shape[1] < 1:
+        raise ValueError(f"q, k, v need at least one token (seqlen >= 1), got shape {tuple(q.shape)}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"heads and kv_heads must be >= 1, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
     if q.dtype != k.dtype or q.dtype != v.dtype:

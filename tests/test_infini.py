@@ -325,8 +325,14 @@ def test_bad_arguments(rank_pool):
             dict(memory=(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16))),
             dict(memory=torch.zeros(1, 2, 16, 16)),
         ],
-        "kv_heads": [dict(k=torch.randn(1, 16, 3, 16), v=torch.randn(1, 16, 3, 16))],
+        "kv_heads": [
+            dict(k=torch.randn(1, 16, 3, 16), v=torch.randn(1, 16, 3, 16)),
+            dict(k=torch.randn(1, 16, 0, 16), v=torch.randn(1, 16, 0, 16)),  # was a ZeroDivisionError
+            dict(q=torch.randn(1, 16, 0, 16), beta=torch.zeros(0)),  # was a ZeroDivisionError
+        ],
         "k and v": [dict(v=torch.randn(1, 16, 2, 8))],
+        # was "cu_seqlens_q needs at least 2 entries", from inside the local attention
+        "at least one token": [dict(q=q[:, :0], k=kv[:, :0], v=kv[:, :0])],
     }  # fmt: skip
     for word, kwargs_list in cases.items():
         for kwargs in kwargs_list:
