@@ -73,6 +73,12 @@ DENSE_CASES = [
         r"k and v need at least one head, got shape \(1, 8, 0, 16\)",
     ),
     _case(
+        "batch-over-grid",  # was a CUDA launch error on the GPU
+        lambda q, k, v: {name: t[:, :1].repeat(65536, 1, 1, 1) for name, t in zip("qkv", (q, k, v))},
+        ValueError,
+        r"at most 65535 sequences and 65535 query heads per call",
+    ),
+    _case(
         "heads-not-divisible",
         lambda q, k, v: dict(q=torch.cat([q, q[:, :, :1]], 2)),
         ValueError,
