@@ -57,8 +57,23 @@ def merge_attention_partial(
 
     out: (batch, seqlen, heads, head_dim) accumulator, float32 recommended (may be a view with
     a contiguous last dim); block_out: same shape, any float dtype; lse, block_lse:
-    (batch, heads, seqlen) float32 with a contiguous last dim.
+    (batch, heads, seqlen) float32 with a contiguous last dim; all on one device.
+
+    Raises:
+        TypeError / ValueError naming the argument: a non-tensor, a dtype, shape, device or
+        last-dim stride that does not fit.
     """
+    tensors = (("out", out), ("lse", lse), ("block_out", block_out), ("block_lse", block_lse))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != out.device:
+            raise ValueError(f"{name} is on {t.device} but out is on {out.device}")
+    for name, t in (("out", out), ("block_out", block_out)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if out.dim() != 4:
+        raise ValueError(f"out must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(out.shape)}")
     b, n, h, d = out.shape
     if block_out.shape != out.shape or lse.shape != (b, h, n) or block_lse.shape != (b, h, n):
         raise ValueError(
@@ -67,7 +82,7 @@ def merge_attention_partial(
         )
     if lse.dtype != torch.float32 or block_lse.dtype != torch.float32:
         raise TypeError("lse and block_lse must be float32")
-    for name, t in (("out", out), ("block_out", block_out), ("lse", lse), ("block_lse", block_lse)):
+    for name, t in tensors:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
     if n == 0:

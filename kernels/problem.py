@@ -16,6 +16,7 @@ from .positions import MaskBounds, TokenPositions
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and sequences
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,8 @@ def build_problem(
         raise ValueError(f"k head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
     check_head_dim(head_dim)
     heads_q, heads_k = q.shape[-2], k.shape[-2]
+    if heads_k < 1:
+        raise ValueError(f"k and v need at least one head, got shape {tuple(k.shape)}")
     if heads_q % heads_k != 0:
         raise ValueError(f"q heads ({heads_q}) must be divisible by k/v heads ({heads_k}) for GQA/MQA")
     causal, window_size = check_window(causal, window_size)
@@ -255,6 +258,12 @@ def build_problem(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         q_positions = q_positions or TokenPositions(seqlen_k - seqlen_q, 1)
     k_positions = k_positions or TokenPositions(0, 1)
+    if batch > MAX_GRID_YZ or heads_q > MAX_GRID_YZ:
+        raise ValueError(
+            f"at most {MAX_GRID_YZ} sequences and {MAX_GRID_YZ} query heads per call (the kernels "
+            f"launch one program per sequence and head in CUDA grid dims y/z), got {batch} sequences "
+            f"and {heads_q} heads; split the batch"
+        )
     check_token_stride(q=q, k=k, v=v)
     alibi = check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
     return AttentionProblem(

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .consistency import call_signature, check_ranks_agree
 from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
 from .kernels.infini.delta import delta_memories, delta_memories_backward
 from .kernels.infini.memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
@@ -114,19 +115,32 @@ def infini_attention(
         ValueError / TypeError naming the argument: shapes, dtypes, segment_len, update, memory,
         or a shard that is not a whole number of segments.
     """
-    _check_inputs(q, k, v, beta, segment_len, update)
-    batch, seqlen, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    world = 1
-    if group is not None:
-        group = comm.resolve_group(group)
-        world = dist.get_world_size(group)
-        if seqlen % segment_len:
+    error = None
+    try:
+        _check_inputs(q, k, v, beta, segment_len, update)
+        if group is not None and q.shape[1] % segment_len:
             raise ValueError(
                 f"under sequence parallelism every shard must be a whole number of segments: "
-                f"local seqlen {seqlen} is not a multiple of segment_len {segment_len}"
+                f"local seqlen {q.shape[1]} is not a multiple of segment_len {segment_len}"
             )
-    m0, z0 = _initial_memory(memory, batch, kv_heads, head_dim, q.device)
+        m0, z0 = _initial_memory(memory, q.shape[0], k.shape[2], q.shape[3], q.device)
+    except (ValueError, TypeError) as e:
+        error = e  # under a group: raised after the rank check, which every rank must join
+    world = 1
+    if group is not None:
+        try:
+            group = comm.resolve_group(group)
+        except RuntimeError:
+            if error is not None:
+                raise error from None
+            raise
+        world = dist.get_world_size(group)
+        if world > 1:
+            check_ranks_agree(group, _group_signature(q, k, v, beta, segment_len, update, memory,
+                                                      return_memory, softmax_scale), error)  # fmt: skip
+    if error is not None:
+        raise error
+    head_dim = q.shape[3]
 
     gate = torch.sigmoid(beta.float())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -195,6 +209,10 @@ def _check_inputs(q, k, v, beta, segment_len, update) -> None:
             f"k and v must have q's batch, seqlen and head_dim and equal shapes: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.shape[1] < 1:
+        raise ValueError(f"q, k, v need at least one token (seqlen >= 1), got shape {tuple(q.shape)}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"heads and kv_heads must be >= 1, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -210,6 +228,16 @@ def _check_inputs(q, k, v, beta, segment_len, update) -> None:
         raise ValueError(f"segment_len must be a positive int, got {segment_len!r}")
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+
+
+def _group_signature(q, k, v, beta, segment_len, update, memory, return_memory, softmax_scale) -> dict:
+    """What every rank of the group must pass alike (``consistency.check_ranks_agree``): all but
+    the local seqlen, which only sizes this rank's own segments. Ranks that differ in batch,
+    heads or head_dim, in segment_len, update or memory exchange mismatched memories (a hang,
+    or a wrong answer without an error)."""
+    no_seqlen = [t[:, :0] if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v)]
+    return call_signature(*no_seqlen, beta=beta, segment_len=segment_len, update=update, memory=memory,
+                          return_memory=return_memory, softmax_scale=softmax_scale)  # fmt: skip
 
 
 def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: torch.device):

@@ -41,6 +41,15 @@ def _group_mean(local_sum: torch.Tensor, target_ids: torch.Tensor, group, ignore
     return _SumOverGroup.apply(local_sum, group) / count.clamp_min(1.0)
 
 
+def _class_ids(target_ids: object) -> torch.Tensor:
+    """``target_ids`` as int64 class ids (any integer dtype is exact), else a TypeError."""
+    if not isinstance(target_ids, torch.Tensor):
+        raise TypeError(f"target_ids must be a torch.Tensor of class ids, got {type(target_ids).__name__}")
+    if target_ids.is_floating_point() or target_ids.is_complex() or target_ids.dtype == torch.bool:
+        raise TypeError(f"target_ids must be an integer tensor of class ids, got {target_ids.dtype}")
+    return target_ids.long()
+
+
 def sequence_parallel_cross_entropy(
     logits: torch.Tensor,
     target_ids: torch.Tensor,
@@ -50,11 +59,21 @@ def sequence_parallel_cross_entropy(
     """Mean cross-entropy over every target token of the sequence-parallel group.
 
     logits: (batch, local_seqlen, vocab); target_ids: (batch, local_seqlen) from
-    ``shard_batch``. Token-count weighted across ranks, so a sharded run reports the same
-    number as a single-device run; the same float32 value on every rank. After ``backward``,
-    sum the parameter gradients over the group (``reduce_gradients``).
+    ``shard_batch``, any integer dtype. The shapes must match exactly: a flattened or
+    transposed target tensor is a ValueError, not a silently different pairing. Token-count
+    weighted across ranks, so a sharded run reports the same number as a single-device run;
+    the same float32 value on every rank. After ``backward``, sum the parameter gradients over
+    the group (``reduce_gradients``).
     """
     group = resolve_group(group)
+    target_ids = _class_ids(target_ids)
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2 or target_ids.shape != logits.shape[:-1]:
+        # A flattened (batch * seqlen) match would let transposed targets through silently.
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"logits must be (batch, seqlen, vocab) and target_ids (batch, seqlen), got {got} "
+            f"and {tuple(target_ids.shape)}"
+        )
     local = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         target_ids.reshape(-1),
@@ -88,16 +107,18 @@ def sequence_parallel_chunked_cross_entropy(
     hidden: (batch, local_seqlen, dim), any float dtype; lm_head: maps (n, dim) to logits
     (n, vocab), e.g. the model's output ``nn.Linear`` (pass the module, not its weight, so that
     ZeRO-3 gathers the weight when it is called); target_ids: (batch, local_seqlen) int64 from
-    ``shard_batch``. Returns a float32 scalar, the same on every rank and equal to
-    ``sequence_parallel_cross_entropy(lm_head(hidden), target_ids, group)``: the log-softmax runs
-    in float32 and the sum is token-count weighted across ranks. Peak extra memory is one chunk's
-    logits (chunk_size x vocab x 4 bytes, e.g. 2 GiB at 4096 x 128K), not the whole sequence's.
+    ``shard_batch`` (any integer dtype). Returns a float32 scalar, the same on every rank and
+    equal to ``sequence_parallel_cross_entropy(lm_head(hidden), target_ids, group)``: the
+    log-softmax runs in float32 and the sum is token-count weighted across ranks. Peak extra
+    memory is one chunk's logits (chunk_size x vocab x 4 bytes, e.g. 2 GiB at 4096 x 128K), not
+    the whole sequence's.
 
     Gradients: after ``backward``, sum the parameter gradients over the group (as with
     ``sequence_parallel_cross_entropy``). Each chunk is checkpointed non-reentrantly, so every
     parameter still gets one gradient accumulation per backward (what ZeRO's hooks expect).
     """
     group = resolve_group(group)
+    target_ids = _class_ids(target_ids)
     if hidden.dim() != 3 or target_ids.shape != hidden.shape[:2]:
         raise ValueError(
             f"hidden must be (batch, seqlen, dim) and target_ids (batch, seqlen), got "

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
+from .consistency import check_ranks_agree, cu_seqlens_values, describe
 from .layouts import check_layout, layout_indices
 
 
@@ -63,11 +64,26 @@ def gather_sequence(
     """The full sequence on every rank, from each rank's shard (inverse of ``shard_sequence``).
 
     x: this rank's shard, same shape on every rank; returns (..., seqlen_local * W, ...).
-    Not differentiable (an all-gather of activations for checking and logging).
+    Not differentiable (an all-gather of activations for checking and logging). Every rank must
+    pass the same shard shape, dim, layout, ulysses_size and cu_seqlens, else every rank raises
+    ValueError naming what differs (``consistency.check_ranks_agree``).
     """
-    dim = _check_dim(x, dim)
-    comm = RingComm(group)
-    check_layout(layout)
+    error = None
+    try:
+        dim = _check_dim(x, dim)
+        check_layout(layout)
+    except (ValueError, TypeError) as e:
+        error = e  # raised after the rank check, which every rank must join
+    try:
+        comm = RingComm(group)
+    except RuntimeError:
+        if error is not None:
+            raise error from None
+        raise
+    signature = {name: describe(value) for name, value in
+                 (("x", x), ("dim", dim), ("layout", layout), ("ulysses_size", ulysses_size))}  # fmt: skip
+    signature["cu_seqlens"] = cu_seqlens_values(cu_seqlens)
+    check_ranks_agree(comm.group, signature, error)
     parts = comm.all_gather(x.detach())
     total = x.shape[dim] * comm.world_size
     full = torch.empty((*x.shape[:dim], total, *x.shape[dim + 1 :]), dtype=x.dtype, device=x.device)

@@ -61,6 +61,28 @@ def test_disagreeing_ranks_raise_on_every_rank(rank_pool):
         assert "error: rank 0: None, rank 1: 'ValueError: dropout_p=0.1" in errors["dropout on one rank"]
 
 
+def _disagreeing_gathers():
+    rank = dist.get_rank()
+    x = torch.randn(1, 4, 2, device=worker_device())
+    return errors_of({
+        "agreed": lambda: ringflash.gather_sequence(x, layout="zigzag"),
+        # before: rank 0 hung in the all-gather while rank 1 raised
+        "length": lambda: ringflash.gather_sequence(x[:, : 4 - 2 * rank], layout="contiguous"),
+        # before: a wrong sequence on every rank, without an error
+        "layout": lambda: ringflash.gather_sequence(x, layout="stripe" if rank else "contiguous"),
+        "bad dim on one rank": lambda: ringflash.gather_sequence(x, dim=1 + 5 * rank, layout="stripe"),
+        "agreed again": lambda: ringflash.gather_sequence(x, layout="stripe"),
+    })  # fmt: skip
+
+
+def test_disagreeing_gathers_raise_on_every_rank(rank_pool):
+    for errors in rank_pool(2).run(_disagreeing_gathers, timeout=120):
+        assert errors["agreed"] is None and errors["agreed again"] is None
+        assert "x: rank 0: ('tensor', (1, 4, 2), 'float32'), rank 1: ('tensor', (1, 2, 2)" in errors["length"]
+        assert "layout: rank 0: 'contiguous', rank 1: 'stripe'" in errors["layout"]
+        assert "rank 1: 'ValueError: dim must be an int in [-3, 3), got 6'" in errors["bad dim on one rank"]
+
+
 def _check_cost(calls: int) -> float:
     host_values_agree(1, dist.group.WORLD)
     start = time.perf_counter()

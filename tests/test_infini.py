@@ -325,8 +325,14 @@ def test_bad_arguments(rank_pool):
             dict(memory=(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16))),
             dict(memory=torch.zeros(1, 2, 16, 16)),
         ],
-        "kv_heads": [dict(k=torch.randn(1, 16, 3, 16), v=torch.randn(1, 16, 3, 16))],
+        "kv_heads": [
+            dict(k=torch.randn(1, 16, 3, 16), v=torch.randn(1, 16, 3, 16)),
+            dict(k=torch.randn(1, 16, 0, 16), v=torch.randn(1, 16, 0, 16)),  # was a ZeroDivisionError
+            dict(q=torch.randn(1, 16, 0, 16), beta=torch.zeros(0)),  # was a ZeroDivisionError
+        ],
         "k and v": [dict(v=torch.randn(1, 16, 2, 8))],
+        # was "cu_seqlens_q needs at least 2 entries", from inside the local attention
+        "at least one token": [dict(q=q[:, :0], k=kv[:, :0], v=kv[:, :0])],
     }  # fmt: skip
     for word, kwargs_list in cases.items():
         for kwargs in kwargs_list:
@@ -434,3 +440,39 @@ def test_transformers_infini_refuses_what_it_cannot_honour(device):
     with pytest.raises(ValueError, match="attention_mask with padding"):
         padded = torch.tensor([[0] * 2 + [1] * 14], device=device)
         model(input_ids=ids, attention_mask=padded, use_cache=False)
+
+
+def _disagreeing_ranks():
+    """Each call differs between the ranks in one argument the memory exchange depends on."""
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+
+    def call(batch=1, segment_len=8, update="linear"):
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(batch, 16, n, 16, generator=g) for n in (2, 1, 1))
+        return ringflash.infini_attention(q, k, v, torch.zeros(2), segment_len, group=world, update=update)
+
+    return errors_of({
+        "agreed": lambda: call(),
+        # before: gloo aborted (linear) or a wrong answer without an error (delta relay)
+        "batch": lambda: call(batch=1 + rank),
+        "batch delta": lambda: call(batch=1 + rank, update="delta"),
+        "segment_len": lambda: call(segment_len=8 * (1 + rank)),  # before: a wrong answer, no error
+        "update": lambda: call(update="delta" if rank else "linear"),  # before: a hang
+        "bad on one rank": lambda: call(segment_len=0 if rank else 8),  # before: rank 0 hung
+        "agreed again": lambda: call(update="delta"),
+    })  # fmt: skip
+
+
+def test_disagreeing_ranks_raise_on_every_rank(rank_pool):
+    for errors in rank_pool(2).run(_disagreeing_ranks, timeout=300):
+        assert errors["agreed"] is None and errors["agreed again"] is None
+        shapes = "q: rank 0: ('tensor', (1, 0, 2, 16), 'float32'), rank 1: ('tensor', (2, 0, 2, 16)"
+        assert shapes in errors["batch"]
+        assert "q: rank 0" in errors["batch delta"]
+        assert "segment_len: rank 0: 8, rank 1: 16" in errors["segment_len"]
+        assert "update: rank 0: 'linear', rank 1: 'delta'" in errors["update"]
+        assert (
+            "error: rank 0: None, rank 1: 'ValueError: segment_len must be a positive int"
+            in errors["bad on one rank"]
+        )

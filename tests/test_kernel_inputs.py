@@ -67,6 +67,18 @@ DENSE_CASES = [
     _case("head-dim-260", _same_dim(260), ValueError, r"head_dim must be in \[1, 256\], got 260"),
     _case("head-dim-0", _same_dim(0), ValueError, r"head_dim must be in \[1, 256\], got 0"),
     _case(
+        "kv-heads-0",  # was a ZeroDivisionError
+        lambda q, k, v: dict(k=k[:, :, :0], v=v[:, :, :0]),
+        ValueError,
+        r"k and v need at least one head, got shape \(1, 8, 0, 16\)",
+    ),
+    _case(
+        "batch-over-grid",  # was a CUDA launch error on the GPU
+        lambda q, k, v: {name: t[:, :1].repeat(65536, 1, 1, 1) for name, t in zip("qkv", (q, k, v))},
+        ValueError,
+        r"at most 65535 sequences and 65535 query heads per call",
+    ),
+    _case(
         "heads-not-divisible",
         lambda q, k, v: dict(q=torch.cat([q, q[:, :, :1]], 2)),
         ValueError,

@@ -63,3 +63,37 @@ def test_chunked_loss_bad_inputs(rank_pool):
     assert errors["chunk"] == "ValueError: chunk_size must be a positive int, got 0"
     assert "hidden must be (batch, seqlen, dim)" in errors["shape"]
     assert "got (1, 4, 8) and (1, 3)" in errors["targets"]
+
+
+def _loss_targets():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 5, generator=g).to(worker_device())
+    targets = torch.randint(0, 5, (2, 3), generator=g).to(worker_device())
+    hidden, head = logits[..., :4], torch.nn.Linear(4, 5).to(worker_device())
+    int64 = sequence_parallel_cross_entropy(logits, targets)
+    int32 = sequence_parallel_cross_entropy(logits, targets.int())
+    chunked = [sequence_parallel_chunked_cross_entropy(hidden, head, t) for t in (targets, targets.int())]
+    errors = errors_of({
+        # before: the (3, 2) targets paired with other tokens' logits, a wrong loss without an error
+        "transposed": lambda: sequence_parallel_cross_entropy(logits, targets.T.contiguous()),
+        "flattened": lambda: sequence_parallel_cross_entropy(logits, targets.flatten()),
+        "float": lambda: sequence_parallel_cross_entropy(logits, targets.float()),
+        "chunked float": lambda: sequence_parallel_chunked_cross_entropy(hidden, head, targets.float()),
+        "list": lambda: sequence_parallel_cross_entropy(logits, targets.tolist()),
+    })  # fmt: skip
+    return int64.item(), int32.item(), [c.item() for c in chunked], errors
+
+
+def test_loss_target_shapes_and_dtypes(rank_pool):
+    """Any integer target dtype gives the int64 loss; targets that do not match the logits'
+    (batch, seqlen) exactly, or are not integers, raise on every rank."""
+    for int64, int32, chunked, errors in rank_pool(2).run(_loss_targets):
+        assert int32 == int64 and chunked[0] == chunked[1]
+        shapes = "logits must be (batch, seqlen, vocab) and target_ids (batch, seqlen), got (2, 3, 5) and"
+        assert errors["transposed"] == f"ValueError: {shapes} (3, 2)"
+        assert errors["flattened"] == f"ValueError: {shapes} (6,)"
+        for name in ("float", "chunked float"):
+            assert errors[name] == (
+                "TypeError: target_ids must be an integer tensor of class ids, got torch.float32"
+            )
+        assert errors["list"] == "TypeError: target_ids must be a torch.Tensor of class ids, got list"

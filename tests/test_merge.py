@@ -42,3 +42,44 @@ def test_merge_rejects_mismatched_inputs(device):
         merge_partial(out, lse, out[:, :3], lse)
     with pytest.raises(TypeError, match="float32"):
         merge_partial(out, lse.double(), out, lse)
+
+
+@pytest.mark.parametrize(
+    ("case", "exc", "match"),
+    [
+        # before: "not enough values to unpack", an AttributeError in Triton's launcher, or a
+        # copy out of a meta tensor
+        (
+            "3-D out",
+            ValueError,
+            r"out must be 4-D \(batch, seqlen, heads, head_dim\), got shape \(4, 2",
+        ),
+        ("int out", TypeError, r"out must be float16, bfloat16 or float32, got torch.int32"),
+        (
+            "float64 block_out",
+            TypeError,
+            r"block_out must be float16, .* got torch.float64",
+        ),
+        ("list block_out", TypeError, r"block_out must be a torch.Tensor, got list"),
+        ("meta block_lse", ValueError, r"block_lse is on meta but out is on"),
+    ],
+)
+def test_merge_names_the_bad_argument(device, case, exc, match):
+    args = dict(
+        out=torch.zeros(1, 4, 2, 16, device=device),
+        lse=torch.zeros(1, 2, 4, device=device),
+        block_out=torch.zeros(1, 4, 2, 16, device=device),
+        block_lse=torch.zeros(1, 2, 4, device=device),
+    )
+    if case == "3-D out":
+        args["out"] = args["out"][0]
+    elif case == "int out":
+        args["out"] = args["out"].int()
+    elif case == "float64 block_out":
+        args["block_out"] = args["block_out"].double()
+    elif case == "list block_out":
+        args["block_out"] = args["block_out"].tolist()
+    else:
+        args["block_lse"] = args["block_lse"].to("meta")
+    with pytest.raises(exc, match=match):
+        merge_partial(**args)
