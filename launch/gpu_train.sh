@@ -21,10 +21,12 @@
 #      (2026-11-23, 2x H200, 497 s): last-20-step accuracy 0.54 at 256, 0.51 at 2K, 0.36 at 64K
 #      (chance 1/64); docs/performance.md and docs/recall_64k_2xh200.png
 #   f  (one GPU, not in the default list) the recall curriculum of e at SP=1 with ATTN=exact (the
-#      default) or ATTN=infini (Infini-attention, linear update, SEGMENT tokens per segment,
-#      default 2048; at 256 tokens the segment is the whole sequence): accuracy and tok/s of
-#      the two at 64K, where a key and its query lie up to 31 segments apart. One call per ATTN:
-#      each curriculum takes most of a 10-minute call.
+#      default), ATTN=infini (Infini-attention, linear update, SEGMENT tokens per segment,
+#      default 2048; at 256 tokens the segment is the whole sequence) or ATTN="exact infini"
+#      (both side by side on the one GPU: the small model leaves it mostly idle): accuracy and
+#      tok/s of the two at 64K, where a key and its query lie up to 31 segments apart. Each
+#      length trains for a fixed time (290 s at 256, 75 s at 2K, 80 s at 64K), not a step count:
+#      on one H200 (2026-11-24) 256-token steps took 0.41 s, so the 1100 steps of e do not fit.
 # On a machine without DeepSpeed and some of its pure-python deps, put their wheels in .whl/
 # (installed from there, offline). Every run has its own time limit, and BUDGET (seconds,
 # default 560) caps the whole script: runs that no longer fit are skipped, never cut mid-way.
@@ -59,6 +61,21 @@ run() {
     echo "[$name] exit $rc$([ $rc -eq 124 ] && echo ' (timeout)')"
     grep -E "^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b" "$OUT/$name.log" | grep -v ChildFailedError | sort -u | tail -3
   fi
+}
+# recall_curriculum ATTN: stage f for one attention. Each length trains for a time budget
+# (--time-limit) and hands its checkpoint on; --steps +N counts from the step it resumes at.
+recall_curriculum() {
+  local attn=$1 seg=${SEGMENT:-2048} ck=/tmp/recall_ck_$1
+  rm -rf "$ck"
+  local recall="--model small --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --grad-clip 0 --seed 1"
+  recall="$recall --attention $attn --save-dir $ck"
+  at() { [ "$attn" = infini ] && echo "--segment-len $(( $1 < seg ? $1 : seg ))"; }
+  run "f_${attn}_256" 330 python3 launch/train.py $recall --seq-len 256 $(at 256) --grad-accum 8 --steps 1100 \
+    --time-limit 290 --save-every 100 --json "$OUT/f_${attn}_256.json"
+  run "f_${attn}_2k" 110 python3 launch/train.py $recall --seq-len 2048 $(at 2048) --grad-accum 8 --steps +150 \
+    --time-limit 75 --resume "$ck" --json "$OUT/f_${attn}_2k.json"
+  run "f_${attn}_64k" 120 python3 launch/train.py $recall --seq-len 65536 $(at 65536) --grad-accum 4 --steps +40 \
+    --time-limit 80 --resume "$ck" --json "$OUT/f_${attn}_64k.json" --plot "$OUT/recall_loss_$attn.png"
 }
 T2="torchrun --standalone --nproc_per_node 2 launch/train.py"
 ONE="launch/ds_configs/zero2.json"
@@ -96,16 +113,9 @@ for stage in $STAGES; do
     run e_recall_64k 90 $T2 $recall --seq-len 65536 --grad-accum 4 --steps 1290 --resume $ck \
       --json "$OUT/e_recall_64k.json" --plot "$OUT/recall_loss.png" ;;
   f)
-    attn=${ATTN:-exact}; seg=${SEGMENT:-2048}; ck=/tmp/recall_ck_$attn; rm -rf $ck
-    recall="--model small --config $ONE --loss-on answer --lr 1e-3 --warmup 30 --grad-clip 0 --seed 1"
-    recall="$recall --attention $attn --save-dir $ck"
-    at() { [ "$attn" = infini ] && echo "--segment-len $(( $1 < seg ? $1 : seg ))"; }
-    run "f_${attn}_256" 300 python3 launch/train.py $recall --seq-len 256 $(at 256) --grad-accum 8 --steps 1100 \
-      --save-every 100 --json "$OUT/f_${attn}_256.json"
-    run "f_${attn}_2k" 90 python3 launch/train.py $recall --seq-len 2048 $(at 2048) --grad-accum 8 --steps 1250 \
-      --save-every 50 --resume $ck --json "$OUT/f_${attn}_2k.json"
-    run "f_${attn}_64k" 120 python3 launch/train.py $recall --seq-len 65536 $(at 65536) --grad-accum 4 --steps 1290 \
-      --resume $ck --json "$OUT/f_${attn}_64k.json" --plot "$OUT/recall_loss_$attn.png" ;;
+    port=29512
+    for attn in ${ATTN:-exact}; do MASTER_PORT=$port recall_curriculum "$attn" & port=$((port + 1)); done
+    wait ;;
   *) echo "unknown stage $stage (a b c d e f)" ;;
   esac
 done

@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+T_START = time.perf_counter()  # --time-limit counts from here
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= int(
     os.environ.get("LOCAL_WORLD_SIZE", WORLD)
@@ -83,7 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="overrides the config")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--dtype", default="bf16" if ON_GPU else "fp32", choices=["bf16", "fp32"])
-    p.add_argument("--steps", type=int, default=10, help="total optimizer steps (a resumed run continues)")
+    p.add_argument(
+        "--steps", type=_steps, default=(False, 10),
+        help="total optimizer steps (a resumed run continues), or +N: N more after the resumed step",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-limit", type=float, default=None, metavar="SECONDS",
+        help="stop after the step that passes SECONDS since the start; checkpoint and JSON as at --steps",
+    )  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=None, help="sequences per step and replica (config)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=0, help="linear LR warm-up steps")
@@ -116,6 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p.parse_args(argv)
+
+
+def _steps(text: str) -> tuple[bool, int]:
+    """--steps: (relative to the resumed step, count)."""
+    n = int(text)  # "+150" parses as 150
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--steps must be a positive count or +N, got {text!r}")
+    return text.startswith("+"), n
 
 
 def setup_distributed(engine: str) -> torch.device:
@@ -259,6 +275,8 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {args.resume}")
         start, history = client["step"], client["history"]
+    relative, steps = args.steps
+    args.steps = start + steps if relative else steps
     say = print if rank == 0 else (lambda *a, **k: None)
     infini = args.attention == "infini"
     infini_txt = f"infini/{args.infini_update} segment {args.segment_len}, " if infini else ""
@@ -306,11 +324,16 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         if ON_GPU:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else 0.0, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        # Peak memory and "out of time" by one MAX reduction: every rank stops after the same step.
+        over = args.time_limit is not None and time.perf_counter() - T_START > args.time_limit
+        peak_over = torch.tensor(
+            [torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else 0.0, float(over)], device=device
+        )
+        dist.all_reduce(peak_over, op=dist.ReduceOp.MAX)
+        peak, out_of_time = peak_over.tolist()
         rec = {
             "step": step + 1, "seq_len": args.seq_len, "loss": stats[0].item() / world,
-            "time_s": elapsed, "peak_gib": peak.item(),
+            "time_s": elapsed, "peak_gib": peak,
             "recall_loss": stats[1].item() / stats[3].item() if stats[3] > 0 else None,
             "recall_acc": stats[2].item() / stats[3].item() if stats[3] > 0 else None,
             "grad_norm": _float_or_none(engine.get_global_grad_norm()),
@@ -331,10 +354,14 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
             flush=True,
         )
         done = step + 1
-        if args.save_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+        last = done == args.steps or out_of_time
+        if args.save_dir and (last or (args.save_every and done % args.save_every == 0)):
             engine.save_checkpoint(
                 args.save_dir, tag=f"step{done}", client_state={"step": done, "history": history}
             )
+        if out_of_time and done < args.steps:
+            say(f"train: --time-limit {args.time_limit:g} s reached after step {done}", flush=True)
+            break
     return summarize(
         args, engine, world, sp, tokens_per_step, counts, flops, history[start:], history
     ), history

@@ -79,3 +79,9 @@ def test_train_saves_resumes_and_summarizes(tmp_path):
     assert part["history"][:1] == full["history"][:1]  # carried in the checkpoint
     got, want = part["history"][1]["loss"], full["history"][1]["loss"]
     assert abs(got - want) < 1e-5 * want, (got, want)  # the restored weights took the same step
+    # +N counts from the resumed step; the time limit stops after the step that passes it, and
+    # that step's checkpoint and history are kept as at the last step.
+    timed, hist, stdout = _train(tmp_path, "--steps", "+5", "--time-limit", "0", "--resume", str(ck), *common)
+    assert "--time-limit 0 s reached after step 3" in stdout, stdout[-2000:]
+    assert timed["steps_run"] == 1 and [r["step"] for r in hist["history"]] == [1, 2, 3]
+    assert (ck / "latest").read_text().strip() == "step3"
