@@ -123,13 +123,16 @@ def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device,
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dk", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype):
+def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype, deterministic):
     """The delta kernels split M into column blocks of 16 (head_dim 32: two programs per head,
-    whose parts of dk and dz are summed), each walking 3 segments of four 32-row blocks (the
+    which add their parts of dk into one buffer, or under torch's deterministic algorithms
+    write one part each, summed after), each walking 3 segments of four 32-row blocks (the
     last one partial; the last segment one partial block), from a given memory whose gradient
     is checked too."""
     monkeypatch.setattr(infini_delta, "DELTA_MAX_COLUMNS", 16)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     q, k, v, beta, dout = _inputs(2, 230, 2, 1, 32, dtype, seed=21)
     g = torch.Generator().manual_seed(22)
     memory = (torch.randn(2, 1, 32, 32, generator=g) * 0.1, torch.rand(2, 1, 32, generator=g) * 10)

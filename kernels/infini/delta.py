@@ -11,8 +11,9 @@ z before each segment is a plain sum over segments (computed outside). Column bl
 reads column block c of M and V, so one program per (batch row, kv head, column block) walks the
 segments in order with its block of M in registers (float32), writing the memory before each
 segment for the retrieval; the backward walks them in reverse with the block of dM carried. The
-gradient of K~ and of z sums over all columns: with several column blocks each block writes its
-part (float32) and the parts are summed after the kernel.
+gradient of K~ and of z sums over all columns: with several column blocks each block adds its
+part of dK into one float32 buffer (atomic adds; with torch's deterministic algorithms, one part
+per block, summed after the kernel) and writes its part of dz.
 
 The products keep float32 operands: the residual V - R is a difference of similar numbers, so
 they are exact float32 ("ieee") for float32 inputs and TF32 (10 mantissa bits, more than bf16's
@@ -93,7 +94,7 @@ def _delta_backward_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     HAS_FINAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DK: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, kv head, column block), segments in reverse, G = dL/dM after segment s:
 
@@ -102,7 +103,8 @@ def _delta_backward_kernel(
         dM before s = G + K~^T dN + (the retrieval's gradient of M before s)
 
     dV[:, cols] is this block's alone; dK (times sigma') and dz are this block's parts
-    (float32, one slice of GZ_PART / DK_PART per column block), summed over blocks afterwards."""
+    (float32, one slice of GZ_PART / DK_PART per column block), summed over blocks afterwards;
+    under ATOMIC_DK the blocks add their dK parts into one float32 DK_PART instead."""
     pid = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     b, h = pid // kv_heads, pid % kv_heads
@@ -146,7 +148,12 @@ def _delta_backward_kernel(
             dkeys = _dot(v.to(tl.float32) - retrieved, tl.trans(g), dden[:, None] * z[None, :], DOT_PRECISION)
             dkeys = _dot(dnum, tl.trans(m), dkeys, DOT_PRECISION)
             dk = dkeys * _sigma_grad(keys)
-            tl.store(dk_base + rows64 * stride_dks, dk, mask=row_ok[:, None] & d_ok[None, :])
+            dk_ptrs = dk_base + rows64 * stride_dks
+            dk_mask = row_ok[:, None] & d_ok[None, :]
+            if ATOMIC_DK:
+                tl.atomic_add(dk_ptrs, dk, mask=dk_mask, sem="relaxed")
+            else:
+                tl.store(dk_ptrs, dk, mask=dk_mask)
             gz += tl.sum(keys * dden[:, None], 0)
             g_before = _dot(tl.trans(keys), dnum, g_before, DOT_PRECISION)
         tl.store(GZ_PART + pid_n.to(tl.int64) * gz_part_stride + state * HEAD_DIM + offs_d, gz, mask=d_ok)
@@ -220,7 +227,14 @@ def delta_memories_backward(
     n_seg = m_before.shape[1]
     t = _tiles(d, k.dtype, b * kv_heads)
     blocks = triton.cdiv(d, t["BLOCK_N"])
-    dk_part = torch.empty(blocks, b, s, kv_heads, d, device=k.device, dtype=torch.float32)
+    # One float32 dK part per column block is blocks x the size of k in float32 (32 GiB at 1M
+    # tokens, 8 heads of 128 in 16-column blocks); the blocks add into one part instead, unless
+    # torch asks for deterministic algorithms (the order of the adds varies between runs).
+    atomic = blocks > 1 and not torch.are_deterministic_algorithms_enabled()
+    if atomic:
+        dk_part = torch.zeros(1, b, s, kv_heads, d, device=k.device, dtype=torch.float32)
+    else:
+        dk_part = torch.empty(blocks, b, s, kv_heads, d, device=k.device, dtype=torch.float32)
     gz_part = torch.empty(blocks, *z_before.shape, device=k.device, dtype=torch.float32)
     dv = torch.empty_like(v)
     gm_in = torch.empty(b, kv_heads, d, d, device=k.device, dtype=torch.float32)
@@ -229,10 +243,12 @@ def delta_memories_backward(
     grad_m_final = grad_m_final.float().contiguous() if has_final else gm_in
     _delta_backward_kernel[(b * kv_heads, blocks)](
         k, v, m_before.float().contiguous(), z_before.float().contiguous(), grad_m_before, grad_m_final,
-        gm_in, gz_part, dk_part, dv, s, n_seg, segment_len, kv_heads, gz_part.stride(0), dk_part.stride(0),
-        *k.stride()[:3], *v.stride()[:3], *dk_part.stride()[1:4], *dv.stride()[:3],
-        HAS_FINAL=has_final, **t,
+        gm_in, gz_part, dk_part, dv, s, n_seg, segment_len, kv_heads, gz_part.stride(0),
+        0 if atomic else dk_part.stride(0), *k.stride()[:3], *v.stride()[:3], *dk_part.stride()[1:4],
+        *dv.stride()[:3], HAS_FINAL=has_final, ATOMIC_DK=atomic, **t,
     )  # fmt: skip
+    if atomic:
+        return dk_part[0].to(k.dtype), dv, gm_in, gz_part.sum(0)
     if blocks == 1:
         return dk_part[0].to(k.dtype), dv, gm_in, gz_part[0]
     return dk_part.sum(0).to(k.dtype), dv, gm_in, gz_part.sum(0)
