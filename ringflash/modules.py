@@ -45,6 +45,15 @@ class SequenceParallelAttention(nn.Module):
         self.softcap = softcap
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        # .half() / .to(dtype) cast every float buffer; the slopes follow the device but stay
+        # float32 (rounded slopes would bias long distances, and the kernels take float32 only).
+        slopes = self.alibi_slopes
+        module = super()._apply(fn, recurse)
+        if slopes is not None and slopes.is_floating_point():
+            self.alibi_slopes = slopes.to(self.alibi_slopes.device)
+        return module
+
     def forward(
         self,
         q: torch.Tensor,

@@ -331,3 +331,43 @@ def test_hf_refuses_mask_patterns_it_cannot_honour(device):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_hf.NAME).to(device)
     with pytest.raises(ValueError, match="chunked_overlay"):
         model(input_ids=_ids(1)[:, :12].to(device), use_cache=False)
+
+
+def test_hf_refuses_keys_that_do_not_end_at_the_last_query(device):
+    """The attention aligns the last query with the last key (flash-attn's bottom-right
+    alignment). A StaticCache hands it all max_cache_len slots, unfilled ones last: without an
+    attention_mask that used to attend to the empty slots silently (logits ~50% off); now
+    ValueError. A DynamicCache's decode step (keys = past + queries) still equals eager, and
+    bidirectional attention (e.g. over encoder states) may have more keys than queries."""
+    from transformers import DynamicCache, StaticCache
+    from transformers import masking_utils as mu
+
+    import ringflash.integrations.hf as rf_hf
+
+    model = _model("llama", rf_hf.enable()).to(device)  # no process group: one device
+    ids = _ids(1)[:, :12].to(device)
+    with torch.no_grad(), pytest.raises(ValueError, match="StaticCache"):
+        model(
+            input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True
+        )
+    ref = _model("llama", "eager").to(device)
+    with torch.no_grad():
+        logits = []
+        for m in (model, ref):
+            cache = DynamicCache(config=m.config)
+            m(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+            logits.append(m(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True).logits)
+    assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 1e-4
+
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.NAME]
+    causal = dict(batch_size=1, mask_function=mu.causal_mask_function)
+    assert mask(**causal, q_length=4, q_offset=8, kv_length=12, kv_offset=0) is None  # decode
+    assert mask(**causal, q_length=4, q_offset=8, kv_length=7, kv_offset=5) is None  # sliding cache
+    for kw in (
+        dict(q_length=8, q_offset=torch.tensor(0), kv_length=16),  # StaticCache (a tensor offset)
+        dict(cache_position=torch.arange(8), kv_length=16, kv_offset=0),  # transformers 4.5x's call
+        dict(q_length=8, q_offset=0, kv_length=12, attention_mask=torch.ones(1, 12)),  # a prefix
+    ):
+        with pytest.raises(ValueError, match="last query"):
+            mask(**causal, **kw)
+    assert mask(batch_size=1, mask_function=mu.bidirectional_mask_function, q_length=8, kv_length=16) is None

@@ -162,6 +162,19 @@ def test_single_device_layer_features(device):
     assert "alibi_slopes must be float32" in errors["alibi"]
 
 
+def test_layer_keeps_float32_alibi_slopes_through_casts(device):
+    """model.half() / .to(bfloat16) casts every float buffer: the slopes stay float32 (a cast
+    would round 1/3 and then fail the float32 check, or bias long distances by the rounding)."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 12, 2, 16, generator=g).to(device, torch.float16) for _ in range(3))
+    slopes = torch.tensor([1 / 3, 0.25], device=device)
+    layer = SequenceParallelAttention(alibi_slopes=slopes).half()
+    assert layer.alibi_slopes.dtype == torch.float32 and torch.equal(layer.alibi_slopes, slopes)
+    assert layer.to(torch.bfloat16).alibi_slopes.dtype == torch.float32
+    want = reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, alibi_slopes=slopes.cpu())[0]
+    assert rel_err(layer(q, k, v), want) < 5e-3
+
+
 def _shard_packed():
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
     return shard_batch({"input_ids": torch.arange(12)[None], "position_ids": positions}, pad_token_id=99)

@@ -21,8 +21,9 @@ The model sees only this rank's tokens; rotary embeddings follow ``position_ids`
 function registered with it (``padding_mask_refusal``) builds no S x S mask: an all-ones 2D
 ``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group), and
 so does a mask pattern the attention cannot apply (``unhonoured_mask_patterns``: e.g. Llama-4's
-attention chunks, Gemma-3's bidirectional image blocks). Without it transformers would drop both
-before the attention function sees them.
+attention chunks, Gemma-3's bidirectional image blocks), and so do keys that do not end at the last
+query (a StaticCache, whose unfilled slots the attention would see). Without it transformers would
+drop both before the attention function sees them.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
@@ -125,6 +126,45 @@ def _closure(fn) -> dict[str, object]:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
+KEY_ALIGNMENT_HINT = (
+    "ringflash attention aligns the last query with the last key (flash-attn's bottom-right alignment), "
+    "but transformers' mask arguments place the queries at positions {queries} and the keys at {keys}: "
+    "a StaticCache (it hands the attention every slot, unfilled ones too) or keys beyond the queries "
+    "(e.g. a prefix under a mask) cannot be honoured; use a DynamicCache (the default) or no cache"
+)
+
+
+def _check_key_alignment(
+    mask_function: object, q_length: object, q_offset: object, kv_length: int, kv_offset: object,
+    cache_position: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """Raise ValueError unless the last query sits at the last key, as the attention assumes.
+    transformers 5.x passes q_length/q_offset (a tensor for a StaticCache), 4.5x cache_position.
+    Bidirectional attention has no alignment (cross-attention may have more keys)."""
+    if getattr(mask_function, "__qualname__", None) == "bidirectional_mask_function":
+        return
+    if q_length is not None:
+        query_start, query_end = q_offset, q_offset + q_length
+    elif cache_position is not None:
+        query_start, query_end = cache_position[0], cache_position[-1] + 1
+    else:
+        return
+    key_end = kv_offset + kv_length
+    if isinstance(query_end, torch.Tensor):
+        if torch.compiler.is_compiling():  # no host read in a graph: a device-side assert
+            torch._assert_async(
+                query_end == key_end, "ringflash attention: keys do not end at the last query"
+            )
+            return
+        query_start, query_end = int(query_start), int(query_end)
+    if query_end != key_end:
+        raise ValueError(
+            KEY_ALIGNMENT_HINT.format(
+                queries=f"{query_start}..{query_end - 1}", keys=f"{kv_offset}..{key_end - 1}"
+            )
+        )
+
+
 def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
     """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
     what the attention function cannot apply. Without one, transformers drops the model's 2D
@@ -133,7 +173,9 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
 
     It returns None (no mask: the attention function applies causality, windows and packed
     documents itself) when the pattern is one of those (``unhonoured_mask_patterns``) and the 2D
-    mask, if any, is all ones and covers every key; otherwise ValueError. Sequence parallel
+    mask, if any, is all ones and covers every key, and the last query sits at the last key (the
+    attention aligns them bottom-right: a StaticCache's unfilled slots are refused); otherwise
+    ValueError. Sequence parallel
     (``group`` given, or torch.distributed initialized), a 2D mask's check joins every rank of the
     group in a 16-byte host all-reduce, so padding in one rank's shard fails every rank instead of
     leaving the others waiting in the ring; under torch.compile a device-side assert stops the
@@ -141,12 +183,16 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     """
 
     # Keyword-only with defaults: transformers 4.53-4.5x pass cache_position where 5.x passes
-    # q_length/q_offset; neither is needed here.
+    # q_length/q_offset.
     def mask(
         *,
         kv_length: int,
         mask_function: object = None,
         attention_mask: torch.Tensor | None = None,
+        q_length: int | None = None,
+        q_offset: int | torch.Tensor = 0,
+        kv_offset: int = 0,
+        cache_position: torch.Tensor | None = None,
         **kw,
     ) -> None:
         # The pattern is read from the mask function's closures, which torch.compile cannot trace:
@@ -161,6 +207,7 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
                 "causal or bidirectional attention, causal sliding windows, packed documents and attention "
                 "chunks longer than the sequence only)"
             )
+        _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
         if attention_mask is None:
             return None
         message = f"attention_mask with padding (zeros) is not supported: {hint}"
