@@ -12,7 +12,7 @@ from torch import nn
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, document_lengths
 from .ring import check_sinks
-from .ulysses import SP_MODES, sp_attn_func, whole_sequence_attention
+from .ulysses import check_sp_mode, sp_attn_func, whole_sequence_attention
 
 
 class SequenceParallelAttention(nn.Module):
@@ -101,8 +101,7 @@ def sequence_parallel_attention(
         return sp_attn_func(q, k, v, group=group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size,
                             cu_seqlens=cu_seqlens, sinks=sinks, **options)  # fmt: skip
     check_layout(layout)
-    if sp_mode not in SP_MODES:
-        raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+    check_sp_mode(sp_mode, ulysses_size)
     doc_lens = None
     if cu_seqlens is not None:
         if q.shape[0] != 1:

@@ -131,6 +131,21 @@ def _mesh_attention(q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi
     return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group)
 
 
+def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
+    """What ``sp_mode`` and ``ulysses_size`` must satisfy whatever the group's size (so that a
+    model configured for sequence parallelism fails on one device too, not first on many)."""
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+    if sp_mode == "ring" and ulysses_size not in (None, 1):
+        raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
+    if sp_mode == "hybrid" and ulysses_size is None:
+        raise ValueError('sp_mode="hybrid" needs ulysses_size')
+    if ulysses_size is not None and (
+        isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1
+    ):
+        raise TypeError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
+
+
 def _contradiction(ulysses_size: object, sp_mode: str, expected: str) -> str:
     return (
         f'ulysses_size={ulysses_size!r} contradicts sp_mode="{sp_mode}", whose Ulysses group size is '
@@ -192,14 +207,9 @@ def sp_attn_func(
     error = None
     try:
         check_dropout(dropout_p)
-        if sp_mode not in SP_MODES:
-            raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+        check_sp_mode(sp_mode, ulysses_size)
         check_layout(layout)
-        if sp_mode == "ring" and ulysses_size not in (None, 1):
-            raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
         if sp_mode != "ring":
-            if sp_mode == "hybrid" and ulysses_size is None:
-                raise ValueError('sp_mode="hybrid" needs ulysses_size')
             check_window(causal, window_size)
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 4:

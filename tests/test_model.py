@@ -162,6 +162,23 @@ def test_single_device_layer_features(device):
     assert "alibi_slopes must be float32" in errors["alibi"]
 
 
+def test_single_device_layer_checks_the_sp_configuration(device):
+    """On one device the layer refuses what sp_attn_func would refuse on any group (before: it
+    ran, and the configuration failed only once the model ran sequence parallel); a hybrid
+    configuration, valid on a larger group, still runs on one device."""
+    q, k, v = (torch.randn(1, 8, 2, 16, device=device) for _ in range(3))
+    errors = errors_of({
+        "ring": lambda: SequenceParallelAttention(sp_mode="ring", ulysses_size=2)(q, k, v),
+        "hybrid": lambda: SequenceParallelAttention(sp_mode="hybrid")(q, k, v),
+        "type": lambda: SequenceParallelAttention(sp_mode="hybrid", ulysses_size="2")(q, k, v),
+    })  # fmt: skip
+    assert 'ulysses_size=2 contradicts sp_mode="ring"' in errors["ring"]
+    assert 'sp_mode="hybrid" needs ulysses_size' in errors["hybrid"]
+    assert "ulysses_size must be a positive int, got '2'" in errors["type"]
+    hybrid = SequenceParallelAttention(sp_mode="hybrid", ulysses_size=4)(q, k, v)
+    assert torch.allclose(hybrid, SequenceParallelAttention()(q, k, v))
+
+
 def test_layer_keeps_float32_alibi_slopes_through_casts(device):
     """model.half() / .to(bfloat16) casts every float buffer: the slopes stay float32 (a cast
     would round 1/3 and then fail the float32 check, or bias long distances by the rounding)."""
