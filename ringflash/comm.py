@@ -52,6 +52,18 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
     )
 
 
+def resolve_group_or_raise(group: GroupLike, error: Exception | None) -> dist.ProcessGroup:
+    """``resolve_group(group)`` after argument checks deferred so that every rank joins the rank
+    check: where torch.distributed is not set up, the argument error found first (if any) is
+    raised instead of resolve_group's RuntimeError, as it says more."""
+    try:
+        return resolve_group(group)
+    except RuntimeError:
+        if error is not None:
+            raise error from None
+        raise
+
+
 def group_name(group: GroupLike) -> str:
     """The registered name of a group (``resolve_group``'s forms), by which custom ops take it."""
     return resolve_group(group).group_name

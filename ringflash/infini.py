@@ -128,12 +128,7 @@ def infini_attention(
         error = e  # under a group: raised after the rank check, which every rank must join
     world = 1
     if group is not None:
-        try:
-            group = comm.resolve_group(group)
-        except RuntimeError:
-            if error is not None:
-                raise error from None
-            raise
+        group = comm.resolve_group_or_raise(group, error)
         world = dist.get_world_size(group)
         if world > 1:
             check_ranks_agree(group, _group_signature(q, k, v, beta, segment_len, update, memory,

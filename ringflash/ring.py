@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .comm import RingComm
+from .comm import RingComm, resolve_group_or_raise
 from .consistency import call_signature, check_ranks_agree
 from .kernels import (
     AttentionProblem,
@@ -319,12 +319,7 @@ def ring_setup(
             raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
     except (ValueError, TypeError) as e:
         error = error or e
-    try:
-        comm = RingComm(group)
-    except RuntimeError:
-        if error is not None:
-            raise error from None
-        raise
+    comm = RingComm(resolve_group_or_raise(group, error))
     if check_ranks:
         signature = call_signature(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import resolve_group
+from .comm import resolve_group_or_raise
 from .ring import attention_returns, check_dropout, ring_attention
 
 
@@ -88,12 +88,7 @@ def _varlen_entry(
             )
     except (ValueError, TypeError) as e:
         error = e
-    try:
-        world = dist.get_world_size(resolve_group(group))
-    except RuntimeError:
-        if error is not None:
-            raise error from None
-        raise
+    world = dist.get_world_size(resolve_group_or_raise(group, error))
     if error is None:
         full_cu = [b * world for b in bounds]
         if layout == "zigzag" and world > 1:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import RingComm
+from .comm import RingComm, resolve_group_or_raise
 from .consistency import check_ranks_agree, cu_seqlens_values, describe
 from .layouts import check_layout, layout_indices
 
@@ -74,12 +74,7 @@ def gather_sequence(
         check_layout(layout)
     except (ValueError, TypeError) as e:
         error = e  # raised after the rank check, which every rank must join
-    try:
-        comm = RingComm(group)
-    except RuntimeError:
-        if error is not None:
-            raise error from None
-        raise
+    comm = RingComm(resolve_group_or_raise(group, error))
     signature = {name: describe(value) for name, value in
                  (("x", x), ("dim", dim), ("layout", layout), ("ulysses_size", ulysses_size))}  # fmt: skip
     signature["cu_seqlens"] = cu_seqlens_values(cu_seqlens)
