@@ -352,6 +352,14 @@ def test_bad_arguments(rank_pool):
         assert "whole number of segments" in rank_errors["shard"]
 
 
+def _tiny_llama_config(transformers):
+    """One layer, 2 query heads and 1 KV head of 16: a model small enough for the CPU tests."""
+    return transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+
+
 def test_transformers_model_with_infini_attention_matches_the_reference(device):
     transformers = pytest.importorskip("transformers")
     import ringflash.integrations.hf_infini as rf_infini
@@ -362,10 +370,7 @@ def test_transformers_model_with_infini_attention_matches_the_reference(device):
         return out.to(query.device, query.dtype), None
 
     transformers.AttentionInterface.register("infini_float64_reference", reference_attention)
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
-    )  # fmt: skip
+    config = _tiny_llama_config(transformers)
     ids = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(3)).to(device)
     results = []
     for implementation in (rf_infini.enable(8, update="delta"), "infini_float64_reference"):
@@ -394,11 +399,9 @@ def test_transformers_infini_refuses_packed_position_ids(device):
     transformers = pytest.importorskip("transformers")
     import ringflash.integrations.hf_infini as rf_infini
 
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_infini.enable(8))
+    model = transformers.AutoModelForCausalLM.from_config(
+        _tiny_llama_config(transformers), attn_implementation=rf_infini.enable(8)
+    )
     rf_infini.add_gates(model)
     ids = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(3))
     positions = torch.cat([torch.arange(8), torch.arange(8)])[None]
@@ -431,11 +434,9 @@ def test_transformers_infini_refuses_what_it_cannot_honour(device):
     with pytest.raises(ValueError, match="is_causal"):
         attention(module, q, q, q, None)
 
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_infini.enable(8))
+    model = transformers.AutoModelForCausalLM.from_config(
+        _tiny_llama_config(transformers), attn_implementation=rf_infini.enable(8)
+    )
     rf_infini.add_gates(model)
     model = model.float().to(device)
     ids = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
