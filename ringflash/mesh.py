@@ -23,9 +23,14 @@ class UlyssesRingMesh:
 _MESHES: dict[tuple[tuple[int, ...], int], UlyssesRingMesh] = {}
 
 
-def check_ulysses_size(ulysses_size: object, world_size: int) -> int:
+def check_ulysses_type(ulysses_size: object) -> int:
     if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
         raise TypeError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
+    return ulysses_size
+
+
+def check_ulysses_size(ulysses_size: object, world_size: int) -> int:
+    check_ulysses_type(ulysses_size)
     if world_size % ulysses_size:
         raise ValueError(
             f"ulysses_size {ulysses_size} must divide the sequence-parallel group size {world_size}"

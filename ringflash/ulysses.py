@@ -20,7 +20,7 @@ from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
 from .kernels.ops import use_ops
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, cumulative_lengths, document_lengths
-from .mesh import UlyssesRingMesh, check_ulysses_size, ulysses_ring_mesh
+from .mesh import UlyssesRingMesh, check_ulysses_size, check_ulysses_type, ulysses_ring_mesh
 from .ring import apply_sinks, attention_returns, check_dropout, check_sinks, ring_attention
 
 SP_MODES = ("ring", "ulysses", "hybrid")
@@ -140,10 +140,8 @@ def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
         raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
     if sp_mode == "hybrid" and ulysses_size is None:
         raise ValueError('sp_mode="hybrid" needs ulysses_size')
-    if ulysses_size is not None and (
-        isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1
-    ):
-        raise TypeError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
+    if ulysses_size is not None:
+        check_ulysses_type(ulysses_size)
 
 
 def _contradiction(ulysses_size: object, sp_mode: str, expected: str) -> str:
