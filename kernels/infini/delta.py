@@ -247,8 +247,5 @@ def delta_memories_backward(
         0 if atomic else dk_part.stride(0), *k.stride()[:3], *v.stride()[:3], *dk_part.stride()[1:4],
         *dv.stride()[:3], HAS_FINAL=has_final, ATOMIC_DK=atomic, **t,
     )  # fmt: skip
-    if atomic:
-        return dk_part[0].to(k.dtype), dv, gm_in, gz_part.sum(0)
-    if blocks == 1:
-        return dk_part[0].to(k.dtype), dv, gm_in, gz_part[0]
-    return dk_part.sum(0).to(k.dtype), dv, gm_in, gz_part.sum(0)
+    dk = dk_part[0] if len(dk_part) == 1 else dk_part.sum(0)
+    return dk.to(k.dtype), dv, gm_in, gz_part[0] if blocks == 1 else gz_part.sum(0)
