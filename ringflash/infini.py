@@ -25,12 +25,12 @@ backward is the inputs, the local attention's output and LSE, and z before each 
 (``infini_memory_bytes``). On one device the local attention runs inside the same autograd
 Function (``_GatedMemory``): its backward adds into the memory path's dq, dk, dv and takes its
 delta from the retrieval's backward pass, so no separate sums of two gradients are made.
-Delta update: the contribution depends on the memory before the segment, so one kernel walks
-the segments in order, one program per (batch row, kv head, column block of M) with its block
-of M in registers, and writes the memory before each segment (float32, kept for the backward);
-the backward walks them in reverse with the block of M's gradient carried
-(``kernels/infini/delta.py``). z is a plain sum over segments (torch ops) and the retrieval is
-the same kernel as for the linear rule.
+Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
+sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
+pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
+and the backward runs it in reverse (``kernels/infini/delta.py``). On one device it runs inside
+``_GatedMemory`` as the linear rule does (the backward rebuilds the memories; z stays); under a
+group the memories come from their own Function (``_DeltaMemories``), which keeps them.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -38,9 +38,10 @@ exclusive prefix sum over the group (``comm.exclusive_prefix_sum``; world_size x
 head_dim^2 floats per batch row, independent of the length), issued before the local attention
 and awaited after it. Delta: rank r needs rank r - 1's final memory, so the memory is relayed
 rank to rank (``comm.relay_in``/``relay_out``, one kv_heads x head_dim^2 message per hop): the
-ranks' segment loops run one after another, so the memory part takes about world_size times one
-rank's loop (the local attention runs before the wait, in parallel on every rank), and the
-backward relays the memory's gradient back from the last rank the same way.
+ranks' memory passes (the token kernels and the recurrence, which need z and M from the rank
+before) run one after another, so the memory part takes about world_size times one rank's (the
+local attention runs before the wait, in parallel on every rank), and the backward relays the
+memory's gradient back from the last rank the same way.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ import torch.distributed as dist
 from . import comm
 from .consistency import call_signature, check_ranks_agree
 from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
-from .kernels.infini.delta import delta_memories, delta_memories_backward
-from .kernels.infini.memory import memory_scan, memory_updates, memory_updates_backward, operand_dtype
+from .kernels.infini.delta import delta_memories, delta_memories_backward, delta_scan
+from .kernels.infini.memory import (
+    memory_gram,
+    memory_scan,
+    memory_updates,
+    memory_updates_backward,
+    operand_dtype,
+)
 from .kernels.infini.retrieval import memory_retrieval, memory_retrieval_backward
 
 UPDATES = ("linear", "delta")
@@ -144,49 +151,52 @@ def infini_attention(
     # group it runs outside, while the memory is communicated.
     fused_local = world == 1 and head_dim % 8 == 0
 
-    if update == "linear":
-        updates = None
-        if world > 1:
-            dm, dz = _MemoryUpdates.apply(k, v, segment_len)
-            pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
-        local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
-        if world > 1:
-            prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
-            m_in, z_in = m0 + prefix[0], z0 + prefix[1]
-            updates = (dm.detach(), dz.detach())
-        else:
-            m_in, z_in = m0, z0
-        out, *final = _GatedMemory.apply(q, k, v, local, gate, m_in, z_in, segment_len, scale, updates)
-        if world > 1:
-            final = (m0 + total[0], z0 + total[1])
-        return (out, InfiniMemory(*final)) if return_memory else out
-
-    # Delta rule: the contribution depends on the memory before the segment (a loop over them).
+    if update == "delta" and world > 1:
+        return _delta_relay(q, k, v, gate, segment_len, scale, softmax_scale, m0, z0, memory, beta, group,
+                            return_memory)  # fmt: skip
+    updates = None
+    if world > 1:  # linear: the memory entering this rank is a prefix sum over the group
+        dm, dz = _MemoryUpdates.apply(k, v, segment_len)
+        pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
     local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
-    dz = _MemoryUpdates.apply(k, v, segment_len)[1]
     if world > 1:
-        tensors = (q, k, v, beta, *(memory or ()))
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        m_in, z_in = comm.relay_in((m0, z0), group, requires_grad=needs_grad)
+        prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
+        m_in, z_in = m0 + prefix[0], z0 + prefix[1]
+        updates = (dm.detach(), dz.detach())
     else:
         m_in, z_in = m0, z0
-    z_before = z_in[:, None] + _exclusive_cumsum(dz)
-    m_before, m = _DeltaMemories.apply(k, v, m_in, z_before, segment_len)
-    final = InfiniMemory(m, z_in + dz.sum(1))
-    if world > 1:  # hand the memory on before this rank's retrieval; the backward runs through local
-        local, shared = comm.relay_out(local, final, group, share_last=return_memory)
-        final = InfiniMemory(*shared) if return_memory else final
-    out = _GatedMemory.apply(q, k, v, local, gate, m_before, z_before, segment_len, scale, None)
+    out, *final = _GatedMemory.apply(q, k, v, local, gate, m_in, z_in, segment_len, scale, updates, update)
+    if world > 1:
+        final = (m0 + total[0], z0 + total[1])
+    return (out, InfiniMemory(*final)) if return_memory else out
+
+
+def _delta_relay(
+    q, k, v, gate, segment_len, scale, softmax_scale, m0, z0, memory, beta, group, return_memory
+):
+    """The delta rule under a group: this rank's memory pass waits for the previous rank's final
+    memory and hands its own on before its retrieval; the local attention runs before the wait."""
+    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
+    tensors = (q, k, v, beta, *(memory or ()))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    m_in, z_in = comm.relay_in((m0, z0), group, requires_grad=needs_grad)
+    m_before, m, z_before, z = _DeltaMemories.apply(k, v, m_in, z_in, segment_len)
+    final = InfiniMemory(m, z)
+    local, shared = comm.relay_out(local, final, group, share_last=return_memory)
+    final = InfiniMemory(*shared) if return_memory else final
+    out = _GatedMemory.apply(q, k, v, local, gate, m_before, z_before, segment_len, scale, None, "given")
     return (out, final) if return_memory else out
 
 
 def infini_memory_bytes(
-    batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, update: str = "linear"
-) -> int:
+    batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, update: str = "linear",
+    sequence_parallel: bool = False,
+) -> int:  # fmt: skip
     """Bytes of float32 memory state that the forward keeps for the backward: z before each
-    segment (batch x segments x kv_heads x head_dim x 4) under the linear rule, whose backward
-    rebuilds M; M too under the delta rule (x (head_dim + 1))."""
-    per_segment = head_dim * (head_dim + 1) if update == "delta" else head_dim
+    segment (batch x segments x kv_heads x head_dim x 4), whose backward rebuilds M from k and v;
+    M too (x (head_dim + 1)) under the delta rule with ``sequence_parallel`` (a group of more than
+    one rank), where the memories come from the relay's own autograd Function."""
+    per_segment = head_dim * (head_dim + 1) if update == "delta" and sequence_parallel else head_dim
     return 4 * batch * -(-seqlen // segment_len) * kv_heads * per_segment
 
 
@@ -254,11 +264,6 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the segments (dim 1) before each one."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
-
-
 class _MemoryUpdates(torch.autograd.Function):
     """k, v -> (sigma(K_s)^T V_s, sum of sigma(K_s)) per segment, float32 (``memory_updates``)."""
 
@@ -275,26 +280,22 @@ class _MemoryUpdates(torch.autograd.Function):
 
 
 class _DeltaMemories(torch.autograd.Function):
-    """k, v, the memory entering the sequence and z before each segment -> (M before each
-    segment, M after the last one), float32, by the delta rule (``delta_memories``)."""
+    """k, v and the memory (M, z) entering the sequence -> (M before each segment, M after the
+    last one, z before each segment, z after the last one), float32, by the delta rule
+    (``delta_memories``)."""
 
     @staticmethod
-    def forward(ctx, k, v, m_in, z_before, segment_len):
-        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to carry
-        m_before, m_final = delta_memories(k, v, m_in, z_before, segment_len)
+    def forward(ctx, k, v, m_in, z_in, segment_len):
+        ctx.set_materialize_grads(False)  # an unused output: no gradient to carry
+        m_before, m_final, z_before, z_final = delta_memories(k, v, m_in, z_in, segment_len)
         ctx.save_for_backward(k, v, m_before, z_before)
         ctx.segment_len = segment_len
-        return m_before, m_final
+        return m_before, m_final, z_before, z_final
 
     @staticmethod
-    def backward(ctx, grad_m_before, grad_m_final):
+    def backward(ctx, *grads):
         k, v, m_before, z_before = ctx.saved_tensors
-        if grad_m_before is None:
-            grad_m_before = torch.zeros_like(m_before)
-        dk, dv, dm_in, dz_before = delta_memories_backward(
-            k, v, m_before, z_before, ctx.segment_len, grad_m_before, grad_m_final
-        )
-        return dk, dv, dm_in, dz_before, None
+        return *delta_memories_backward(k, v, m_before, z_before, ctx.segment_len, *grads), None
 
 
 def _local_problem(q, k, v, segment_len: int, scale: float):
@@ -311,36 +312,39 @@ def _local_problem(q, k, v, segment_len: int, scale: float):
 class _GatedMemory(torch.autograd.Function):
     """gate A_mem + (1 - gate) local, from the memory before each segment.
 
-    Linear rule (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and (B, Hk, D)): the
-    memories before the segments are the scan of the per-segment updates of k and v (``updates``
-    if given, detached), and the outputs are (out, M after the call, z after it); the backward
-    rebuilds the M's from k and v (one more read of them) instead of keeping them, so only the
-    z's stay. Delta rule (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D)
-    and (B, n_seg, Hk, D)): the output is out, and m, z get their gradients.
+    ``rule`` "linear" or "delta" (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and
+    (B, Hk, D)): the memories before the segments come from k and v by that rule (the linear
+    rule's per-segment updates ``updates`` if given, detached), and the outputs are (out, M after
+    the call, z after it); the backward rebuilds the M's from k and v instead of keeping them, so
+    only the z's stay. ``rule`` "given" (``m``, ``z``: the memories before each segment, (B,
+    n_seg, Hk, D, D) and (B, n_seg, Hk, D), from ``_DeltaMemories``): the output is out, and m, z
+    get their gradients.
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
     memory path's dq, dk, dv and the local attention's backward adds into them, with its delta
     from the retrieval's backward pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates):
-        ctx.linear = m.dim() == 4
-        ctx.segment_len, ctx.scale, ctx.fused_local = segment_len, scale, local is None
+    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates, rule):
+        ctx.rule, ctx.segment_len, ctx.scale, ctx.fused_local = rule, segment_len, scale, local is None
         ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
         lse = None
         if local is None:
             flat, problem = _local_problem(q, k, v, segment_len, scale)
             local, lse = attention_forward(*flat, problem)
             local = local.view(q.shape)
-        if ctx.linear:
+        if rule == "given":
+            ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
+            return memory_retrieval(q, local, gate, m, z, segment_len)
+        if rule == "linear":
             dm, dz = updates if updates is not None else memory_updates(k, v, segment_len)
             m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
             z_before, z_final = memory_scan(dz, z, torch.float32)
-            ctx.save_for_backward(q, k, v, local, lse, gate, m, z_before)
-            out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
-            return out, m_final, z_final
-        ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
-        return memory_retrieval(q, local, gate, m, z, segment_len)
+        else:
+            m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
+        ctx.save_for_backward(q, k, v, local, lse, gate, m, z_before)
+        out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+        return out, m_final, z_final
 
     @staticmethod
     def backward(ctx, dout, *final_grads):
@@ -348,18 +352,29 @@ class _GatedMemory(torch.autograd.Function):
         seg, matrix_dtype = ctx.segment_len, operand_dtype(q.dtype)
         if dout is None:
             dout = torch.zeros_like(q)
-        m_before = memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0] if ctx.linear else m
+        if ctx.rule == "linear":
+            m_before = memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
+        elif ctx.rule == "delta":
+            gram = memory_gram(k, z_before, seg)
+            m_before = delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
+        else:
+            m_before = m
         delta = torch.empty_like(lse) if ctx.fused_local else None
         dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
             q, local, gate, m_before, z_before, seg, dout, delta
         )
-        del m_before
         dk = dv = None
-        if ctx.linear:
+        if ctx.rule == "linear":
+            del m_before
             g_mfinal, g_zfinal = final_grads
             grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
             grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
             dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
+        elif ctx.rule == "delta":
+            g_mfinal, g_zfinal = final_grads
+            dk, dv, gm, gz = delta_memories_backward(
+                k, v, m_before, z_before, seg, gm, g_mfinal, gz, g_zfinal, gram
+            )
         if ctx.fused_local:
             flat, problem = _local_problem(q, k, v, seg, ctx.scale)
             if dk is None:
@@ -367,7 +382,7 @@ class _GatedMemory(torch.autograd.Function):
             grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dlocal, dq, dk, dv)]
             attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
             dlocal = None
-        return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None
+        return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,62 +123,85 @@ def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device,
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dk", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_delta_rule_over_several_column_blocks(monkeypatch, device, dtype, deterministic):
-    """The delta kernels split M into column blocks of 16 (head_dim 32: two programs per head,
-    which add their parts of dk into one buffer, or under torch's deterministic algorithms
-    write one part each, summed after), each walking 3 segments of four 32-row blocks (the
-    last one partial; the last segment one partial block), from a given memory whose gradient
-    is checked too."""
-    monkeypatch.setattr(infini_delta, "DELTA_MAX_COLUMNS", 16)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype):
+    """The delta recurrence in blocks of 16 columns and 16 rows (head_dim 32: two programs per
+    head, two row tiles per product) over 3 segments of several token blocks (the last one
+    partial), from a given memory, with gradients flowing in through the final memory's matrix
+    and normalizer; the backward twice gives the same bits (no atomics)."""
+    monkeypatch.setattr(infini_delta, "DELTA_COLUMNS", 16)
+    monkeypatch.setattr(infini_delta, "DELTA_ROWS", 16)
     q, k, v, beta, dout = _inputs(2, 230, 2, 1, 32, dtype, seed=21)
     g = torch.Generator().manual_seed(22)
     memory = (torch.randn(2, 1, 32, 32, generator=g) * 0.1, torch.rand(2, 1, 32, generator=g) * 10)
-    memory_grad = torch.randn(2, 1, 32, 32, generator=g)
+    memory_grad = (torch.randn(2, 1, 32, 32, generator=g), torch.randn(2, 1, 32, generator=g))
     leaves = [t.to(device).requires_grad_() for t in (q, k, v, beta, *memory)]
+
+    def loss(out, final, grads):
+        return sum((a * b).sum() for a, b in zip((out, *final), grads))
+
+    grads = tuple(t.to(device) for t in (dout, *memory_grad))
+
     out, final = ringflash.infini_attention(
         *leaves[:4], 100, update="delta", memory=tuple(leaves[4:]), return_memory=True
     )
-    ((out * dout.to(device)).sum() + (final.matrix * memory_grad.to(device)).sum()).backward()
+    first = torch.autograd.grad(loss(out, final, grads), leaves, retain_graph=True)
+    again = torch.autograd.grad(loss(out, final, grads), leaves)
     ref = [t.detach().double().requires_grad_() for t in leaves]
     ref_out, ref_memory = infini_reference(*ref[:4], 100, "delta", memory=ref[4:])
-    ((ref_out * dout.double()).sum() + (ref_memory[0] * memory_grad.double()).sum()).backward()
+    loss(ref_out, ref_memory, tuple(t.double() for t in (dout, *memory_grad))).backward()
     tol = TOLERANCE[dtype]
     _check("out", out, ref_out, tol)
     _check("memory matrix", final.matrix, ref_memory[0], tol)
-    for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dmatrix", "dnormalizer"), leaves, ref):
-        _check(name, got.grad, want.grad, tol)
+    _check("memory normalizer", final.normalizer, ref_memory[1], tol)
+    names = ("dq", "dk", "dv", "dbeta", "dmatrix", "dnormalizer")
+    for name, got, repeat, want in zip(names, first, again, ref):
+        _check(name, got, want.grad, tol)
+        assert torch.equal(got, repeat), f"{name} differs between two backward passes"
 
 
-# The delta kernels built for sm_90 (no GPU needed: Triton ships ptxas) as launched, bf16, at
-# head_dim 64 and 128 with 16 and 32 columns, integer arguments free or specialized to 1 as a
-# launch does: they compile, fit shared memory and spill at most 64 B (docs/experiments.md 20).
+# The delta rule's kernels built for sm_90 (no GPU needed: Triton ships ptxas) with the tiles they
+# are launched with, bf16, head_dim 64/128/256: the recurrence, the Gram matrices (memory.py's
+# update kernel with GRAM) and their gradient passes compile, fit shared memory and spill at most
+# 64 B (docs/experiments.md 25).
 _DELTA_SM90 = r"""
-import itertools, torch, triton
-from ringflash.kernels.infini import delta
+import torch, triton
+from ringflash.kernels.infini import delta, memory
 from ringflash.kernels.offline_compile import HOPPER, SHARED_MEMORY_LIMIT, resource_usage
 
-FLOAT32 = {"M_IN", "Z_BEFORE", "M_BEFORE", "M_FINAL", "GM_BEFORE", "GM_FINAL", "GM_IN", "GZ_PART", "DK_PART"}
-for head_dim, states, ones in itertools.product((64, 128), (1, 64), (False, True)):
-    t = delta._tiles(head_dim, torch.bfloat16, states)
-    for kernel in (delta._delta_forward_kernel, delta._delta_backward_kernel):
-        sig, consts = {}, {}
-        for name, param in zip(kernel.arg_names, kernel.params):
-            if param.is_constexpr:
-                consts[name] = t.get(name, True)  # HAS_FINAL
-            elif name[0].isupper():
-                sig[name] = "*fp32" if name in FLOAT32 else "*bf16"
-            elif ones:
-                sig[name], consts[name] = "constexpr", 1
-            else:
-                sig[name] = "i32"
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
-        k = triton.compile(src, target=HOPPER, options={"num_warps": t["num_warps"], "num_stages": 2})
-        use = resource_usage(k)
-        assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90] and use.spill_bytes <= 64, (head_dim, t, use)
-        print(kernel.fn.__name__, head_dim, t["BLOCK_N"], ones, use)
+FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART"}
+
+
+def build(kernel, constexprs, num_warps):
+    sig, consts = {}, {}
+    for name, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            consts[name] = constexprs[name]
+        elif name[0].isupper():
+            sig[name] = "*fp32" if name in FLOAT32 else "*bf16"
+        else:
+            sig[name] = "i32"
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": 2})
+    use = resource_usage(compiled)
+    assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90], (kernel.fn.__name__, constexprs, use)
+    assert use.spill_bytes <= 64, (kernel.fn.__name__, constexprs, use)
+    print(kernel.fn.__name__, constexprs["HEAD_DIM"], use)
+
+
+for head_dim in (64, 128, 256):
+    bd = triton.next_power_of_2(head_dim)
+    for transpose in (False, True):
+        scan = dict(HAS_INIT=True, TRANSPOSE=transpose, HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PRECISION="tf32")
+        scan.update(BLOCK_R=min(delta.DELTA_ROWS, bd), BLOCK_N=min(delta.DELTA_COLUMNS, bd))
+        build(delta._delta_scan_kernel, scan, 4)
+    for columns in (64, 128) if head_dim <= 128 else (64,):
+        t = memory.tiles(head_dim, torch.bfloat16, columns, memory.row_tile(head_dim))
+        build(memory._update_kernel, dict(t, GRAM=True), t["num_warps"])
+    if head_dim <= 128:  # the gradient passes' head_dim-256 builds spill (as the linear rule's)
+        t = memory.tiles(head_dim, torch.bfloat16, memory.column_tile(head_dim), memory.GRAM_ROWS)
+        for den_only in (False, True):
+            build(memory._update_backward_kernel, dict(t, GRAM=True, DEN_ONLY=den_only), t["num_warps"])
 print("delta ok")
 """
 

@@ -74,36 +74,52 @@ def _load_sigma(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _inverse(den):
+    """1 / den, and 0 where den = 0 (an empty memory, z = 0, retrieves nothing)."""
+    return tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+
+
+@triton.jit
 def _update_kernel(
-    K, V, DM, DZ, seqlen, n_seg, segment_len, kv_heads,
+    K, V, Z, DM, DZ, seqlen, n_seg, segment_len, kv_heads,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM: tl.constexpr,
 ):  # fmt: skip
-    """One (segment, kv head, column block): dM_s[:, cols] and (column block 0) dz_s."""
+    """One (segment, kv head, column block): dM_s[:, cols] and (column block 0) dz_s. With GRAM
+    (the delta rule's A_s, ``delta.py``), V is k and the values are w sigma(K)[:, cols] with
+    w = 1 / (sigma(K) z_s) from Z, z before each segment; dz is not written."""
     pid_bs = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     pid_n = tl.program_id(2)
     b, start, end = _segment(pid_bs, n_seg, segment_len, seqlen)
     offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    state = pid_bs.to(tl.int64) * kv_heads + h
     k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh + cols[None, :]
+    v_base = V + b * stride_vb + h * stride_vh
+    if GRAM:
+        z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    z = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dz = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_M):
         rows = t0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         keys = _load_sigma(k_base, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
-        vmask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-        v = tl.load(v_base + rows[:, None].to(tl.int64) * stride_vs, mask=vmask, other=0.0)
+        if GRAM:
+            w = _inverse(tl.sum(keys * z[None, :], 1))
+            v = _load_sigma(v_base, rows, row_ok, cols, stride_vs, HEAD_DIM) * w[:, None]
+        else:
+            vmask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+            v_ptrs = v_base + rows[:, None].to(tl.int64) * stride_vs + cols[None, :]
+            v = tl.load(v_ptrs, mask=vmask, other=0.0)
+            dz += tl.sum(keys, 0)
         acc = _dot(tl.trans(keys), v, acc, LOW_PRECISION, DOT_PRECISION)
-        z += tl.sum(keys, 0)
-    state = pid_bs.to(tl.int64) * kv_heads + h
-    d_ok = offs_d < HEAD_DIM
     dm_ptrs = DM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
     tl.store(dm_ptrs, acc, mask=d_ok[:, None] & (cols[None, :] < HEAD_DIM))
-    tl.store(DZ + state * HEAD_DIM + offs_d, z, mask=d_ok & (pid_n == 0))
+    if not GRAM:
+        tl.store(DZ + state * HEAD_DIM + offs_d, dz, mask=d_ok & (pid_n == 0))
 
 
 @triton.jit
@@ -124,14 +140,21 @@ def _load_state(base, rows, cols, HEAD_DIM: tl.constexpr, LOW_PRECISION: tl.cons
 
 @triton.jit
 def _update_backward_kernel(
-    K, V, GDM, GDZ, DK, DV, seqlen, n_seg, segment_len, chunk, kv_heads,
+    K, V, GDM, GDZ, DK, DV, S, Z, GZ_PART, seqlen, n_seg, segment_len, chunk, kv_heads,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAM: tl.constexpr,
+    DEN_ONLY: tl.constexpr,
 ):  # fmt: skip
     """One (row chunk, segment, kv head): dV = sigma(K) gdM, dK = (V gdM^T + gdz) sigma'(K).
-    With one column block the gradient gdM is read once, before the rows."""
+    With one column block the gradient gdM is read once, before the rows.
+
+    GRAM adds the gradient of the delta rule's A_s = sigma(K)^T diag(w) sigma(K), w = 1 / den,
+    den = sigma(K) z_s (``delta.py``), given S = dA_s + dA_s^T: dK += (w P + dden z_s^T) sigma'(K)
+    with P = sigma(K) S and dden = -w^2 rowsum(P * sigma(K)) / 2. DEN_ONLY computes only z_s's
+    gradient from den, sigma(K)^T dden, into GZ_PART (one part per row chunk): the gdz that the
+    full pass needs includes it."""
     pid_c = tl.program_id(0)
     pid_bs = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -140,35 +163,63 @@ def _update_backward_kernel(
     d_ok = offs_d < HEAD_DIM
     state = pid_bs.to(tl.int64) * kv_heads + h
     gm_base = GDM + state * HEAD_DIM * HEAD_DIM
-    gz = tl.load(GDZ + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    if BLOCK_N == BLOCK_D:
-        gm_all = _load_state(gm_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
+    s_base = S + state * HEAD_DIM * HEAD_DIM
+    k_base = K + b * stride_kb + h * stride_kh
+    if not DEN_ONLY:
+        gz = tl.load(GDZ + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        if BLOCK_N == BLOCK_D:
+            gm_all = _load_state(gm_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
+    if GRAM:
+        z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        gz_den = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if BLOCK_N == BLOCK_D:
+            s_all = _load_state(s_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
     for t0 in range(lo, hi, BLOCK_M):
         rows = t0 + tl.arange(0, BLOCK_M)
         row_ok = rows < hi
         rows64 = rows[:, None].to(tl.int64)
-        keys = _load_sigma(K + b * stride_kb + h * stride_kh, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
+        keys = _load_sigma(k_base, rows, row_ok, offs_d, stride_ks, HEAD_DIM)
         keys_op = _operand(keys, LOW_PRECISION)
-        dkeys = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32) + gz[None, :]
-        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < HEAD_DIM
-            if BLOCK_N == BLOCK_D:
-                gm = gm_all
+        dkeys = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        if GRAM:
+            # P = sigma(K) S, its contraction split into the column blocks below
+            for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                if BLOCK_N == BLOCK_D:
+                    dkeys = _dot(keys_op, s_all, dkeys, LOW_PRECISION, DOT_PRECISION)
+                else:
+                    keys_n = _load_sigma(k_base, rows, row_ok, cols, stride_ks, HEAD_DIM)
+                    s_n = _load_state(s_base, cols, offs_d, HEAD_DIM, LOW_PRECISION)
+                    dkeys = _dot(keys_n, s_n, dkeys, LOW_PRECISION, DOT_PRECISION)
+            w = _inverse(tl.sum(keys * z[None, :], 1))
+            dden = -0.5 * w * w * tl.sum(dkeys * keys, 1)
+            if DEN_ONLY:
+                gz_den += tl.sum(keys * dden[:, None], 0)
             else:
-                gm = _load_state(gm_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
-            vmask = row_ok[:, None] & col_ok[None, :]
-            v = tl.load(
-                V + b * stride_vb + h * stride_vh + rows64 * stride_vs + cols[None, :], mask=vmask, other=0.0
-            )
-            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            dv = _dot(keys_op, gm, zero, LOW_PRECISION, DOT_PRECISION)
-            dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvs + cols[None, :]
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=vmask)
-            dkeys = _dot(v, tl.trans(gm), dkeys, LOW_PRECISION, DOT_PRECISION)
-        dk = dkeys * _sigma_grad(keys)
-        dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dks + offs_d[None, :]
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                dkeys = dkeys * w[:, None] + dden[:, None] * z[None, :]
+        if not DEN_ONLY:
+            dkeys += gz[None, :]
+            for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                col_ok = cols < HEAD_DIM
+                if BLOCK_N == BLOCK_D:
+                    gm = gm_all
+                else:
+                    gm = _load_state(gm_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
+                vmask = row_ok[:, None] & col_ok[None, :]
+                v_ptrs = V + b * stride_vb + h * stride_vh + rows64 * stride_vs + cols[None, :]
+                v = tl.load(v_ptrs, mask=vmask, other=0.0)
+                zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                dv = _dot(keys_op, gm, zero, LOW_PRECISION, DOT_PRECISION)
+                dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvs + cols[None, :]
+                tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=vmask)
+                dkeys = _dot(v, tl.trans(gm), dkeys, LOW_PRECISION, DOT_PRECISION)
+            dk = dkeys * _sigma_grad(keys)
+            dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dks + offs_d[None, :]
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if DEN_ONLY:
+        parts = tl.num_programs(1) * kv_heads
+        tl.store(GZ_PART + (pid_c * parts + state) * HEAD_DIM + offs_d, gz_den, mask=d_ok)
 
 
 @triton.jit
@@ -210,6 +261,9 @@ def _scan_kernel(
 # as long as there stay CHUNK_PROGRAMS programs.
 WIDE_STATE_PROGRAMS = 256
 CHUNK_PROGRAMS = 512
+# The delta rule's gradient passes also hold S (head_dim x head_dim) and sigma(K) S: 32 rows (255
+# registers, no spill at head_dim 128).
+GRAM_ROWS = 32
 SCAN_SEGMENTS, SCAN_BLOCK = 16, 256
 
 
@@ -255,10 +309,7 @@ def _n_seg(seqlen: int, segment_len: int) -> int:
     return -(-seqlen // segment_len)
 
 
-def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each segment adds to the memory: k, v (batch, seqlen, kv_heads, head_dim) ->
-    (sigma(K_s)^T V_s (batch, segments, kv_heads, head_dim, head_dim), sum of sigma(K_s)
-    (batch, segments, kv_heads, head_dim)), float32."""
+def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     b, s, kv_heads, d = k.shape
     n_seg = _n_seg(s, segment_len)
@@ -268,29 +319,75 @@ def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[
     t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d))
     grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
     _update_kernel[grid](
-        k, v, dm, dz, s, n_seg, segment_len, kv_heads, *k.stride()[:3], *v.stride()[:3], **t,
+        k, v, dz if z_before is None else z_before, dm, dz, s, n_seg, segment_len, kv_heads,
+        *k.stride()[:3], *v.stride()[:3], GRAM=gram, **t,
     )  # fmt: skip
     return dm, dz
 
 
-def memory_updates_backward(
-    k: torch.Tensor, v: torch.Tensor, segment_len: int, grad_dm: torch.Tensor, grad_dz: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients (dk, dv) of ``memory_updates`` given those of its two outputs (grad_dm is
-    read as ``operand_dtype``: pass it in that dtype to skip a conversion)."""
+def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each segment adds to the memory: k, v (batch, seqlen, kv_heads, head_dim) ->
+    (sigma(K_s)^T V_s (batch, segments, kv_heads, head_dim, head_dim), sum of sigma(K_s)
+    (batch, segments, kv_heads, head_dim)), float32."""
+    return _launch_updates(k, v, None, segment_len, gram=False)
+
+
+def memory_gram(k: torch.Tensor, z_before: torch.Tensor, segment_len: int) -> torch.Tensor:
+    """The delta rule's per-segment A_s = sigma(K_s)^T diag(w) sigma(K_s), w = 1 / (sigma(K_s)
+    z_s) per token (0 where that is 0): k (batch, seqlen, kv_heads, head_dim), z_before (batch,
+    segments, kv_heads, head_dim) float32 -> (batch, segments, kv_heads, head_dim, head_dim)
+    float32."""
+    return _launch_updates(k, k, z_before.float().contiguous(), segment_len, gram=True)[0]
+
+
+def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den_only):
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     b, s, kv_heads, d = k.shape
     n_seg = _n_seg(s, segment_len)
-    grad_dm = grad_dm.to(operand_dtype(k.dtype)).contiguous()
-    grad_dz = grad_dz.float().contiguous()
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    t = tiles(d, k.dtype, column_tile(d), row_tile(d))
+    matrix_dtype = operand_dtype(k.dtype)
+    t = tiles(d, k.dtype, column_tile(d), row_tile(d) if gram_grad is None else GRAM_ROWS)
     chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, t["BLOCK_M"])
+    s_grad = z_before = gz_part = k  # unused pointers
+    if gram_grad is not None:
+        s_grad = gram_grad[0].to(matrix_dtype).contiguous()
+        z_before = gram_grad[1].float().contiguous()
+    if den_only:
+        dk = dv = grad_dm = grad_dz = k
+        gz_part = torch.empty(chunks, b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
+    else:
+        grad_dm = grad_dm.to(matrix_dtype).contiguous()
+        grad_dz = grad_dz.float().contiguous()
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
     _update_backward_kernel[(chunks, b * n_seg, kv_heads)](
-        k, v, grad_dm, grad_dz, dk, dv, s, n_seg, segment_len, chunk, kv_heads,
-        *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], **t,
+        k, v, grad_dm, grad_dz, dk, dv, s_grad, z_before, gz_part, s, n_seg, segment_len, chunk, kv_heads,
+        *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        GRAM=gram_grad is not None, DEN_ONLY=den_only, **t,
     )  # fmt: skip
-    return dk, dv
+    return gz_part.sum(0) if den_only else (dk, dv)
+
+
+def memory_updates_backward(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_len: int,
+    grad_dm: torch.Tensor,
+    grad_dz: torch.Tensor,
+    gram_grad: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (dk, dv) of ``memory_updates`` given those of its two outputs (grad_dm is
+    read as ``operand_dtype``: pass it in that dtype to skip a conversion). ``gram_grad`` (S,
+    z_before) adds the gradient of ``memory_gram`` through sigma(K) given S = dA + dA^T (batch,
+    segments, kv_heads, head_dim, head_dim); its gradient through z_before is
+    ``memory_gram_den_backward``'s, which grad_dz must already include."""
+    return _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den_only=False)
+
+
+def memory_gram_den_backward(
+    k: torch.Tensor, segment_len: int, s_grad: torch.Tensor, z_before: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of z_before (batch, segments, kv_heads, head_dim), float32, through
+    ``memory_gram``'s weights w, given S = dA + dA^T."""
+    return _launch_updates_backward(k, k, segment_len, None, None, (s_grad, z_before), den_only=True)
 
 
 def memory_scan(
