@@ -360,8 +360,10 @@ class _GatedMemory(torch.autograd.Function):
         else:
             m_before = m
         delta = torch.empty_like(lse) if ctx.fused_local else None
+        # The local attention's fused backward adds its dQ into a float32 buffer: the memory
+        # path's dq, written in float32, is that buffer (no separate add of the two).
         dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
-            q, local, gate, m_before, z_before, seg, dout, delta
+            q, local, gate, m_before, z_before, seg, dout, delta, torch.float32 if ctx.fused_local else None
         )
         dk = dv = None
         if ctx.rule == "linear":
@@ -381,7 +383,7 @@ class _GatedMemory(torch.autograd.Function):
                 dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dlocal, dq, dk, dv)]
             attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
-            dlocal = None
+            dq, dlocal = dq.to(q.dtype), None
         return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
 
 

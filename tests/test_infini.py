@@ -123,14 +123,18 @@ def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device,
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("state", ["registers", "global"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype):
-    """The delta recurrence in blocks of 16 columns and 16 rows (head_dim 32: two programs per
-    head, two row tiles per product) over 3 segments of several token blocks (the last one
+def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype, state):
+    """The delta recurrence in blocks of 16 columns (head_dim 32: two programs per head), with
+    the state in registers or through global memory in tiles of 16 rows (two row tiles per
+    product, as head_dim 256 runs), over 3 segments of several token blocks (the last one
     partial), from a given memory, with gradients flowing in through the final memory's matrix
     and normalizer; the backward twice gives the same bits (no atomics)."""
     monkeypatch.setattr(infini_delta, "DELTA_COLUMNS", 16)
-    monkeypatch.setattr(infini_delta, "DELTA_ROWS", 16)
+    if state == "global":
+        monkeypatch.setattr(infini_delta, "DELTA_REGISTER_ROWS", 16)
+        monkeypatch.setattr(infini_delta, "DELTA_ROWS", 16)
     q, k, v, beta, dout = _inputs(2, 230, 2, 1, 32, dtype, seed=21)
     g = torch.Generator().manual_seed(22)
     memory = (torch.randn(2, 1, 32, 32, generator=g) * 0.1, torch.rand(2, 1, 32, generator=g) * 10)
@@ -160,75 +164,89 @@ def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtyp
         assert torch.equal(got, repeat), f"{name} differs between two backward passes"
 
 
-# The delta rule's kernels built for sm_90 (no GPU needed: Triton ships ptxas) with the tiles they
-# are launched with, bf16, head_dim 64/128/256: the recurrence, the Gram matrices (memory.py's
-# update kernel with GRAM) and their gradient passes compile, fit shared memory and spill at most
-# 64 B (docs/experiments.md 25).
-_DELTA_SM90 = r"""
+# Every Infini-attention kernel built for sm_90 (no GPU needed: Triton ships ptxas) as a launch
+# builds it: the tiles and options the wrappers pass, bf16, head_dim 64/128/256, pointers, strides
+# and lengths with the divisible-by-16 hint a launch gives them (which lets Triton pipeline the
+# row loops: without it, head_dim 256's retrieval needs 48 KB of shared memory, with it and 3
+# stages 304 KB, a launch failure). They fit shared memory; up to head_dim 128 they do not spill
+# beyond 64 B (docs/experiments.md 25).
+_INFINI_SM90 = r"""
 import torch, triton
-from ringflash.kernels.infini import delta, memory
+from ringflash.kernels.infini import delta, memory, retrieval
 from ringflash.kernels.offline_compile import HOPPER, SHARED_MEMORY_LIMIT, resource_usage
 
 FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART"}
+FLOAT32 |= {"GATE", "INV", "GDEN", "GGATE", "DELTA", "GM", "GZ"}
 
 
-def build(kernel, constexprs, num_warps):
-    sig, consts = {}, {}
-    for name, param in zip(kernel.arg_names, kernel.params):
+def build(kernel, launch, **constexprs):
+    constexprs = dict(launch, **constexprs)
+    options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages", 3)}
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
             consts[name] = constexprs[name]
-        elif name[0].isupper():
-            sig[name] = "*fp32" if name in FLOAT32 else "*bf16"
-        else:
-            sig[name] = "i32"
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
-    compiled = triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": 2})
-    use = resource_usage(compiled)
-    assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90], (kernel.fn.__name__, constexprs, use)
-    assert use.spill_bytes <= 64, (kernel.fn.__name__, constexprs, use)
+            continue
+        sig[name] = ("*fp32" if name in FLOAT32 else "*bf16") if name[0].isupper() else "i32"
+        if name[0].isupper() or name.startswith("stride") or name in ("seqlen", "segment_len", "chunk"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    use = resource_usage(triton.compile(src, target=HOPPER, options=options))
+    where = (kernel.fn.__name__, constexprs, options, use)
+    assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90], where
+    assert constexprs["HEAD_DIM"] > 128 or use.spill_bytes <= 64, where
     print(kernel.fn.__name__, constexprs["HEAD_DIM"], use)
 
 
-for head_dim in (64, 128, 256):
-    bd = triton.next_power_of_2(head_dim)
+for d in (64, 128, 256):
+    bd = triton.next_power_of_2(d)
+    rows = memory.row_tile(d)
+    for columns in (64, 128) if d <= 128 else (64,):  # _launch_updates: 128 with enough programs
+        for gram in (False, True):
+            build(memory._update_kernel, memory.tiles(d, torch.bfloat16, columns, rows), GRAM=gram)
+    for gram, den_only in ((False, False), (True, False), (True, True)):
+        t = memory.tiles(d, torch.bfloat16, memory.column_tile(d), memory.GRAM_ROWS if gram else rows)
+        build(memory._update_backward_kernel, t, GRAM=gram, DEN_ONLY=den_only)
+    build(memory._scan_kernel, dict(HEAD_DIM=d, num_warps=4), HAS_INIT=True, REVERSE=True,
+          SEGMENTS=memory.SCAN_SEGMENTS, BLOCK=memory.SCAN_BLOCK)  # fmt: skip
+    build(retrieval._retrieval_kernel, memory.tiles(d, torch.bfloat16, memory.column_tile(d), rows), GROUP=2)
+    t = memory.tiles(d, torch.bfloat16, memory.column_tile(d), 32)
+    build(retrieval._retrieval_backward_kernel, t, GROUP=2, LOCAL_DELTA=True)
+    build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
+    scan_rows = bd if bd <= delta.DELTA_REGISTER_ROWS else delta.DELTA_ROWS
     for transpose in (False, True):
-        scan = dict(HAS_INIT=True, TRANSPOSE=transpose, HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PRECISION="tf32")
-        scan.update(BLOCK_R=min(delta.DELTA_ROWS, bd), BLOCK_N=min(delta.DELTA_COLUMNS, bd))
-        build(delta._delta_scan_kernel, scan, 4)
-    for columns in (64, 128) if head_dim <= 128 else (64,):
-        t = memory.tiles(head_dim, torch.bfloat16, columns, memory.row_tile(head_dim))
-        build(memory._update_kernel, dict(t, GRAM=True), t["num_warps"])
-    if head_dim <= 128:  # the gradient passes' head_dim-256 builds spill (as the linear rule's)
-        t = memory.tiles(head_dim, torch.bfloat16, memory.column_tile(head_dim), memory.GRAM_ROWS)
-        for den_only in (False, True):
-            build(memory._update_backward_kernel, dict(t, GRAM=True, DEN_ONLY=den_only), t["num_warps"])
-print("delta ok")
+        scan = dict(num_warps=8 if scan_rows >= 128 else 4, HEAD_DIM=d, BLOCK_D=bd, BLOCK_R=scan_rows)
+        scan.update(BLOCK_N=min(delta.DELTA_COLUMNS, bd), STAGES=delta.DELTA_STAGES, DOT_PRECISION="tf32")
+        build(delta._delta_scan_kernel, scan, HAS_INIT=True, TRANSPOSE=transpose)
+print("infini ok")
 """
 
 
-def test_delta_kernels_compile_for_sm90(tmp_path):
+def test_infini_kernels_compile_for_sm90(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
     run = subprocess.run(
-        [sys.executable, "-c", _DELTA_SM90], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", _INFINI_SM90], env=env, capture_output=True, text=True, timeout=900
     )
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("this Triton install has no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().endswith("delta ok")
+    assert run.stdout.strip().endswith("infini ok")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("whole_segments", [False, True])
 @pytest.mark.parametrize("update", ["linear", "delta"])
-def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments, head_dim):
     """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
-    accumulation), which the interpreter cannot run: head_dim 128, segments of several token
+    accumulation), which the interpreter cannot run: head_dim 128 and 256 (the delta
+    recurrence's state in registers, or through global memory), segments of several token
     blocks (one program per row block, or with ``whole_segments`` per segment), GQA and a
     shorter last segment, against the float64 loop."""
     if whole_segments:
         monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
-    q, k, v, beta, dout = _inputs(2, 700, 4, 2, 128, torch.bfloat16, seed=7)
+    q, k, v, beta, dout = _inputs(2, 700, 4, 2, head_dim, torch.bfloat16, seed=7)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)
     out.backward(dout)

@@ -7,6 +7,8 @@ ops' fake implementations, no C++ build) except one Inductor test.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -209,14 +211,17 @@ def test_compiled_sequence_parallel_block_matches_eager(rank_pool, sp_mode, ulys
 
 
 @pytest.mark.gpu
-def test_compiled_1b_step_is_no_slower_than_eager():
-    """launch/bench_compile.py's default run: a 1B-shaped decoder at 16K tokens on one GPU."""
+def test_compiled_training_step_matches_eager_on_gpu():
+    """launch/bench_compile.py at a small size (2 layers of the 1B shape, 4K tokens) on the real
+    kernels: the compiled step's first loss agrees with eager's (the benchmark raises if not) and
+    both modes ran. Its speed is the benchmark's business (docs/performance.md), not a test's."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
     import bench_compile
 
-    summary = bench_compile.run(bench_compile.parse_args([]))
-    print(summary)
-    assert summary["compiled_over_eager"] <= 1.02, summary
+    args = ["--layers", "2", "--tokens", "4096", "--warmup", "1", "--iters", "1"]
+    summary = bench_compile.run(bench_compile.parse_args(args))
+    for mode in ("eager", "compiled"):
+        assert math.isfinite(summary[mode]["first_loss"]), summary

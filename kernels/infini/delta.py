@@ -50,67 +50,95 @@ from .memory import (
 
 
 @triton.jit
+def _state_offsets(rows_i, rows_j, TRANSPOSE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Offsets of the (rows_i, rows_j) tile of a head_dim x head_dim matrix, or of its transpose."""
+    if TRANSPOSE:
+        return rows_i[:, None] + rows_j[None, :] * HEAD_DIM
+    return rows_i[:, None] * HEAD_DIM + rows_j[None, :]
+
+
+@triton.jit
 def _delta_scan_kernel(
     U, A, INIT, OUT, FINAL, n_seg, kv_heads,
     HAS_INIT: tl.constexpr, TRANSPOSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, kv head, column block), segments in order (reversed with TRANSPOSE):
     OUT[s] = x, then x += U[s] - A[s] x (A[s]^T x with TRANSPOSE); FINAL = x at the end. x starts
-    at INIT (zeros without). x's rows pass through OUT in global memory (a step reads the x it
-    has just stored, after a barrier), so any head_dim fits without holding x in registers."""
+    at INIT (zeros without), float32. With BLOCK_R == BLOCK_D x stays in registers and the loads
+    of A and U, which do not depend on x, are pipelined ahead of the chain; with smaller row
+    tiles (head_dim 256) x's rows pass through OUT in global memory (a step reads the x it has
+    just stored, after a barrier)."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = pid // kv_heads, pid % kv_heads
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HEAD_DIM
     width = HEAD_DIM * HEAD_DIM
-    first = n_seg - 1 if TRANSPOSE else 0
-    first_base = OUT + ((b * n_seg + first) * kv_heads + h) * width
-    for r0 in tl.static_range(0, BLOCK_D, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        offs = rows[:, None] * HEAD_DIM + cols[None, :]
-        mask = (rows[:, None] < HEAD_DIM) & col_ok[None, :]
+    if BLOCK_R == BLOCK_D:
+        rows = tl.arange(0, BLOCK_D)
+        row_ok = rows < HEAD_DIM
+        offs, mask = rows[:, None] * HEAD_DIM + cols[None, :], row_ok[:, None] & col_ok[None, :]
+        a_offs, a_mask = _state_offsets(rows, rows, TRANSPOSE, HEAD_DIM), row_ok[:, None] & row_ok[None, :]
         if HAS_INIT:
             x = tl.load(INIT + pid * width + offs, mask=mask, other=0.0)
         else:
-            x = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        tl.store(first_base + offs, x, mask=mask)
-    for step in range(0, n_seg):
-        s = n_seg - 1 - step if TRANSPOSE else step
-        state = (b * n_seg + s) * kv_heads + h
-        x_base = OUT + state * width
-        if step + 1 < n_seg:
-            nxt = n_seg - 2 - step if TRANSPOSE else step + 1
-            dst = OUT + ((b * n_seg + nxt) * kv_heads + h) * width
-        else:
-            dst = FINAL + pid * width
-        tl.debug_barrier()  # x (this step's OUT) as stored by every thread of the program
-        for i0 in tl.static_range(0, BLOCK_D, BLOCK_R):
-            rows_i = i0 + tl.arange(0, BLOCK_R)
-            offs_i = rows_i[:, None] * HEAD_DIM + cols[None, :]
-            mask_i = (rows_i[:, None] < HEAD_DIM) & col_ok[None, :]
-            acc = tl.load(x_base + offs_i, mask=mask_i, other=0.0)
-            acc += tl.load(U + state * width + offs_i, mask=mask_i, other=0.0)
-            for j0 in tl.static_range(0, BLOCK_D, BLOCK_R):
-                rows_j = j0 + tl.arange(0, BLOCK_R)
-                j_ok = rows_j < HEAD_DIM
-                if TRANSPOSE:  # (A^T)[i, j] = A[j, i]
-                    a_offs = rows_i[:, None] + rows_j[None, :] * HEAD_DIM
-                else:
-                    a_offs = rows_i[:, None] * HEAD_DIM + rows_j[None, :]
-                a_mask = (rows_i[:, None] < HEAD_DIM) & j_ok[None, :]
-                a = tl.load(A + state * width + a_offs, mask=a_mask, other=0.0)
-                x_j = tl.load(x_base + rows_j[:, None] * HEAD_DIM + cols[None, :],
-                              mask=j_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-                acc -= tl.dot(a, x_j, input_precision=DOT_PRECISION)
-            tl.store(dst + offs_i, acc, mask=mask_i)
+            x = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+        for step in tl.range(0, n_seg, num_stages=STAGES):
+            s = n_seg - 1 - step if TRANSPOSE else step
+            state = (b * n_seg + s) * kv_heads + h
+            a = tl.load(A + state * width + a_offs, mask=a_mask, other=0.0)
+            u = tl.load(U + state * width + offs, mask=mask, other=0.0)
+            tl.store(OUT + state * width + offs, x, mask=mask)
+            x = x + u - tl.dot(a, x, input_precision=DOT_PRECISION)
+        tl.store(FINAL + pid * width + offs, x, mask=mask)
+    else:
+        first = n_seg - 1 if TRANSPOSE else 0
+        first_base = OUT + ((b * n_seg + first) * kv_heads + h) * width
+        for r0 in tl.static_range(0, BLOCK_D, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            offs = rows[:, None] * HEAD_DIM + cols[None, :]
+            mask = (rows[:, None] < HEAD_DIM) & col_ok[None, :]
+            if HAS_INIT:
+                x = tl.load(INIT + pid * width + offs, mask=mask, other=0.0)
+            else:
+                x = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            tl.store(first_base + offs, x, mask=mask)
+        for step in range(0, n_seg):
+            s = n_seg - 1 - step if TRANSPOSE else step
+            state = (b * n_seg + s) * kv_heads + h
+            x_base = OUT + state * width
+            if step + 1 < n_seg:
+                nxt = n_seg - 2 - step if TRANSPOSE else step + 1
+                dst = OUT + ((b * n_seg + nxt) * kv_heads + h) * width
+            else:
+                dst = FINAL + pid * width
+            tl.debug_barrier()  # x (this step's OUT) as stored by every thread of the program
+            for i0 in tl.static_range(0, BLOCK_D, BLOCK_R):
+                rows_i = i0 + tl.arange(0, BLOCK_R)
+                offs_i = rows_i[:, None] * HEAD_DIM + cols[None, :]
+                mask_i = (rows_i[:, None] < HEAD_DIM) & col_ok[None, :]
+                acc = tl.load(x_base + offs_i, mask=mask_i, other=0.0)
+                acc += tl.load(U + state * width + offs_i, mask=mask_i, other=0.0)
+                for j0 in tl.static_range(0, BLOCK_D, BLOCK_R):
+                    rows_j = j0 + tl.arange(0, BLOCK_R)
+                    j_ok = rows_j < HEAD_DIM
+                    a_offs = _state_offsets(rows_i, rows_j, TRANSPOSE, HEAD_DIM)
+                    a_mask = (rows_i[:, None] < HEAD_DIM) & j_ok[None, :]
+                    a = tl.load(A + state * width + a_offs, mask=a_mask, other=0.0)
+                    x_j = tl.load(x_base + rows_j[:, None] * HEAD_DIM + cols[None, :],
+                                  mask=j_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+                    acc -= tl.dot(a, x_j, input_precision=DOT_PRECISION)
+                tl.store(dst + offs_i, acc, mask=mask_i)
 
 
 # Columns of M per scan program: the scan is a chain of n_seg dependent steps per program, each a
 # (head_dim x head_dim) @ (head_dim x DELTA_COLUMNS) product, so narrow blocks give more programs
-# and shorter steps; DELTA_ROWS rows of A and x per product tile.
+# and shorter steps. x stays in registers up to DELTA_REGISTER_ROWS rows (the A tile's loads
+# pipelined DELTA_STAGES deep), else it goes through global memory in tiles of DELTA_ROWS rows.
 DELTA_COLUMNS = 32
+DELTA_REGISTER_ROWS = 128
 DELTA_ROWS = 64
+DELTA_STAGES = 2
 
 
 def delta_scan(
@@ -129,10 +157,11 @@ def delta_scan(
     init = final if initial is None else initial.float().contiguous()
     bd = block_d(d)
     columns = min(DELTA_COLUMNS, bd)
+    rows = bd if bd <= DELTA_REGISTER_ROWS else min(DELTA_ROWS, bd)
     _delta_scan_kernel[(b * kv_heads, triton.cdiv(d, columns))](
         updates, gram, init, out, final, n_seg, kv_heads, HAS_INIT=initial is not None,
-        TRANSPOSE=transpose, HEAD_DIM=d, BLOCK_D=bd, BLOCK_R=min(DELTA_ROWS, bd), BLOCK_N=columns,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4,
+        TRANSPOSE=transpose, HEAD_DIM=d, BLOCK_D=bd, BLOCK_R=rows, BLOCK_N=columns, STAGES=DELTA_STAGES,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=8 if rows >= 128 else 4,
     )  # fmt: skip
     return out, final
 

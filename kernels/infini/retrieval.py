@@ -228,16 +228,19 @@ def memory_retrieval_backward(
     segment_len: int,
     dout: torch.Tensor,
     local_delta: torch.Tensor | None = None,
+    dq_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``memory_retrieval``: (dq, dlocal, dgate (heads,) float32, d m_before,
-    d z_before (float32, m_before's and z_before's shapes)). ``local_delta`` (heads, batch *
-    seqlen) float32, contiguous, if given, receives rowsum(dlocal * local): the delta of the
-    local attention's backward (the varlen layout of its LSE), without another pass over local."""
+    """Gradients of ``memory_retrieval``: (dq (in ``dq_dtype``, default q's), dlocal, dgate
+    (heads,) float32, d m_before, d z_before (float32, m_before's and z_before's shapes)).
+    ``local_delta`` (heads, batch * seqlen) float32, contiguous, if given, receives
+    rowsum(dlocal * local): the delta of the local attention's backward (the varlen layout of
+    its LSE), without another pass over local."""
     q, local, dout = (last_dim_contiguous(t) for t in (q, local, dout))
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     z_before, gate = z_before.float().contiguous(), gate.float().contiguous()
-    dq, dlocal = torch.empty_like(q), torch.empty_like(local)
+    dq = torch.empty(q.shape, device=q.device, dtype=dq_dtype or q.dtype)
+    dlocal = torch.empty_like(local)
     inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
     gden = torch.empty_like(inv)
     t = tiles(d, q.dtype, column_tile(d), 32)
