@@ -291,15 +291,25 @@ def _sequence_parallel(update, world_dtype_seed):
     shard = slice(rank * 16, (rank + 1) * 16)  # contiguous: two segments of 8 per rank
     leaves = [t[:, shard].to(worker_device()).requires_grad_() for t in (q, k, v)]
     beta = beta.to(worker_device()).requires_grad_()
-    memory_grad = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+    initial, memory_grad = _memory_and_gradient(seed)
+    initial = [t.to(worker_device()).requires_grad_() for t in initial]
     out, memory = ringflash.infini_attention(
-        *leaves, beta, 8, group=dist.group.WORLD, update=update, return_memory=True
+        *leaves, beta, 8, group=dist.group.WORLD, update=update, memory=tuple(initial), return_memory=True
     )
     loss = (out * dout[:, shard].to(worker_device())).sum()
     if rank == 0:  # the final memory enters the loss once
-        loss = loss + (memory.matrix * memory_grad.to(worker_device())).sum()
+        loss = loss + sum((m * g.to(worker_device())).sum() for m, g in zip(memory, memory_grad))
     loss.backward()
-    return [t.detach().cpu() for t in (out, *memory, *(t.grad for t in leaves), beta.grad)]
+    grads = (*(t.grad for t in leaves), beta.grad, *(t.grad for t in initial))
+    return [t.detach().cpu() for t in (out, *memory, *grads)]
+
+
+def _memory_and_gradient(seed):
+    """An initial memory (matrix, normalizer) for 1 batch row, 1 kv head of 16, and gradients for
+    the final one."""
+    g = torch.Generator().manual_seed(seed + 1)
+    initial = (torch.randn(1, 1, 16, 16, generator=g) * 0.1, torch.rand(1, 1, 16, generator=g) * 10)
+    return initial, (torch.randn(1, 1, 16, 16, generator=g), torch.randn(1, 1, 16, generator=g))
 
 
 # 2 ranks: first and last only; 3 ranks add a middle one that both receives and sends (the
@@ -310,10 +320,11 @@ def test_sequence_parallel_equals_single_device(rank_pool, world, update):
     seed = 10 + world
     results = rank_pool(world).run(_sequence_parallel, update, (world, torch.float32, seed))
     q, k, v, beta, dout = _inputs(1, 16 * world, 2, 1, 16, torch.float32, seed)
-    ref = [t.double().requires_grad_() for t in (q, k, v, beta)]
-    ref_out, (matrix, norm) = infini_reference(*ref, 8, update)
-    memory_grad = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
-    ((ref_out * dout.double()).sum() + (matrix * memory_grad.double()).sum()).backward()
+    initial, memory_grad = _memory_and_gradient(seed)
+    ref = [t.double().requires_grad_() for t in (q, k, v, beta, *initial)]
+    ref_out, (matrix, norm) = infini_reference(*ref[:4], 8, update, memory=ref[4:])
+    loss = (ref_out * dout.double()).sum()
+    (loss + (matrix * memory_grad[0].double()).sum() + (norm * memory_grad[1].double()).sum()).backward()
     tol = TOLERANCE[torch.float32]
     for i, (name, want) in enumerate(zip(("out", "", "", "dq", "dk", "dv"), (ref_out, 0, 0, *ref[:3]))):
         if name:
@@ -322,6 +333,8 @@ def test_sequence_parallel_equals_single_device(rank_pool, world, update):
         _check("memory matrix", r[1], matrix, tol)
         _check("memory normalizer", r[2], norm, tol)
     _check("dbeta (sum over ranks)", sum(r[6] for r in results), ref[3].grad, tol)
+    _check("dmatrix (sum over ranks)", sum(r[7] for r in results), ref[4].grad, tol)
+    _check("dnormalizer (sum over ranks)", sum(r[8] for r in results), ref[5].grad, tol)
 
 
 def _prefix_sum_and_gradient():

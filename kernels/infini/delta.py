@@ -46,6 +46,7 @@ from .memory import (
     memory_scan,
     memory_updates,
     memory_updates_backward,
+    operand_dtype,
 )
 
 
@@ -181,6 +182,63 @@ def delta_memories(
     return m_before, m_final, z_before, z_final
 
 
+def delta_scan_backward(
+    m_before: torch.Tensor,
+    gram: torch.Tensor,
+    grad_m_before: torch.Tensor | None,
+    grad_m_final: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (updates, gram, initial) of ``delta_scan`` given those of its two outputs (None:
+    zero) and its output m_before: the scan reversed with gram transposed, and dA_s = -X_s M_s^T
+    (X_s: the gradient of the memory after segment s), float32."""
+    grad_m_before = torch.zeros_like(m_before) if grad_m_before is None else grad_m_before
+    grad_updates, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, dtype, transpose=True)
+    grad_gram = torch.matmul(grad_updates, m_before.transpose(-1, -2)).neg_()
+    return grad_updates, grad_gram, grad_m_in
+
+
+def _symmetric(grad_gram: torch.Tensor) -> torch.Tensor:
+    """S = dA + dA^T, what the keys' gradient through A = K~^T diag(w) K~ reads."""
+    return grad_gram + grad_gram.transpose(-1, -2)
+
+
+def delta_terms_backward(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z_before: torch.Tensor,
+    segment_len: int,
+    grad_updates: torch.Tensor,
+    grad_gram: torch.Tensor,
+    grad_z_before: torch.Tensor | None,
+    grad_z_final: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dk, dv in k's dtype, d z_in float32) of the per-segment terms of
+    ``delta_memories`` (B_s, z's scan, A_s) given those of B_s, A_s, z before each segment and z
+    after the last one (None: zero): one pass for z's gradient through w, then one for dk, dv."""
+    s_grad = _symmetric(grad_gram)
+    grad_z = memory_gram_den_backward(k, segment_len, s_grad, z_before)
+    if grad_z_before is not None:
+        grad_z += grad_z_before
+    grad_dz, grad_z_in = memory_scan(grad_z, grad_z_final, torch.float32, reverse=True)
+    dk, dv = memory_updates_backward(k, v, segment_len, grad_updates, grad_dz, (s_grad, z_before))
+    return dk, dv, grad_z_in
+
+
+def delta_gram_backward(
+    k: torch.Tensor, z_before: torch.Tensor, segment_len: int, grad_gram: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dk, d z_before) of ``memory_gram`` alone (when its A_s and the updates B_s are
+    separate autograd nodes, as under a process group): the fused pass with zero B and z
+    gradients."""
+    s_grad = _symmetric(grad_gram)
+    grad_z_before = memory_gram_den_backward(k, segment_len, s_grad, z_before)
+    zero_dz = torch.zeros_like(z_before)
+    zero_dm = torch.zeros(s_grad.shape, device=k.device, dtype=operand_dtype(k.dtype))
+    dk, _ = memory_updates_backward(k, k, segment_len, zero_dm, zero_dz, (s_grad, z_before))
+    return dk, grad_z_before
+
+
 def delta_memories_backward(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -196,16 +254,10 @@ def delta_memories_backward(
     """Gradients (dk, dv in k's dtype; d m_in, d z_in float32) of ``delta_memories`` given those
     of its four outputs (None: zero); ``gram``: ``memory_gram(k, z_before, segment_len)`` if the
     caller has it."""
-    zeros = torch.zeros_like
-    grad_m_before = zeros(m_before) if grad_m_before is None else grad_m_before
-    grad_z_before = zeros(z_before) if grad_z_before is None else grad_z_before.float()
     gram = memory_gram(k, z_before, segment_len) if gram is None else gram
-    grad_dm, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, k.dtype, transpose=True)
+    grad_dm, grad_gram, grad_m_in = delta_scan_backward(m_before, gram, grad_m_before, grad_m_final, k.dtype)
     del gram
-    da = torch.matmul(grad_dm, m_before.transpose(-1, -2)).neg_()  # dA_s = -X_s M_s^T
-    s_grad = da + da.transpose(-1, -2)
-    del da
-    grad_z_before = grad_z_before + memory_gram_den_backward(k, segment_len, s_grad, z_before)
-    grad_dz, grad_z_in = memory_scan(grad_z_before, grad_z_final, torch.float32, reverse=True)
-    dk, dv = memory_updates_backward(k, v, segment_len, grad_dm, grad_dz, (s_grad, z_before))
+    dk, dv, grad_z_in = delta_terms_backward(
+        k, v, z_before, segment_len, grad_dm, grad_gram, grad_z_before, grad_z_final
+    )
     return dk, dv, grad_m_in, grad_z_in
