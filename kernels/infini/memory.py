@@ -267,16 +267,34 @@ GRAM_ROWS = 32
 SCAN_SEGMENTS, SCAN_BLOCK = 16, 256
 
 
-def tiles(head_dim: int, dtype: torch.dtype, block_n: int, block_m: int) -> dict:
-    """The memory kernels' constexprs and launch options for head_dim and the inputs' dtype.
-    Above head_dim 128 the row loops are not software-pipelined: as a launch builds them
-    (16-divisible pointers and strides), 3 stages of the head_dim-256 tiles need 0.3-0.6 MB of
-    shared memory per program (the H100/H200 have 227 KB), 1 stage 49-135 KB."""
+# (rows per block, warps, pipeline stages) per kernel at head_dim 128, from a sweep of 17
+# configurations on an H200 at 1M tokens, segment 2048, 8 heads, bf16 (launch/tune_infini.py,
+# docs/experiments.md §26): 1.2-1.7x faster than 8 warps and 3 stages everywhere but the Gram
+# gradient pass ("gram_backward"), which keeps them. Kernels not named here keep the defaults.
+TUNED_HEAD_DIM_128 = {
+    "updates": (64, 4, 3),
+    "gram": (32, 8, 1),
+    "updates_backward": (64, 4, 2),
+    "gram_den": (32, 4, 3),
+    "retrieval": (64, 8, 1),
+    "retrieval_backward": (64, 4, 2),
+}
+
+
+def tiles(head_dim: int, dtype: torch.dtype, block_n: int, block_m: int, kernel: str | None = None) -> dict:
+    """The memory kernels' constexprs and launch options for head_dim and the inputs' dtype;
+    ``kernel`` names a row of TUNED_HEAD_DIM_128, which replaces block_m and the options at
+    head_dim 128. Above head_dim 128 the row loops are not software-pipelined: as a launch
+    builds them (16-divisible pointers and strides), 3 stages of the head_dim-256 tiles need
+    0.3-0.6 MB of shared memory per program (the H100/H200 have 227 KB), 1 stage 49-135 KB."""
     bd = block_d(head_dim)
+    num_warps, num_stages = 8 if bd >= 128 else 4, 3 if bd <= 128 else 1
+    if bd == 128 and kernel in TUNED_HEAD_DIM_128:
+        block_m, num_warps, num_stages = TUNED_HEAD_DIM_128[kernel]
     return dict(
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=min(block_n, bd), BLOCK_M=block_m,
         LOW_PRECISION=dtype == torch.bfloat16, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=8 if bd >= 128 else 4, num_stages=3 if bd <= 128 else 1,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -319,7 +337,7 @@ def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch
     dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
     dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
-    t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d))
+    t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if gram else "updates")
     grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
     _update_kernel[grid](
         k, v, dz if z_before is None else z_before, dm, dz, s, n_seg, segment_len, kv_heads,
@@ -348,7 +366,10 @@ def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den
     b, s, kv_heads, d = k.shape
     n_seg = _n_seg(s, segment_len)
     matrix_dtype = operand_dtype(k.dtype)
-    t = tiles(d, k.dtype, column_tile(d), row_tile(d) if gram_grad is None else GRAM_ROWS)
+    if gram_grad is None:
+        t = tiles(d, k.dtype, column_tile(d), row_tile(d), "updates_backward")
+    else:
+        t = tiles(d, k.dtype, column_tile(d), GRAM_ROWS, "gram_den" if den_only else "gram_backward")
     chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, t["BLOCK_M"])
     s_grad = z_before = gz_part = k  # unused pointers
     if gram_grad is not None:
