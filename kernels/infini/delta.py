@@ -21,7 +21,8 @@ gradient of M_s:
 
 and the tokens' gradients through B_s (``memory_updates_backward``) and A_s (its ``gram_grad``
 and ``memory_gram_den_backward``: w depends on z_s, whose gradient the keys' gradient needs).
-M_s is kept from the forward (the retrieval reads it too); A_s is rebuilt from k.
+The backward takes the M_s (kept, or rebuilt by the caller from k, v and the memory entering)
+and rebuilds A_s from k unless given.
 
 Precision: B_s and A_s take the token kernels' operands (bf16 for bf16 inputs, float32
 otherwise); the recurrence's products take float32 operands, exact ("ieee") for float32 inputs

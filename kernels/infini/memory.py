@@ -7,6 +7,8 @@ head:
 
     update:  dM_s = sigma(K_s)^T V_s  (head_dim x head_dim),   dz_s = sum over tokens of sigma(K_s)
     scan:    M_s = M_in + sum of dM over the segments before s,  the same for z
+    Gram:    A_s = sigma(K_s)^T diag(w) sigma(K_s), w = 1 / (sigma(K_s) z_s)  (the delta rule's,
+             ``delta.py``: the update kernel and its backward with GRAM)
 
 sigma and the casts stay in registers; the head_dim x head_dim products run on tensor cores with
 bf16 operands and float32 accumulation for bf16 inputs, and with float32 operands otherwise
