@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--segment", type=int, default=2048)
     p.add_argument("--kernels", nargs="+", default=None, help="names in TUNED_HEAD_DIM_128 (default: all)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_infini.py times the kernels on a CUDA GPU; none is visible")
     calls = kernel_calls(args.seqlen, args.heads, args.segment)
     print(f"{torch.cuda.get_device_name()}, {args.seqlen} tokens, segment {args.segment}, {args.heads} heads")
     for name in args.kernels or calls:
