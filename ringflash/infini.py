@@ -209,9 +209,10 @@ def infini_memory_bytes(
 ) -> int:  # fmt: skip
     """Bytes of float32 memory state that the forward keeps for the backward: z before each
     segment (batch x segments x kv_heads x head_dim x 4), whose backward rebuilds M from k and v;
-    M too (x (head_dim + 1)) under the delta rule with ``sequence_parallel`` (a group of more than
-    one rank), where the memories come from the relay's own autograd Function."""
-    per_segment = head_dim * (head_dim + 1) if update == "delta" and sequence_parallel else head_dim
+    under the delta rule with ``sequence_parallel`` (a group of more than one rank) also M and
+    A before each segment (x (2 head_dim + 1)), which the recurrence's own autograd Function
+    keeps."""
+    per_segment = head_dim * (2 * head_dim + 1) if update == "delta" and sequence_parallel else head_dim
     return 4 * batch * -(-seqlen // segment_len) * kv_heads * per_segment
 
 
