@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import triton
@@ -49,12 +50,17 @@ def compile_kernel(
     num_warps: int = 4,
     num_stages: int = 2,
     target: GPUTarget = HOPPER,
+    float32: Collection[str] = (),
+    aligned: Collection[str] = (),
 ) -> triton.compiler.CompiledKernel:
     """Compile ``kernel`` for ``target``. Tensor arguments are ``dtype`` (float32 for the LSE,
-    delta, ALiBi slopes and scales); integer arguments named in ``ones`` are specialized to the
-    constant 1, as Triton does at launch when such an argument equals 1; other arguments given in
-    ``constexprs`` to their value there (arguments launched as None: ``ALIBI=None``)."""
+    delta, ALiBi slopes and scales, and those named in ``float32``); integer arguments named in
+    ``ones`` are specialized to the constant 1, as Triton does at launch when such an argument
+    equals 1; other arguments given in ``constexprs`` to their value there (arguments launched as
+    None: ``ALIBI=None``). Arguments named in ``aligned`` get the hint a launch gives a pointer or
+    integer divisible by 16, which lets Triton pipeline loops (more shared memory)."""
     sig, consts = {}, {}
+    float32 = _FP32_ARGS | set(float32)
     for name, param in zip(kernel.arg_names, kernel.params):
         if param.is_constexpr:
             consts[name] = constexprs[name]
@@ -65,10 +71,11 @@ def compile_kernel(
         elif name.startswith("CU_"):
             sig[name] = "*i32"
         elif name[0].isupper():
-            sig[name] = "*fp32" if name in _FP32_ARGS else f"*{dtype}"
+            sig[name] = "*fp32" if name in float32 else f"*{dtype}"
         else:
-            sig[name] = "fp32" if name in _FP32_ARGS else "i32"
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+            sig[name] = "fp32" if name in float32 else "i32"
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 

@@ -174,7 +174,7 @@ def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtyp
 _INFINI_SM90 = r"""
 import torch, triton
 from ringflash.kernels.infini import delta, memory, retrieval
-from ringflash.kernels.offline_compile import HOPPER, SHARED_MEMORY_LIMIT, resource_usage
+from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT, compile_kernel, resource_usage
 
 FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART"}
 FLOAT32 |= {"GATE", "INV", "GDEN", "GGATE", "DELTA", "GM", "GZ"}
@@ -183,16 +183,10 @@ FLOAT32 |= {"GATE", "INV", "GDEN", "GGATE", "DELTA", "GM", "GZ"}
 def build(kernel, launch, **constexprs):
     constexprs = dict(launch, **constexprs)
     options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages", 3)}
-    sig, consts, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        if param.is_constexpr:
-            consts[name] = constexprs[name]
-            continue
-        sig[name] = ("*fp32" if name in FLOAT32 else "*bf16") if name[0].isupper() else "i32"
-        if name[0].isupper() or name.startswith("stride") or name in ("seqlen", "segment_len", "chunk"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    use = resource_usage(triton.compile(src, target=HOPPER, options=options))
+    lengths = ("seqlen", "segment_len", "chunk")
+    aligned = [n for n in kernel.arg_names if n[0].isupper() or n.startswith("stride") or n in lengths]
+    compiled = compile_kernel(kernel, constexprs, float32=FLOAT32, aligned=aligned, **options)
+    use = resource_usage(compiled)
     where = (kernel.fn.__name__, constexprs, options, use)
     assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90], where
     assert constexprs["HEAD_DIM"] > 128 or use.spill_bytes <= 512, where
@@ -200,7 +194,6 @@ def build(kernel, launch, **constexprs):
 
 
 for d in (64, 128, 256):
-    bd = triton.next_power_of_2(d)
     rows = memory.row_tile(d)
     for columns in (64, 128) if d <= 128 else (64,):  # _launch_updates: 128 with enough programs
         for gram in (False, True):
@@ -217,11 +210,9 @@ for d in (64, 128, 256):
     t = memory.tiles(d, torch.bfloat16, memory.column_tile(d), 32, "retrieval_backward")
     build(retrieval._retrieval_backward_kernel, t, GROUP=2, LOCAL_DELTA=True)
     build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
-    scan_rows = bd if bd <= delta.DELTA_REGISTER_ROWS else delta.DELTA_ROWS
     for transpose in (False, True):
-        scan = dict(num_warps=8 if scan_rows >= 128 else 4, HEAD_DIM=d, BLOCK_D=bd, BLOCK_R=scan_rows)
-        scan.update(BLOCK_N=min(delta.DELTA_COLUMNS, bd), STAGES=delta.DELTA_STAGES, DOT_PRECISION="tf32")
-        build(delta._delta_scan_kernel, scan, HAS_INIT=True, TRANSPOSE=transpose)
+        t = delta.scan_tiles(d, torch.bfloat16)
+        build(delta._delta_scan_kernel, t, HAS_INIT=True, TRANSPOSE=transpose)
 print("infini ok")
 """
 

@@ -159,6 +159,16 @@ DELTA_ROWS = 64
 DELTA_STAGES = 3
 
 
+def scan_tiles(head_dim: int, dtype: torch.dtype) -> dict:
+    """The recurrence kernel's constexprs and launch options for head_dim and the inputs' dtype."""
+    bd = block_d(head_dim)
+    rows = bd if bd <= DELTA_REGISTER_ROWS else min(DELTA_ROWS, bd)
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_R=rows, BLOCK_N=min(DELTA_COLUMNS, bd), STAGES=DELTA_STAGES,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=8 if rows >= 128 else 4,
+    )  # fmt: skip
+
+
 def delta_scan(
     updates: torch.Tensor, gram: torch.Tensor, initial: torch.Tensor | None, dtype: torch.dtype,
     transpose: bool = False,
@@ -173,13 +183,10 @@ def delta_scan(
     out = torch.empty_like(updates)
     final = torch.empty(b, kv_heads, d, d, device=updates.device, dtype=torch.float32)
     init = final if initial is None else initial.float().contiguous()
-    bd = block_d(d)
-    columns = min(DELTA_COLUMNS, bd)
-    rows = bd if bd <= DELTA_REGISTER_ROWS else min(DELTA_ROWS, bd)
-    _delta_scan_kernel[(b * kv_heads, triton.cdiv(d, columns))](
-        updates, gram, init, out, final, n_seg, kv_heads, HAS_INIT=initial is not None,
-        TRANSPOSE=transpose, HEAD_DIM=d, BLOCK_D=bd, BLOCK_R=rows, BLOCK_N=columns, STAGES=DELTA_STAGES,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=8 if rows >= 128 else 4,
+    t = scan_tiles(d, dtype)
+    _delta_scan_kernel[(b * kv_heads, triton.cdiv(d, t["BLOCK_N"]))](
+        updates, gram, init, out, final, n_seg, kv_heads,
+        HAS_INIT=initial is not None, TRANSPOSE=transpose, **t,
     )  # fmt: skip
     return out, final
 
