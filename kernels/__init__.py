@@ -23,7 +23,7 @@ from .functional import (
 from .hopper.dispatch import uses_fused_backward, uses_fused_forward
 from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
-from .problem import AttentionProblem, build_problem, check_window
+from .problem import AttentionProblem, build_problem, check_window, cu_seqlens_tensor
 from .probs import attention_probs
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "attention_probs",
     "block_visibility",
     "build_problem",
+    "cu_seqlens_tensor",
     "check_sinks",
     "check_window",
     "flash_attn_func",

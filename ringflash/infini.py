@@ -57,7 +57,13 @@ import torch.distributed as dist
 
 from . import comm
 from .consistency import call_signature, check_ranks_agree
-from .kernels import attention_backward, attention_forward, build_problem, flash_attn_varlen_func
+from .kernels import (
+    attention_backward,
+    attention_forward,
+    build_problem,
+    cu_seqlens_tensor,
+    flash_attn_varlen_func,
+)
 from .kernels.infini.delta import (
     delta_gram_backward,
     delta_memories,
@@ -430,8 +436,8 @@ def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torc
 @functools.lru_cache(maxsize=64)
 def _segment_bounds(batch: int, seqlen: int, segment_len: int, device: torch.device) -> torch.Tensor:
     starts = range(0, seqlen, segment_len)
-    cu = [row * seqlen + s for row in range(batch) for s in starts] + [batch * seqlen]
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    bounds = [row * seqlen + s for row in range(batch) for s in starts] + [batch * seqlen]
+    return cu_seqlens_tensor(bounds, device)
 
 
 def segment_local_attention(q, k, v, segment_len: int, softmax_scale: float | None) -> torch.Tensor:

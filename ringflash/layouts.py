@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import TokenPositions
+from .kernels import TokenPositions, cu_seqlens_tensor
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -97,8 +97,9 @@ def document_lengths(
 
 
 def cumulative_lengths(lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-    """int32 (0, l0, l0 + l1, ..., sum) of ``lens``: the inverse of ``document_lengths``."""
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    """int32 (0, l0, l0 + l1, ..., sum) of ``lens``: the inverse of ``document_lengths``; the
+    kernels validate it without reading it back."""
+    return cu_seqlens_tensor([0, *itertools.accumulate(lens)], device)
 
 
 def segments(layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...]) -> list[Segment]:

@@ -394,7 +394,7 @@ def ring_plan(
     cu_local = None
     if varlen:  # every packed segment holds the same chunk length of each document
         seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
-        cu_local = cumulative_lengths(seq_lens).to(device)
+        cu_local = cumulative_lengths(seq_lens, device)
     return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
 
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 import ringflash
-from ringflash.kernels import attention_backward, attention_delta, attention_forward, build_problem, configs
+from ringflash.kernels import (
+    attention_backward,
+    attention_delta,
+    attention_forward,
+    build_problem,
+    configs,
+    cu_seqlens_tensor,
+)
 from ringflash.kernels.configs import MAX_TILE_ROWS
 
 
@@ -414,6 +421,32 @@ def test_bad_varlen_inputs(device, make, exc, match):
     kwargs.update(make(q, k, v, cu))
     with pytest.raises(exc, match=match):
         ringflash.flash_attn_varlen_func(**kwargs)
+
+
+def test_cu_seqlens_read_back_once_per_tensor_and_version(device, monkeypatch):
+    """Every layer gets the same cu_seqlens: its values are read to the host once, not per call;
+    an in-place write reads them again, so a tensor made invalid after a good call is rejected."""
+    q, k, v = (t[0] for t in _qkv(device, s=10))
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+
+    def problem(cu):
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+        return build_problem(q, k, v, None, True, (-1, -1), **kw)
+
+    cu = _cu([0, 4, 10], device)
+    for _ in range(3):
+        problem(cu)
+    assert len(reads) == 1
+    cu[1] = 11
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must .* end at 10, got \[0, 11, 10\]"):
+        problem(cu)
+    assert len(reads) == 2
+    problem(_cu([0, 4, 10], device))  # equal values, another tensor: read on its own
+    assert len(reads) == 3
+    problem(cu_seqlens_tensor([0, 4, 10], device))  # made from host values: nothing to read
+    assert len(reads) == 3
 
 
 def test_varlen_empty_sequences_accepted(device):
