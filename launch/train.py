@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="total optimizer steps (a resumed run continues), or +N: N more after the resumed step",
     )  # fmt: skip
     p.add_argument(
-        "--time-limit", type=float, default=None, metavar="SECONDS",
+        "--time-limit", type=_seconds, default=None, metavar="SECONDS",
         help="stop after the step that passes SECONDS since the start; checkpoint and JSON as at --steps",
     )  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=None, help="sequences per step and replica (config)")
@@ -132,6 +132,14 @@ def _steps(text: str) -> tuple[bool, int]:
     if n < 1:
         raise argparse.ArgumentTypeError(f"--steps must be a positive count or +N, got {text!r}")
     return text.startswith("+"), n
+
+
+def _seconds(text: str) -> float:
+    """--time-limit: seconds >= 0 (0: stop after the first step)."""
+    t = float(text)
+    if not t >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"--time-limit must be a number of seconds >= 0, got {text!r}")
+    return t
 
 
 def setup_distributed(engine: str) -> torch.device:

@@ -62,6 +62,18 @@ def _train(tmp_path, *args: str) -> tuple[dict, dict, str]:
     return summary, json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_train_refuses_a_negative_time_limit(value, capsys):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import train
+
+    with pytest.raises(SystemExit):
+        train.parse_args(["--time-limit", value])
+    assert "--time-limit must be a number of seconds >= 0" in capsys.readouterr().err
+    assert train.parse_args(["--time-limit", "0"]).time_limit == 0.0
+
+
 def test_train_saves_resumes_and_summarizes(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
