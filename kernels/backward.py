@@ -13,8 +13,8 @@ the softcap's derivative 1 - tanh^2 multiplies dS (nothing extra is stored), and
 constant bias, changes only P. Both are constexpr-gated: calls without them run the plain
 kernels.
 
-On an H100/H200 at head_dim 64-256 (multiples of 8; between 64, 128 and 256 on zero-padded
-copies) a call that wants dQ and dK/dV together runs the fused Gluon kernel of
+On an H100/H200 at head_dim 64-256 (multiples of 8; between 64, 128 and 256 at the next
+build, hopper/dispatch.py) a call that wants dQ and dK/dV together runs the fused Gluon kernel of
 hopper/backward.py instead (five products per tile pair instead of seven), where
 ``uses_fused_backward`` says it can.
 """

@@ -162,39 +162,44 @@ def _compile_gluon(
 _UNIT_STRIDES = dict(q_stride=1, k_stride=1)
 
 
-def _example_descriptor(heads: int, block_rows: int, dtype: str = "bfloat16", head_dim: int = 128):
+def _example_descriptor(
+    heads: int, block_rows: int, dtype: str = "bfloat16", head_dim: int = 128, tensor_dim: int | None = None
+):
     """A TMA descriptor as a launch makes it over 1024 tokens of ``heads`` heads (the compiled
-    kernel depends on its block shape, dtype and layout, not on the sizes)."""
+    kernel depends on its block shape, dtype and layout, not on the sizes); with ``tensor_dim``
+    below head_dim, the descriptor of a head_dim between two builds (``tma.rows_descriptor``)."""
     import torch
 
     from .hopper.tma import rows_descriptor
 
-    t = torch.empty(1, 1024, heads, head_dim, dtype=getattr(torch, dtype))
-    return rows_descriptor(t, block_rows)[0]
+    t = torch.empty(1, 1024, heads, tensor_dim or head_dim, dtype=getattr(torch, dtype))
+    return rows_descriptor(t, block_rows, head_dim)[0]
 
 
 def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
     target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
-    tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES),
+    tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES), tensor_dim: int | None = None,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/backward.py's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
     ALiBi, at ``head_dim``. Masks: ``causal`` alone builds the DIAGONAL variant (aligned causal
     blocks); ``left`` (a left bound, with ``causal`` a right one too), ``varlen`` (packed
     documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one. Integer
-    arguments named in ``ones`` arrive as the constant 1 (a launch's specialization)."""
+    arguments named in ``ones`` arrive as the constant 1 (a launch's specialization). With
+    ``tensor_dim`` below head_dim: tensors of a head_dim between two builds, run at this one."""
     from .hopper import backward as hb
 
     block_m, block_n = hb.TILES[head_dim]
     masked = left or varlen or tail
     diagonal = causal and not masked
-    kv = _example_descriptor(1, block_n, head_dim=head_dim)
-    q = _example_descriptor(group, block_m, head_dim=head_dim)
-    dq = _example_descriptor(group, block_m, "float32", head_dim=head_dim)
+    kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
+    q = _example_descriptor(group, block_m, head_dim=head_dim, tensor_dim=tensor_dim)
+    dq = _example_descriptor(group, block_m, "float32", head_dim=head_dim, tensor_dim=tensor_dim)
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq)
     consts = dict(
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, VARLEN=varlen, DIAGONAL=diagonal,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, TENSOR_DIM=tensor_dim or head_dim,
+        VARLEN=varlen, DIAGONAL=diagonal,
         MASKED=masked, HAS_LEFT=left, HAS_RIGHT=causal, SOFTCAP=softcap,
         HAS_ALIBI=alibi, ACCUMULATE=accumulate, num_warps=hb.NUM_WARPS, **dict.fromkeys(ones, 1),
     )  # fmt: skip
@@ -214,17 +219,21 @@ def compile_fused_backward(
 def compile_fused_forward(
     causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
     head_dim: int = 128, window: bool = False, varlen: bool = False, target: GPUTarget = HOPPER,
+    tensor_dim: int | None = None,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/forward.py's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
     output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap, ALiBi,
-    a left window bound (``window``) and packed documents (``varlen``)."""
+    a left window bound (``window``) and packed documents (``varlen``); with ``tensor_dim`` below
+    head_dim, on tensors of a head_dim between two builds."""
     from .hopper import forward as hf
 
     block_n = hf.BLOCK_N[head_dim]
-    kv = _example_descriptor(1, block_n, head_dim=head_dim)
-    descs = dict(q_desc=_example_descriptor(group, hf.HALF_M, head_dim=head_dim), k_desc=kv, v_desc=kv)
+    kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
+    q = _example_descriptor(group, hf.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
+    descs = dict(q_desc=q, k_desc=kv, v_desc=kv)
     consts = dict(
-        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim, VARLEN=varlen,
+        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen,
         HAS_LEFT=window, HAS_RIGHT=causal, SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
     )  # fmt: skip
     pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}

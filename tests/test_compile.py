@@ -79,7 +79,9 @@ print("fits")
 # one tile loop for every mask, dQ by 32 two-wide atomic adds per thread, and 0-4 reloads.
 # (causal, group, accumulate, softcap + ALiBi, head_dim, mask, most loop spills) as measured on
 # 2026-11-24 (docs in the module); mask: "" none or DIAGONAL (causal alone), "tail" lengths not
-# multiples of the tiles, "left" a window's left bound, "varlen" packed documents.
+# multiples of the tiles, "left" a window's left bound, "varlen" packed documents; "t96"/"t192":
+# tensors of that head_dim at this build, read through (rows, heads, head_dim) descriptors (3D
+# TMA; 2026-11-25: a few spills more than the build's own, from the column masks).
 _FUSED = r"""
 import re, sys
 from ringflash.kernels.offline_compile import (
@@ -104,6 +106,11 @@ CASES = {
         (True, 4, True, False, 256, "left varlen", 2), (False, 1, False, True, 256, "varlen", 0),
         (True, 1, False, False, 256, "left strides", 6), (True, 2, True, True, 256, "left varlen ones", 6),
     ],
+    "between": [
+        (False, 1, False, False, 128, "t96", 2), (True, 4, True, False, 128, "t96", 12),
+        (True, 1, False, False, 128, "t96 left varlen", 20), (False, 4, False, False, 256, "t192", 18),
+        (True, 1, False, False, 256, "t192 varlen", 24),
+    ],
 }[sys.argv[1]]
 # "ones": every integer argument that a launch can specialize to the constant 1 (one-token
 # sequences, unit strides and offsets, a window of 1): the kernel must not reassign them.
@@ -113,15 +120,18 @@ ONES = (
     "q_start0", "k_start0", "stride_lh", "q_batch_rows",
 )
 for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
+    tensor_dim = next((int(w[1:]) for w in mask.split() if w[0] == "t" and w[1:].isdigit()), None)
+    mask = " ".join(w for w in mask.split() if not (w[0] == "t" and w[1:].isdigit()))
     k = compile_fused_backward(
         causal, group, accumulate, softcap, alibi=softcap, head_dim=head_dim, left="left" in mask,
         varlen="varlen" in mask, tail="tail" in mask,
-        ones=ONES if "ones" in mask else () if "strides" in mask else ONES[:2],
+        ones=ONES if "ones" in mask else () if "strides" in mask else ONES[:2], tensor_dim=tensor_dim,
     )
     case = (causal, group, softcap, head_dim, mask)
     ptx = k.asm["ptx"]
     regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     assert regs == [24, 240], regs
+    assert ("cp.async.bulk.tensor.3d" in ptx) == (tensor_dim is not None), case
     # One TMA reduce-add per dQ tile, or at head_dim 256 none and 32 two-wide atomic adds.
     atomic = head_dim == 256
     assert ptx.count("cp.async.bulk.commit_group") == (0 if atomic else 1), case
@@ -153,7 +163,7 @@ def ok(**kw):
     return hb.backward_supports(dataclasses.replace(base, **kw))
 assert ok() and ok(head_dim=128) and ok(head_dim=256)
 assert ok(bounds=MaskBounds(4096, 0), k_positions=TokenPositions(1, 2, -1))
-assert ok(head_dim=96) and ok(head_dim=192)  # on zero-padded copies (hopper/padding.py)
+assert ok(head_dim=96) and ok(head_dim=192)  # at the next build (dispatch.run_head_dim)
 assert not ok(head_dim=32) and not ok(head_dim=512)
 from ringflash.kernels.hopper import forward as hf
 assert all(hf.forward_supports(dataclasses.replace(base, head_dim=d)) for d in (64, 96, 128, 192, 256))
@@ -170,7 +180,8 @@ print("supports ok")
 # most a few spilled scalars in a key-tile loop (2026-11-24: 0-8 loads per tile, 20 at head_dim
 # 256 with softcap and ALiBi). Built: the most masks at
 # once (packed documents, causal window, GQA, float32 out), head_dim 256 with softcap and ALiBi
-# (64-row key tiles), head_dim 64 dense.
+# (64-row key tiles), head_dim 64 dense, and tensors of head_dim 96 and 192 at the 128 and 256
+# builds (3D TMA, zero-filled columns).
 _FORWARD = r"""
 import re
 from ringflash.kernels.offline_compile import (
@@ -181,10 +192,13 @@ for kw in (
     dict(causal=True, window=True, varlen=True, group=4, out_dtype="fp32"),
     dict(causal=True, head_dim=256, softcap=True, alibi=True),
     dict(causal=False, head_dim=64),
+    dict(causal=False, head_dim=128, tensor_dim=96, window=True, varlen=True),
+    dict(causal=True, head_dim=256, tensor_dim=192),
 ):
     k = compile_fused_forward(**kw)
     ptx = k.asm["ptx"]
     assert ("tanh.approx.f32" in ptx) == kw.get("softcap", False)
+    assert ("cp.async.bulk.tensor.3d" in ptx) == ("tensor_dim" in kw), kw
     regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {24, 240} <= regs, regs
     sass = disassemble(k)
@@ -236,7 +250,7 @@ GLUON = pytest.mark.skipif(
 
 
 @GLUON
-@pytest.mark.parametrize("cases", ["plain", "masked", "d256"])
+@pytest.mark.parametrize("cases", ["plain", "masked", "d256", "between"])
 def test_fused_backward_compiles_for_sm90(tmp_path, cases):
     assert _compile_in_subprocess(_FUSED, tmp_path, cases).strip().endswith("fused ok")
 

@@ -133,7 +133,7 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     assert fused(q=q[:, :193], k=k[:, :193], v=v[:, :193])
     assert fused(*(t[..., :64].contiguous() for t in (q, k, v)))
     assert fused(*(torch.cat([t, t], -1) for t in (q, k, v)))  # head_dim 256
-    assert fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # the 128 build, zero-padded
+    assert fused(*(t[..., :96].contiguous() for t in (q, k, v)))  # the 128 build, zero-filled by TMA
     assert not fused(*(t[..., :32].contiguous() for t in (q, k, v)))  # below every build: Triton
     assert not fused(*(t.float() for t in (q, k, v)))
     assert not fused(q=cuda_randn(1, 256, 4, D)[:, :, ::2])  # heads not packed in the token's row

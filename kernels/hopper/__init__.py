@@ -3,9 +3,9 @@
 - ``dispatch``: when they run instead of the Triton kernels (the one place that decides);
 - ``forward``, ``backward``: the attention forward and the fused backward;
 - ``spans``: which tiles a program visits (positions, windows);
-- ``padding``: head dims between their builds, on zero-padded copies;
-- ``tma``: the TMA descriptors both use.
+- ``tma``: the TMA descriptors and tile copies both use (head dims between their builds read
+  as the next build's tiles, zero-filled).
 
-Only ``dispatch`` and ``padding`` import without Gluon; the kernel modules are imported on first
+Only ``dispatch`` imports without Gluon; the kernel modules are imported on first
 use (``dispatch.hopper_module``), never under the interpreter.
 """

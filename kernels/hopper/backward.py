@@ -68,10 +68,8 @@ No ``from __future__ import annotations``: Gluon aggregates check their fields a
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -85,11 +83,10 @@ from triton.language.core import _aggregate as aggregate
 
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
-from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT
+from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
 from .forward import score_scales, tanh_approx
-from .padding import padded_backward, run_head_dim
 from .spans import count_at_or_before, first_at_or_after, query_span
-from .tma import rows_descriptor
+from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
 
 # head_dim -> (query rows per tile, key rows per program)
 TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
@@ -100,13 +97,6 @@ MAX_REGISTERS = 168
 WORKER_REGS = gl.constexpr(24)
 
 
-@builtin
-def tma_reduce_add(desc, coord, src, _semantic=None):
-    """cp.reduce.async.bulk.tensor add: shared tile ``src`` added into global at ``coord``."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
 @aggregate
 class Shared:
     """What the partitions share: descriptors, shared-memory rings (``rows_smem``: each Q/dO
@@ -114,7 +104,8 @@ class Shared:
     program's coordinates in the descriptors' (rows, heads * head_dim) views: each tensor's
     first row of this sequence (``*_row0``), the key tile's first row ``n0`` in its sequence,
     the first visible query row ``lo``, the query-tile count per head ``n_tiles``, the sequence's
-    query length ``len_q``, the first query head's column ``qcol`` and the KV head's ``kcol``."""
+    query length ``len_q``, the group's first query head ``q_head``, the KV head ``k_head`` and
+    the tensors' head_dim ``tensor_dim`` (below the build's where it lies between two builds)."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -141,16 +132,17 @@ class Shared:
     v_row: gl.tensor
     n0: gl.tensor
     lo: gl.tensor
-    qcol: gl.tensor
-    kcol: gl.tensor
+    q_head: gl.tensor
+    k_head: gl.tensor
     n_tiles: gl.tensor
     len_q: gl.tensor
+    tensor_dim: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(
         self, q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
         p_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, q_row0, do_row0, dq_row0, k_row,
-        v_row, n0, lo, qcol, kcol, n_tiles, len_q,
+        v_row, n0, lo, q_head, k_head, n_tiles, len_q, tensor_dim,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -177,10 +169,11 @@ class Shared:
         self.v_row = v_row
         self.n0 = n0
         self.lo = lo
-        self.qcol = qcol
-        self.kcol = kcol
+        self.q_head = q_head
+        self.k_head = k_head
         self.n_tiles = n_tiles
         self.len_q = len_q
+        self.tensor_dim = gl.constexpr(tensor_dim)
 
 
 @aggregate
@@ -222,8 +215,8 @@ def _load_partition(
 ):
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(p.kv_bar, 2 * p.k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(p.k_desc, [p.k_row, p.kcol], p.kv_bar, p.k_smem)
-    tma.async_copy_global_to_shared(p.v_desc, [p.v_row, p.kcol], p.kv_bar, p.v_smem)
+    load_tile(p.k_desc, p.k_row, p.k_head, p.kv_bar, p.k_smem)
+    load_tile(p.v_desc, p.v_row, p.k_head, p.kv_bar, p.v_smem)
     tile_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes
     for i in range(GROUP * p.n_tiles):
         s = i % 2
@@ -247,9 +240,8 @@ def _load_partition(
             async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
         async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, tile_bytes)
-        col = p.qcol + g * HEAD_DIM
-        tma.async_copy_global_to_shared(p.q_desc, [p.q_row0 + m0, col], bar, p.q_smem.index(s))
-        tma.async_copy_global_to_shared(p.do_desc, [p.do_row0 + m0, col], bar, p.do_smem.index(s))
+        load_tile(p.q_desc, p.q_row0 + m0, p.q_head + g, bar, p.q_smem.index(s))
+        load_tile(p.do_desc, p.do_row0 + m0, p.q_head + g, bar, p.do_smem.index(s))
 
 
 @gluon.jit
@@ -264,8 +256,7 @@ def _dq_partition(
             j = i % 2
             mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
             m0 = p.lo + (i % p.n_tiles) * BLOCK_M
-            col = p.qcol + (i // p.n_tiles) * HEAD_DIM
-            tma_reduce_add(p.dq_desc, [p.dq_row0 + m0, col], p.dq_smem.index(j))
+            reduce_add_tile(p.dq_desc, p.dq_row0 + m0, p.q_head + i // p.n_tiles, p.dq_smem.index(j))
             tma.store_wait(1)  # the previous tile's reduce has read its buffer
             mbarrier.arrive(p.dq_empty.index(1 - j), count=1, pred=i > 0)
         tma.store_wait(0)
@@ -400,15 +391,19 @@ def _add_dq(p: Shared, dq, dq_ptr, dq_stride, m0, g, MASKED: gl.constexpr, HEAD_
     """Add the float32 dQ tile ``dq`` (query rows from m0, query head g of the group) into the dQ
     buffer (dq_ptr: this group's first head at the sequence's first row; rows dq_stride apart)
     with relaxed atomic adds, rows past the sequence masked under MASKED (they may lie
-    past the tensor). The tile's first row goes through int64; offsets inside it fit in int32."""
+    past the tensor), and columns past the tensor's head_dim (zero padding) where it is below
+    the build's. The tile's first row goes through int64; offsets inside it fit in int32."""
     layout: gl.constexpr = dq.type.layout
     rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    base = dq_ptr + m0.to(gl.int64) * dq_stride + g * HEAD_DIM
+    dim: gl.constexpr = p.tensor_dim
+    base = dq_ptr + m0.to(gl.int64) * dq_stride + g * dim
     ptrs = base + (rows * dq_stride)[:, None] + cols[None, :]
     if MASKED:
-        ok = ((m0 + rows) < p.len_q)[:, None] & (cols < HEAD_DIM)[None, :]
+        ok = ((m0 + rows) < p.len_q)[:, None] & (cols < dim)[None, :]
         gl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
+    elif dim < HEAD_DIM:
+        gl.atomic_add(ptrs, dq, mask=(cols < dim)[None, :] & (rows >= 0)[:, None], sem="relaxed")
     else:
         gl.atomic_add(ptrs, dq, sem="relaxed")
 
@@ -509,9 +504,9 @@ def _fused_bwd_kernel(
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right, DQ, stride_dqs,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
-    num_warps: gl.constexpr,
+    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    ACCUMULATE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One program per (key tile, KV head, sequence). Unless MASKED, every length is a multiple of
     its tile and every pair visible, or under DIAGONAL a key at index n visible to a query at
@@ -541,10 +536,10 @@ def _fused_bwd_kernel(
     dtype: gl.constexpr = q_desc.dtype
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout(v_desc.layout))
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout(q_desc.layout))
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout(do_desc.layout))
     rows_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
     # Buffers a variant does not use stand in for ones it does not allocate.
@@ -555,7 +550,7 @@ def _fused_bwd_kernel(
     if DQ_ATOMIC:
         dq_smem = rows_smem
     else:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], tile_layout(dq_desc.layout))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -607,7 +602,7 @@ def _fused_bwd_kernel(
         t_full_hi = n_tiles
     dq_row0 = b * dq_batch_rows + q0
     if DQ_ATOMIC:
-        dq_ptr = DQ + dq_row0.to(gl.int64) * stride_dqs + hk * GROUP * HEAD_DIM
+        dq_ptr = DQ + dq_row0.to(gl.int64) * stride_dqs + hk * GROUP * TENSOR_DIM
         dq_stride = stride_dqs + zero
     else:  # unused: nothing for the compute warps to carry
         dq_ptr = 0
@@ -616,7 +611,7 @@ def _fused_bwd_kernel(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
         p_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
         b * do_batch_rows + q0, dq_row0, b * k_batch_rows + k0 + n0, b * v_batch_rows + k0 + n0, n0, lo,
-        hk * GROUP * HEAD_DIM, hk * HEAD_DIM, n_tiles, len_q,
+        hk * GROUP, hk, n_tiles, len_q, TENSOR_DIM,
     )  # fmt: skip
     mk = Mask(
         len_q, len_k, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start, k_stride + zero,
@@ -671,7 +666,9 @@ def _fused_bwd_kernel(
     dk_offs = b64 * stride_dkb + hk64 * stride_dkh + rows[:, None] * stride_dks + cols
     dv_offs = b64 * stride_dvb + hk64 * stride_dvh + rows[:, None] * stride_dvs + cols
     if MASKED:
-        ok = (offs_n < len_k)[:, None] & (cols < HEAD_DIM)
+        ok = (offs_n < len_k)[:, None] & (cols < TENSOR_DIM)
+    elif TENSOR_DIM < HEAD_DIM:  # columns past the tensors' head_dim: zero padding, not stored
+        ok = (offs_n >= 0)[:, None] & (cols < TENSOR_DIM)
     else:
         ok = None
     _store_grad(DK, dk, dk_offs, ok, ACCUMULATE)
@@ -681,7 +678,7 @@ def _fused_bwd_kernel(
 def backward_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_backward`` computes ``problem`` (the GPU, dtype and tensor layouts are the
     gate's to check, dispatch.py): head_dim 64, 128 or 256 (``TILES``) or a multiple of 8
-    between them (zero-padded, ``padding``), and every position and
+    between them (run at the next build, ``dispatch.run_head_dim``), and every position and
     window bound of magnitude below ``POSITION_LIMIT`` (int32 sums), with ALiBi below
     ``ALIBI_POSITION_LIMIT`` (float32 differences). Any lengths, packed documents, windows,
     positions, GQA/MQA, softcap and ALiBi."""
@@ -733,11 +730,8 @@ def fused_backward(
     The caller checks the rest (``backward_supports`` and the gate). Any mask the problem
     describes, a softcap and ALiBi are honoured as in the forward. dq is added to, never
     overwritten: zero it first for a plain backward. A head_dim between two builds runs the next
-    larger one on zero-padded copies (``padding``)."""
+    larger one, its tiles zero-filled past the tensors' head_dim by TMA (``tma.rows_descriptor``)."""
     head_dim = run_head_dim(problem.head_dim, TILES)
-    if head_dim != problem.head_dim:
-        args = (dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)
-        return padded_backward(fused_backward, *args, head_dim)
     varlen = problem.varlen
     if varlen:
         dout, q, k, v, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, dq, dk, dv))
@@ -748,12 +742,12 @@ def fused_backward(
             dk.zero_()
             dv.zero_()
         return
-    block_m, block_n = TILES[problem.head_dim]
-    qd, q_rows = rows_descriptor(q, block_m)
-    dod, do_rows = rows_descriptor(dout, block_m)
-    dqd, dq_rows = rows_descriptor(dq, block_m)
-    kd, k_rows = rows_descriptor(k, block_n)
-    vd, v_rows = rows_descriptor(v, block_n)
+    block_m, block_n = TILES[head_dim]
+    qd, q_rows = rows_descriptor(q, block_m, head_dim)
+    dod, do_rows = rows_descriptor(dout, block_m, head_dim)
+    dqd, dq_rows = rows_descriptor(dq, block_m, head_dim)
+    kd, k_rows = rows_descriptor(k, block_n, head_dim)
+    vd, v_rows = rows_descriptor(v, block_n, head_dim)
     dk_strides, dv_strides = list(dk.stride()[:3]), list(dv.stride()[:3])
     lse_strides = [lse.stride(0), lse.stride(1)]
     if varlen:  # one packed batch: sequences start at their cu_seqlens rows
@@ -773,7 +767,8 @@ def fused_backward(
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
         dq, dq.stride(1),
-        GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=problem.head_dim, VARLEN=varlen,
+        GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,

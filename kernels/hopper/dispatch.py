@@ -2,10 +2,19 @@
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
-and 256, and every multiple of 8 between those on zero-padded copies (padding.py).
+and 256, and every multiple of 8 between those at the next larger build (``run_head_dim``).
 Everything else, fp32, and every machine without Gluon or an sm_90 GPU
 (the interpreter included), runs the Triton kernels. ``hopper_path_ok`` holds what every
 Hopper kernel needs, each kernel's module what it adds.
+
+A head_dim between two builds (Phi-3-mini's 96, Phi-2's 80, or 192) runs the next larger one on
+the tensors as they are: TMA reads their tiles through (rows, heads, head_dim) descriptors the
+build's width wide, filling the columns past head_dim with zeros (``tma.rows_descriptor``). A
+zero column adds nothing to a score and gives zero columns of the output and of every gradient,
+which the kernels do not store. The Triton kernels round head_dim up to the next power of two
+inside their tiles (``configs.block_d``: the same 128 or 256), so the Hopper build does the same
+arithmetic at its higher rate. Below the smallest build the Triton kernels run: 32 run at 64
+would double the matrix work.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -50,6 +60,18 @@ def hopper_module(name: str) -> ModuleType | None:
 @functools.cache
 def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def run_head_dim(head_dim: int, built: Iterable[int]) -> int | None:
+    """The built head_dim a problem of ``head_dim`` runs at: itself where it is built, else the
+    smallest build above it, when head_dim is above the smallest build and a multiple of 8
+    (16-byte rows, as TMA needs). None: the Triton kernels run it."""
+    built = sorted(built)
+    if head_dim in built:
+        return head_dim
+    if head_dim % 8 or head_dim < built[0]:
+        return None
+    return next((d for d in built if d > head_dim), None)
 
 
 def enabled(variable: str) -> bool:
@@ -99,8 +121,8 @@ def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tens
     """Whether ``attention_forward`` runs the warp-specialized Hopper kernel (forward.py)
     on these q (batch, seqlen_q, heads_q, head_dim) or packed (total, heads_q, head_dim) and k/v
     tensors: where ``dispatch.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts),
-    the head_dim is one it runs (64, 128, 256, and multiples of 8 between them on zero-padded
-    copies; ``forward.forward_supports``) and
+    the head_dim is one it runs (64, 128, 256, and multiples of 8 between them at the next
+    build; ``forward.forward_supports``) and
     ``RINGFLASH_FUSED_FORWARD`` is not 0 in the environment. Its results equal the Triton
     kernel's up to float rounding."""
     if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):
@@ -115,7 +137,7 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
 
     It does where ``dispatch.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
     and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256, or a multiple of 8
-    between them on zero-padded copies; any lengths, masks and packed documents), but not
+    between them at the next build; any lengths, masks and packed documents), but not
     under ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor
     with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
     if (

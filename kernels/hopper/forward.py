@@ -42,9 +42,9 @@ from triton.language.core import _aggregate as aggregate
 
 from ..forward import LOG2E
 from ..problem import AttentionProblem
-from .padding import padded_forward, run_head_dim
+from .dispatch import run_head_dim
 from .spans import key_tiles
-from .tma import rows_descriptor
+from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
 HALF_M = BLOCK_M // 2
@@ -63,7 +63,7 @@ LOADER_REGS = gl.constexpr(24)
 def forward_supports(problem: AttentionProblem) -> bool:
     """Whether this kernel computes ``problem`` (beyond what ``dispatch.hopper_path_ok``
     checks of every Hopper kernel): its head_dim is one it is built for, or a multiple of 8
-    between two builds (run on zero-padded copies, ``padding``)."""
+    between two builds (run at the next one, ``dispatch.run_head_dim``)."""
     return run_head_dim(problem.head_dim, HEAD_DIMS) is not None
 
 
@@ -72,8 +72,9 @@ class Shared:
     """What the partitions share: descriptors, shared-memory tiles and rings with their
     mbarriers, and the program's rows/columns in the descriptors' (rows, heads * head_dim)
     views: the query tile's first row ``q_row``, the sequence's first key row ``k_row0``/
-    ``v_row0``, the query head's column ``qcol``, the KV head's ``kcol``; the key tiles walked,
-    ``n_tiles`` of them from tile ``t_last`` down."""
+    ``v_row0``, the query head ``q_head``, the KV head ``k_head``; the key tiles walked,
+    ``n_tiles`` of them from tile ``t_last`` down; the tensors' head_dim ``tensor_dim`` (below the
+    build's where it lies between two builds)."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -89,15 +90,16 @@ class Shared:
     q_row: gl.tensor
     k_row0: gl.tensor
     v_row0: gl.tensor
-    qcol: gl.tensor
-    kcol: gl.tensor
+    q_head: gl.tensor
+    k_head: gl.tensor
     t_last: gl.tensor
     n_tiles: gl.tensor
+    tensor_dim: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(
         self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        q_row, k_row0, v_row0, qcol, kcol, t_last, n_tiles,
+        q_row, k_row0, v_row0, q_head, k_head, t_last, n_tiles, tensor_dim,
     ):  # fmt: skip
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -113,10 +115,11 @@ class Shared:
         self.q_row = q_row
         self.k_row0 = k_row0
         self.v_row0 = v_row0
-        self.qcol = qcol
-        self.kcol = kcol
+        self.q_head = q_head
+        self.k_head = k_head
         self.t_last = t_last
         self.n_tiles = n_tiles
+        self.tensor_dim = gl.constexpr(tensor_dim)
 
 
 @aggregate
@@ -251,7 +254,7 @@ def _load_partition(p: Shared, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     for w in gl.static_range(2):
         bar = p.q_bar.index(w)
         mbarrier.expect(bar, p.q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(p.q_desc, [p.q_row + w * HALF_M, p.qcol], bar, p.q_smem.index(w))
+        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(w))
     tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
     for i in range(p.n_tiles):
         s = i % 2
@@ -260,11 +263,11 @@ def _load_partition(p: Shared, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
         mbarrier.wait(p.k_empty.index(s), ((i // 2) & 1) ^ 1)
         bar = p.k_ready.index(s)
         mbarrier.expect(bar, tile_bytes)
-        tma.async_copy_global_to_shared(p.k_desc, [p.k_row0 + n0, p.kcol], bar, p.k_smem.index(s))
+        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.k_smem.index(s))
         mbarrier.wait(p.v_empty.index(s), ((i // 2) & 1) ^ 1)
         bar = p.v_ready.index(s)
         mbarrier.expect(bar, tile_bytes)
-        tma.async_copy_global_to_shared(p.v_desc, [p.v_row0 + n0, p.kcol], bar, p.v_smem.index(s))
+        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.v_smem.index(s))
 
 
 @gluon.jit
@@ -401,7 +404,10 @@ def _compute_partition(
     rows_o = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     offs = o_off + rows_o.to(gl.int64)[:, None] * stride_os + cols_o[None, :]
-    gl.store(O + offs, out.to(O.dtype.element_ty), mask=(rows_o < rows_left)[:, None])
+    keep = (rows_o < rows_left)[:, None]
+    if p.tensor_dim < HEAD_DIM:  # columns past the tensors' head_dim: zero padding, not stored
+        keep = keep & (cols_o < p.tensor_dim)[None, :]
+    gl.store(O + offs, out.to(O.dtype.element_ty), mask=keep)
     # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
@@ -415,7 +421,7 @@ def _fused_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
     ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     # Causal: the heaviest query tiles (the last) are launched first.
@@ -457,9 +463,9 @@ def _fused_fwd_kernel(
     )
     n_tiles = gl.where(rows_left > 0, t_hi - t_lo, 0)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], tile_layout(q_desc.layout))
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_layout(v_desc.layout))
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -474,7 +480,7 @@ def _fused_fwd_kernel(
 
     p = Shared(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        q_row0 + m0, k_row0, v_row0, h * HEAD_DIM, hk * HEAD_DIM, t_hi - 1, n_tiles,
+        q_row0 + m0, k_row0, v_row0, h, hk, t_hi - 1, n_tiles, TENSOR_DIM,
     )  # fmt: skip
     h64 = h.to(gl.int64)
     o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + (q_first + m0).to(gl.int64) * stride_os
@@ -573,16 +579,15 @@ def fused_forward(
     unit stride in the sequence. Any lengths, window and positions (``problem.bounds``,
     ``q_positions``/``k_positions``); a softcap (``problem.softcap``) is applied to the scaled
     scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions.
-    A head_dim between two builds runs the next larger one on zero-padded copies."""
+    A head_dim between two builds runs the next larger one, its tiles zero-filled past the
+    tensors' head_dim by TMA (``tma.rows_descriptor``)."""
     head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
-    if head_dim != problem.head_dim:
-        return padded_forward(fused_forward, q, k, v, problem, out, lse, head_dim)
     varlen = problem.varlen
     q4, k4, v4, o4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v, out))
-    block_n = BLOCK_N[problem.head_dim]
-    qd, q_rows = rows_descriptor(q4, HALF_M)
-    kd, k_rows = rows_descriptor(k4, block_n)
-    vd, v_rows = rows_descriptor(v4, block_n)
+    block_n = BLOCK_N[head_dim]
+    qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
+    kd, k_rows = rows_descriptor(k4, block_n, head_dim)
+    vd, v_rows = rows_descriptor(v4, block_n, head_dim)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     grid = ((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch)
     bounds = problem.bounds
@@ -593,7 +598,8 @@ def fused_forward(
         qd, kd, vd, out, lse, cu_q, cu_k, problem.max_seqlen_q, problem.max_seqlen_k, q_rows, k_rows, v_rows,
         *o4.stride()[:3], *lse_strides, *score_scales(problem), slopes, *problem.position_args(),
         bounds.left or 0, bounds.right or 0,
-        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=problem.head_dim, VARLEN=varlen,
+        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         HAS_LEFT=bounds.left is not None, HAS_RIGHT=bounds.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,

@@ -4,10 +4,20 @@ A (batch, seqlen, heads, head_dim) tensor is seen as a 2D (rows, heads * head_di
 i of sequence b is row ``b * batch_rows + i`` and head h's columns start at ``h * head_dim``.
 Slices along the sequence (the ring's shards) need no copy, as long as heads are packed in
 each token's row.
+
+A head_dim between two builds (96 under the 128 build, 192 under 256) is read through a 3D
+(rows, heads, head_dim) descriptor whose blocks are the build's width: TMA fills the columns past
+the tensor's head_dim with zeros on loads and drops them on reduce-adds, so the kernels run the
+build on the tensors as they are, with no zero-padded copies. A zero column adds nothing to a
+score and gives zero columns of the output and gradients, which the kernels do not store.
 """
 
 import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
@@ -15,16 +25,71 @@ def gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
-def rows_descriptor(t: torch.Tensor, block_rows: int) -> tuple[TensorDescriptor, int]:
+def rows_descriptor(
+    t: torch.Tensor, block_rows: int, build_dim: int | None = None
+) -> tuple[TensorDescriptor, int]:
     """A TMA descriptor over ``t`` (batch, seqlen, heads, head_dim) as (rows, heads * head_dim)
-    with (block_rows, head_dim) blocks; returns it and batch_rows."""
+    with (block_rows, head_dim) blocks, or with ``build_dim`` > head_dim as (rows, heads, head_dim)
+    with (block_rows, 1, build_dim) blocks (columns past head_dim read as zeros); returns it and
+    batch_rows."""
     batch, seqlen, heads, head_dim = t.shape
     batch_rows = t.stride(0) // t.stride(1)
     rows = (batch - 1) * batch_rows + seqlen
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype(t.dtype))
-    return TensorDescriptor(
-        t, [rows, heads * head_dim], [t.stride(1), 1], [block_rows, head_dim], layout
-    ), batch_rows
+    if build_dim is None or build_dim == head_dim:
+        layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype(t.dtype))
+        return TensorDescriptor(
+            t, [rows, heads * head_dim], [t.stride(1), 1], [block_rows, head_dim], layout
+        ), batch_rows
+    block = [block_rows, 1, build_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t.dtype))
+    return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], block, layout), batch_rows
+
+
+@gluon.constexpr_function
+def by_head(layout) -> bool:
+    """Whether a descriptor of this layout is a (rows, heads, head_dim) one (``rows_descriptor``)."""
+    return layout.rank == 3
+
+
+@gluon.constexpr_function
+def tile_layout(layout):
+    """The shared layout of a descriptor's tile as the kernels hold it, (rows, build head_dim):
+    a (rows, heads, head_dim) descriptor's (rows, 1, build) block has the same bytes and swizzle."""
+    if layout.rank == 2:
+        return layout
+    return gl.NVMMASharedLayout(
+        swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=layout.element_bitwidth, rank=2
+    )
+
+
+@gluon.jit
+def load_tile(desc, row, head, bar, smem):
+    """TMA copy of the rows from ``row`` of head ``head`` (a block of desc's rows, the build's
+    head_dim wide) into the 2D tile ``smem``, completing on ``bar``."""
+    if by_head(desc.layout):
+        tile = smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+        tma.async_copy_global_to_shared(desc, [row, head, 0], bar, tile)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, head * smem.shape[1]], bar, smem)
+
+
+@builtin
+def tma_reduce_add(desc, coord, src, _semantic=None):
+    """cp.reduce.async.bulk.tensor add: shared tile ``src`` added into global at ``coord``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def reduce_add_tile(desc, row, head, smem):
+    """TMA reduce-add of the 2D tile ``smem`` into the rows from ``row`` of head ``head``;
+    columns past the tensor's head_dim are dropped."""
+    if by_head(desc.layout):
+        tma_reduce_add(
+            desc, [row, head, 0], smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+        )
+    else:
+        tma_reduce_add(desc, [row, head * smem.shape[1]], smem)
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
