@@ -188,6 +188,8 @@ _HOST_COPIES: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
 
 
 def _remember(cu: torch.Tensor, values: tuple[int, ...]) -> None:
+    if cu.is_inference():  # no version counter to tell an in-place write: read on every call
+        return
     key = id(cu)
 
     def forget(ref: weakref.ref) -> None:
@@ -206,8 +208,9 @@ def cu_seqlens_host(cu: torch.Tensor) -> tuple[int, ...]:
     tokens at head_dim 64 ran their forward at 0.69x the same problem as a dense batch, the
     kernels' own times equal). The values only validate the call (the kernels read the tensor
     itself). An in-place write through torch bumps the version counter and reads them again; a
-    write that bypasses torch (a raw-pointer kernel) is not seen."""
-    hit = _HOST_COPIES.get(id(cu))
+    write that bypasses torch (a raw-pointer kernel) is not seen. Inference tensors (made under
+    ``torch.inference_mode``) have no version counter and are read on every call."""
+    hit = None if cu.is_inference() else _HOST_COPIES.get(id(cu))
     if hit is not None and hit[0]() is cu and hit[1] == cu._version:
         return hit[2]
     values = tuple(cu.tolist())

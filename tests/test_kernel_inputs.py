@@ -449,6 +449,19 @@ def test_cu_seqlens_read_back_once_per_tensor_and_version(device, monkeypatch):
     assert len(reads) == 3
 
 
+def test_cu_seqlens_made_under_inference_mode(device):
+    """Inference tensors have no version counter: validated on every call, not remembered."""
+    q, k, v = (t[0] for t in _qkv(device, s=10))
+    with torch.inference_mode():
+        for cu in (_cu([0, 4, 10], device), cu_seqlens_tensor([0, 4, 10], device)):
+            for _ in range(2):
+                kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+                assert build_problem(q, k, v, None, True, (-1, -1), **kw).batch == 2
+            cu[2] = 9
+            with pytest.raises(ValueError, match=r"must start at 0, never decrease and end at 10"):
+                build_problem(q, k, v, None, True, (-1, -1), **kw)
+
+
 def test_varlen_empty_sequences_accepted(device):
     """Equal consecutive cu_seqlens entries are empty sequences, on either side."""
     q, k, v = (t[0] for t in _qkv(device, s=10))
