@@ -17,8 +17,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_attention import measure
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from bench_attention import make_runner, measure
 
 import ringflash
 
@@ -26,28 +25,18 @@ HEADS = 16
 TOKENS = 65536
 
 
-def _rand(shape):
-    return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-
 def row(d: int, build: int, n: int, causal: bool) -> str:
     b = TOKENS // n
     flops = 4 * b * HEADS * n * n * d * (0.5 if causal else 1)
-    q, k, v = (_rand((b, n, HEADS, d)) for _ in range(3))
-    res = {"in-place": measure(lambda: ringflash.flash_attn_func(q, k, v, causal=causal), (q, k, v), flops)}
+    in_place, (q, k, v) = make_runner("ringflash", b, n, HEADS, d, causal, HEADS)
+    res = {"in-place": measure(in_place, (q, k, v), flops)}
 
     def copies():
         qp, kp, vp = (F.pad(t, (0, build - d)) for t in (q, k, v))
         return ringflash.flash_attn_func(qp, kp, vp, softmax_scale=d**-0.5, causal=causal)[..., :d]
 
     res["copies"] = measure(copies, (q, k, v), flops)
-    qc, kc, vc = (_rand((b, HEADS, n, d)) for _ in range(3))
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)
-
-    res["cudnn"] = measure(cudnn, (qc, kc, vc), flops)
+    res["cudnn"] = measure(*make_runner("cudnn", b, n, HEADS, d, causal, HEADS), flops)
     cells = " | ".join(f"{r['fwd']:.0f} / {r['bwd']:.0f} / {r['fwd_bwd']:.0f}" for r in res.values())
     ours, pad, ref = res["in-place"], res["copies"], res["cudnn"]
     return (
