@@ -20,7 +20,7 @@ import triton
 
 from ringflash.kernels.infini import memory, retrieval
 
-CONFIGS = [*itertools.product([32, 64, 128], [4, 8], [2, 3]), (32, 8, 1), (64, 8, 1)]
+CONFIGS = [*itertools.product([32, 64, 128], [4, 8], [2, 3]), (32, 8, 1), (64, 8, 1), (16, 4, 2), (16, 4, 3)]
 
 
 def kernel_calls(seqlen: int, heads: int, segment: int) -> dict:

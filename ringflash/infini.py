@@ -19,12 +19,15 @@ Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s))
 all segments at once by one kernel, and the memory before each segment is an exclusive scan over
 segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
 the gate for every token (``kernels/infini/memory.py``, ``kernels/infini/retrieval.py``: bf16
-inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). The
-backward rebuilds the memories from k and v instead of keeping them, so what stays for the
-backward is the inputs, the local attention's output and LSE, and z before each segment
-(``infini_memory_bytes``). On one device the local attention runs inside the same autograd
-Function (``_GatedMemory``): its backward adds into the memory path's dq, dk, dv and takes its
-delta from the retrieval's backward pass, so no separate sums of two gradients are made.
+inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). What
+stays for the backward is the inputs, the local attention's output and LSE, z before each
+segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
+v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward
+rebuilds them from k and v (``infini_memory_bytes``). On one device the local attention runs
+inside the same autograd Function (``_GatedMemory``): its backward adds into the memory path's
+dq, dk, dv, runs on the output gradient itself with its delta from the retrieval's backward pass
+and its LSE shifted by -log(1 - gate) (which scales its gradients by 1 - gate), so neither the
+local attention's output gradient nor sums of two gradients are made.
 Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
 sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
 pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
@@ -209,17 +212,36 @@ def _delta_relay(
     return (out, final) if return_memory else out
 
 
+# The linear rule's forward keeps the memories before each segment (in the products' operand
+# dtype) for the backward, which then makes no second pass over k and v, when they take at most
+# this share of the bytes of q, k, v and out; above it the backward rebuilds them.
+KEPT_MEMORIES_SHARE = 0.01
+
+
 def infini_memory_bytes(
     batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, update: str = "linear",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, heads: int | None = None, dtype: torch.dtype = torch.bfloat16,
 ) -> int:  # fmt: skip
-    """Bytes of float32 memory state that the forward keeps for the backward: z before each
-    segment (batch x segments x kv_heads x head_dim x 4), whose backward rebuilds M from k and v;
-    under the delta rule with ``sequence_parallel`` (a group of more than one rank) also M and
-    A before each segment (x (2 head_dim + 1)), which the recurrence's own autograd Function
-    keeps."""
-    per_segment = head_dim * (2 * head_dim + 1) if update == "delta" and sequence_parallel else head_dim
-    return 4 * batch * -(-seqlen // segment_len) * kv_heads * per_segment
+    """Bytes of memory state that the forward keeps for the backward: z before each segment
+    (float32, batch x segments x kv_heads x head_dim x 4); with the linear rule also M before
+    each segment (bf16 for bf16 inputs, else float32) when that is at most KEPT_MEMORIES_SHARE
+    of the bytes of q, k, v and out (``heads`` query heads, default kv_heads, in ``dtype``),
+    else the backward rebuilds M from k and v; under the delta rule with ``sequence_parallel``
+    (a group of more than one rank) M and A before each segment (float32, x (2 head_dim + 1)),
+    which the recurrence's own autograd Function keeps."""
+    z_bytes = 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim
+    if update == "delta":
+        return z_bytes * (2 * head_dim + 1) if sequence_parallel else z_bytes
+    heads = heads or kv_heads
+    return z_bytes + _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
+
+
+def _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
+    """Bytes of the linear rule's memories before each segment if the forward keeps them, else 0."""
+    n_seg = -(-seqlen // segment_len)
+    matrices = batch * n_seg * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
+    activations = 2 * batch * seqlen * (heads + kv_heads) * head_dim * dtype.itemsize
+    return matrices if matrices <= KEPT_MEMORIES_SHARE * activations else 0
 
 
 def _check_inputs(q, k, v, beta, segment_len, update) -> None:
@@ -356,14 +378,15 @@ class _GatedMemory(torch.autograd.Function):
     ``rule`` "linear" or "delta" (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and
     (B, Hk, D)): the memories before the segments come from k and v by that rule (the linear
     rule's per-segment updates ``updates`` if given, detached), and the outputs are (out, M after
-    the call, z after it); the backward rebuilds the M's from k and v instead of keeping them, so
-    only the z's stay. ``rule`` "given" (``m``, ``z``: the memories before each segment, (B,
-    n_seg, Hk, D, D) and (B, n_seg, Hk, D), the delta rule under a group): the output is out, and m, z
-    get their gradients.
+    the call, z after it); the z's stay for the backward, and the linear rule's M's too when
+    they are small (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
+    ``rule`` "given" (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D) and
+    (B, n_seg, Hk, D), the delta rule under a group): the output is out, and m, z get their
+    gradients.
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
-    memory path's dq, dk, dv and the local attention's backward adds into them, with its delta
-    from the retrieval's backward pass."""
+    memory path's dq, dk, dv and the local attention's backward adds into them, run on dout with
+    its delta from the retrieval's backward pass and its LSE shifted by the gate."""
 
     @staticmethod
     def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates, rule):
@@ -383,7 +406,10 @@ class _GatedMemory(torch.autograd.Function):
             z_before, z_final = memory_scan(dz, z, torch.float32)
         else:
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
-        ctx.save_for_backward(q, k, v, local, lse, gate, m, z_before)
+        b, s, heads, d = q.shape
+        kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
+        ctx.kept = rule == "linear" and kept_bytes > 0
+        ctx.save_for_backward(q, k, v, local, lse, gate, m_before if ctx.kept else m, z_before)
         out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
         return out, m_final, z_final
 
@@ -393,8 +419,10 @@ class _GatedMemory(torch.autograd.Function):
         seg, matrix_dtype = ctx.segment_len, operand_dtype(q.dtype)
         if dout is None:
             dout = torch.zeros_like(q)
+        elif ctx.fused_local:
+            dout = dout.contiguous()  # the local attention's backward reads it as its dO, flattened
         if ctx.rule == "linear":
-            m_before = memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
+            m_before = m if ctx.kept else memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
         elif ctx.rule == "delta":
             gram = memory_gram(k, z_before, seg)
             m_before = delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
@@ -422,9 +450,13 @@ class _GatedMemory(torch.autograd.Function):
             flat, problem = _local_problem(q, k, v, seg, ctx.scale)
             if dk is None:
                 dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dlocal, dq, dk, dv)]
+            # The local attention's backward runs on dout itself (dlocal = (1 - gate) dout is
+            # never made): its LSE shifted by -log(1 - gate) scales the probabilities it
+            # recomputes, and so every gradient, by 1 - gate.
+            lse = lse - torch.log1p(-gate)[:, None]
+            grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dout, dq, dk, dv)]
             attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
-            dq, dlocal = dq.to(q.dtype), None
+            dq = dq.to(q.dtype)
         return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
 
 

@@ -17,7 +17,7 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, rel_err
 
 import ringflash
-from ringflash import comm
+from ringflash import comm, infini
 from ringflash.kernels.infini import delta as infini_delta
 from ringflash.kernels.infini import memory as infini_memory
 
@@ -123,6 +123,48 @@ def test_programs_over_whole_segments_of_several_row_blocks(monkeypatch, device,
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("head_dim", [16, 12])  # 12: the local attention outside _GatedMemory
+def test_saturated_gates(device, head_dim):
+    """beta 40 is a gate of exactly 1 in float32: the local attention's backward, run on dout
+    with its LSE shifted by -log(1 - gate) = +inf, must give zero gradients, not NaN; beta -40
+    leaves the local attention alone."""
+    q, k, v, _, dout = _inputs(1, 40, 2, 1, head_dim, torch.float32, seed=3)
+    beta = torch.tensor([40.0, -40.0])
+    assert torch.sigmoid(beta)[0] == 1.0
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    out = ringflash.infini_attention(q, k, v, beta, 16)
+    out.backward(dout)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, _ = infini_reference(*ref, 16, "linear")
+    ref_out.backward(dout.double().cpu())
+    _check("out", out, ref_out, TOLERANCE[torch.float32])
+    for name, got, want in zip(("dq", "dk", "dv"), (q, k, v), ref):
+        _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
+    assert torch.isfinite(beta.grad).all()
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])  # memories rebuilt by the backward, or kept
+def test_linear_memories_kept_or_rebuilt(monkeypatch, device, share):
+    """The linear rule's forward keeps the memories before each segment when they are at most
+    KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass."""
+    monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", share)
+    calls = []
+    updates = infini.memory_updates
+    monkeypatch.setattr(infini, "memory_updates", lambda *a: calls.append(1) or updates(*a))
+    q, k, v, beta, dout = _inputs(1, 40, 2, 1, 16, torch.float32, seed=13)
+    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
+    ringflash.infini_attention(q, k, v, beta, 16).backward(dout)
+    assert len(calls) == (1 if share else 2)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    ref_out, _ = infini_reference(*ref, 16, "linear")
+    ref_out.backward(dout.double().cpu())
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+        _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
+    z_bytes = 4 * 3 * 16  # float32 z before each of 3 segments, one kv head
+    kept = infini.infini_memory_bytes(1, 1, 16, 40, 16, heads=2, dtype=torch.float32)
+    assert kept == z_bytes + (3 * 16 * 16 * 4 if share else 0)
+
+
 @pytest.mark.parametrize("state", ["registers", "global"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype, state):
@@ -169,8 +211,8 @@ def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtyp
 # and lengths with the divisible-by-16 hint a launch gives them (which lets Triton pipeline the
 # row loops: without it, head_dim 256's retrieval needs 48 KB of shared memory, with it and 3
 # stages 304 KB, a launch failure). They fit shared memory; up to head_dim 128 they spill at most
-# 512 B (the tuned head_dim-128 retrieval backward spills 260-328 B and ran fastest; docs/
-# experiments.md 25, 26).
+# 512 B (the tuned head_dim-128 retrieval backward, which also sums the memory's gradient,
+# spills 372 B and ran fastest; docs/experiments.md 26, 30).
 _INFINI_SM90 = r"""
 import torch, triton
 from ringflash.kernels.infini import delta, memory, retrieval
@@ -208,8 +250,10 @@ for d in (64, 128, 256):
     t = memory.tiles(d, torch.bfloat16, memory.column_tile(d), rows, "retrieval")
     build(retrieval._retrieval_kernel, t, GROUP=2)
     t = memory.tiles(d, torch.bfloat16, memory.column_tile(d), 32, "retrieval_backward")
-    build(retrieval._retrieval_backward_kernel, t, GROUP=2, LOCAL_DELTA=True)
-    build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
+    one_pass = t["BLOCK_N"] == t["BLOCK_D"]  # the memory's gradient in the same pass
+    build(retrieval._retrieval_backward_kernel, t, GROUP=2, LOCAL_DELTA=True, STATE=one_pass)
+    if not one_pass:
+        build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
     for transpose in (False, True):
         t = delta.scan_tiles(d, torch.bfloat16)
         build(delta._delta_scan_kernel, t, HAS_INIT=True, TRANSPOSE=transpose)

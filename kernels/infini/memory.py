@@ -272,14 +272,16 @@ SCAN_SEGMENTS, SCAN_BLOCK = 16, 256
 # (rows per block, warps, pipeline stages) per kernel at head_dim 128, from a sweep of 17
 # configurations on an H200 at 1M tokens, segment 2048, 8 heads, bf16 (launch/tune_infini.py,
 # docs/experiments.md §26): 1.2-1.7x faster than 8 warps and 3 stages everywhere but the Gram
-# gradient pass ("gram_backward"), which keeps them. Kernels not named here keep the defaults.
+# gradient pass ("gram_backward"), which keeps them. The retrieval's backward, which sums the
+# memory's gradient in the same pass since, was swept again on an H100 (§30): 64 rows, 8 warps
+# and 2 stages 7.9 ms, 4 warps 13-23 ms. Kernels not named here keep the defaults.
 TUNED_HEAD_DIM_128 = {
     "updates": (64, 4, 3),
     "gram": (32, 8, 1),
     "updates_backward": (64, 4, 2),
     "gram_den": (32, 4, 3),
     "retrieval": (64, 8, 1),
-    "retrieval_backward": (64, 4, 2),
+    "retrieval_backward": (64, 8, 2),
 }
 
 

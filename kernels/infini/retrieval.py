@@ -82,75 +82,93 @@ def _retrieval_kernel(
 
 @triton.jit
 def _retrieval_backward_kernel(
-    Q, LOCAL, DOUT, DQ, DLOCAL, M, Z, GATE, INV, GDEN, GGATE, DELTA,
+    Q, LOCAL, DOUT, DQ, DLOCAL, M, Z, GATE, INV, GDEN, GGATE, DELTA, GM, GZ,
     seqlen, n_seg, segment_len, chunk, heads, kv_heads,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_ls, stride_lh, stride_gb, stride_gs, stride_gh,
     stride_dqb, stride_dqs, stride_dqh, stride_dlb, stride_dls, stride_dlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, LOW_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LOCAL_DELTA: tl.constexpr,
+    LOCAL_DELTA: tl.constexpr, STATE: tl.constexpr,
 ):  # fmt: skip
-    """One (row chunk, segment, query head): dq, dlocal = (1 - gate) dout, this chunk's part of
-    the gate's gradient, per row 1 / den and d den for the memory-gradient pass, and with
-    LOCAL_DELTA the local attention's backward delta, rowsum(dlocal * local), laid out as its
-    varlen LSE (heads, batch * seqlen)."""
+    """One (row chunk, segment, kv head), for each query head of its group: dq and this chunk's
+    part of the gate's gradient; dlocal = (1 - gate) dout, or with LOCAL_DELTA instead the
+    delta of a local attention's backward run on dout itself, rowsum(dout * local), laid out
+    as its varlen LSE (heads, batch * seqlen). With STATE (all columns in one block) also this
+    chunk's part of the gradients of the memory before the segment, summed over the group,
+    into GM, GZ (chunks, batch * segments, kv_heads, head_dim[, head_dim]); without it, per row
+    1 / den and d den for ``_retrieval_state_backward_kernel``."""
     pid_c = tl.program_id(0)
     pid_bs = tl.program_id(1)
-    h = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
     b, lo, hi = _row_chunk(pid_c, pid_bs, n_seg, segment_len, chunk, seqlen)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    state = pid_bs.to(tl.int64) * kv_heads + h // GROUP
+    state = pid_bs.to(tl.int64) * kv_heads + kvh
     m_base = M + state * HEAD_DIM * HEAD_DIM
     z = tl.load(Z + state * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    gate = tl.load(GATE + h)
     if BLOCK_N == BLOCK_D:
         m_all = _load_state(m_base, offs_d, offs_d, HEAD_DIM, LOW_PRECISION)
-    gate_grad = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * (A - local)
-    for t0 in range(lo, hi, BLOCK_M):
-        rows = t0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < hi
-        rows64 = rows[:, None].to(tl.int64)
-        queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
-        den = tl.sum(queries * z[None, :], 1)
-        queries_op = _operand(queries, LOW_PRECISION)
-        inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
-        dqueries = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        dout_a = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * A
-        dout_local = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * local
-        for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-            if BLOCK_N == BLOCK_D:
-                m = m_all
+    if STATE:
+        gm = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+        gz = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        gate = tl.load(GATE + h)
+        gate_grad = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * (A - local)
+        for t0 in range(lo, hi, BLOCK_M):
+            rows = t0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < hi
+            rows64 = rows[:, None].to(tl.int64)
+            q_base = Q + b * stride_qb + h * stride_qh
+            queries = _load_sigma(q_base, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
+            den = tl.sum(queries * z[None, :], 1)
+            inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+            # dout M^T gives both dq's product and, with sigma(Q), rowsum(dout * A): the
+            # retrieval's sigma(Q) M is not formed again.
+            dproj = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            dout_local = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * local
+            for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+                if BLOCK_N == BLOCK_D:
+                    m = m_all
+                else:
+                    m = _load_state(m_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
+                local_ptrs = LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :]
+                local = tl.load(local_ptrs, mask=mask, other=0.0).to(tl.float32)
+                g_ptrs = DOUT + b * stride_gb + h * stride_gh + rows64 * stride_gs + cols[None, :]
+                dout = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+                if not LOCAL_DELTA:
+                    dl_ptrs = DLOCAL + b * stride_dlb + h * stride_dlh + rows64 * stride_dls + cols[None, :]
+                    tl.store(dl_ptrs, ((1.0 - gate) * dout).to(DLOCAL.dtype.element_ty), mask=mask)
+                dout_local += tl.sum(dout * local, 1)
+                dproj = _dot(dout, tl.trans(m), dproj, LOW_PRECISION, DOT_PRECISION)
+                if STATE:
+                    dnum = dout * (gate * inv)[:, None]  # d num, num = sigma(Q) M
+                    gm = _dot(tl.trans(queries), dnum, gm, LOW_PRECISION, DOT_PRECISION)
+            dout_a = tl.sum(queries * dproj, 1) * inv  # sum over columns of dout * A
+            gden = -gate * dout_a * inv  # d/d den of num / den = -(dA . A) / den
+            dqueries = dproj * (gate * inv)[:, None] + gden[:, None] * z[None, :]
+            dq = dqueries * _sigma_grad(queries)
+            dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64 * stride_dqs + offs_d[None, :]
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            if STATE:
+                gz += tl.sum(queries * gden[:, None], 0)
             else:
-                m = _load_state(m_base, offs_d, cols, HEAD_DIM, LOW_PRECISION)
-            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            a = _dot(queries_op, m, zero, LOW_PRECISION, DOT_PRECISION) * inv[:, None]
-            local_ptrs = LOCAL + b * stride_lb + h * stride_lh + rows64 * stride_ls + cols[None, :]
-            local = tl.load(local_ptrs, mask=mask, other=0.0).to(tl.float32)
-            g_ptrs = DOUT + b * stride_gb + h * stride_gh + rows64 * stride_gs + cols[None, :]
-            dout = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-            dl_ptrs = DLOCAL + b * stride_dlb + h * stride_dlh + rows64 * stride_dls + cols[None, :]
-            tl.store(dl_ptrs, ((1.0 - gate) * dout).to(DLOCAL.dtype.element_ty), mask=mask)
-            dout_a += tl.sum(dout * a, 1)
-            dout_local += tl.sum(dout * local, 1)
-            dnum = dout * (gate * inv)[:, None]
-            dqueries = _dot(dnum, tl.trans(m), dqueries, LOW_PRECISION, DOT_PRECISION)
-        gden = -gate * dout_a * inv  # d/d den of num / den = -(dA . A) / den
-        dqueries += gden[:, None] * z[None, :]
-        dq = dqueries * _sigma_grad(queries)
-        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64 * stride_dqs + offs_d[None, :]
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        row_idx = (b * heads + h) * seqlen + rows
-        tl.store(INV + row_idx, inv, mask=row_ok)
-        tl.store(GDEN + row_idx, gden, mask=row_ok)
-        gate_grad += tl.where(row_ok, dout_a - dout_local, 0.0)
-        if LOCAL_DELTA:
-            tl.store(DELTA + h * (tl.num_programs(1) // n_seg) * seqlen + b * seqlen + rows,
-                     (1.0 - gate) * dout_local, mask=row_ok)  # fmt: skip
-    n_c = tl.num_programs(0)
-    tl.store(GGATE + (pid_bs.to(tl.int64) * heads + h) * n_c + pid_c, tl.sum(gate_grad, 0))
+                row_idx = (b * heads + h) * seqlen + rows
+                tl.store(INV + row_idx, inv, mask=row_ok)
+                tl.store(GDEN + row_idx, gden, mask=row_ok)
+            gate_grad += tl.where(row_ok, dout_a - dout_local, 0.0)
+            if LOCAL_DELTA:
+                tl.store(DELTA + h * (tl.num_programs(1) // n_seg) * seqlen + b * seqlen + rows, dout_local,
+                         mask=row_ok)  # fmt: skip
+        n_c = tl.num_programs(0)
+        tl.store(GGATE + (pid_bs.to(tl.int64) * heads + h) * n_c + pid_c, tl.sum(gate_grad, 0))
+    if STATE:
+        part = pid_c * tl.num_programs(1) * kv_heads + state
+        gm_ptrs = GM + (part * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(gm_ptrs, gm, mask=d_ok[:, None] & d_ok[None, :])
+        tl.store(GZ + part * HEAD_DIM + offs_d, gz, mask=d_ok)
 
 
 @triton.jit
@@ -229,38 +247,47 @@ def memory_retrieval_backward(
     dout: torch.Tensor,
     local_delta: torch.Tensor | None = None,
     dq_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``memory_retrieval``: (dq (in ``dq_dtype``, default q's), dlocal, dgate
     (heads,) float32, d m_before, d z_before (float32, m_before's and z_before's shapes)).
-    ``local_delta`` (heads, batch * seqlen) float32, contiguous, if given, receives
-    rowsum(dlocal * local): the delta of the local attention's backward (the varlen layout of
-    its LSE), without another pass over local."""
+
+    ``local_delta`` (heads, batch * seqlen) float32, contiguous: if given, dlocal = (1 - gate)
+    dout is not written (None is returned) and local_delta receives rowsum(dout * local) instead.
+    An attention backward run on dout itself, with that delta and its LSE shifted by
+    -log(1 - gate) per head, gives the local attention's gradients for dlocal: the shift scales
+    its probabilities, and with them every gradient, by 1 - gate."""
     q, local, dout = (last_dim_contiguous(t) for t in (q, local, dout))
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     z_before, gate = z_before.float().contiguous(), gate.float().contiguous()
     dq = torch.empty(q.shape, device=q.device, dtype=dq_dtype or q.dtype)
-    dlocal = torch.empty_like(local)
-    inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
-    gden = torch.empty_like(inv)
+    dlocal = None if local_delta is not None else torch.empty_like(local)
     t = tiles(d, q.dtype, column_tile(d), 32, "retrieval_backward")
-    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * heads, t["BLOCK_M"])
+    # All columns in one block: the memory's gradient is summed in the same pass (q and dout
+    # read once); wider heads have a separate pass over them.
+    one_pass = t["BLOCK_N"] == t["BLOCK_D"]
+    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, t["BLOCK_M"])
     ggate = torch.empty(b * n_seg, heads, chunks, device=q.device, dtype=torch.float32)
-    group = heads // kv_heads
-    _retrieval_backward_kernel[(chunks, b * n_seg, heads)](
-        q, local, dout, dq, dlocal, m_before.to(operand_dtype(q.dtype)).contiguous(), z_before, gate, inv,
-        gden, ggate, inv if local_delta is None else local_delta, s, n_seg, segment_len, chunk, heads,
+    state_rows = (chunks,) if one_pass else ()
+    gm = torch.empty(*state_rows, *m_before.shape, device=q.device, dtype=torch.float32)
+    gz = torch.empty(*state_rows, *z_before.shape, device=q.device, dtype=torch.float32)
+    inv = gden = gz
+    if not one_pass:
+        inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
+        gden = torch.empty_like(inv)
+    dl = local if dlocal is None else dlocal
+    _retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
+        q, local, dout, dq, dl, m_before.to(operand_dtype(q.dtype)).contiguous(), z_before, gate, inv,
+        gden, ggate, inv if local_delta is None else local_delta, gm, gz, s, n_seg, segment_len, chunk, heads,
         kv_heads,
-        *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dlocal.stride()[:3],
-        GROUP=group, LOCAL_DELTA=local_delta is not None, **t,
+        *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dl.stride()[:3],
+        GROUP=heads // kv_heads, LOCAL_DELTA=local_delta is not None, STATE=one_pass, **t,
     )  # fmt: skip
-    gm = torch.empty(m_before.shape, device=q.device, dtype=torch.float32)
-    gz = torch.empty_like(z_before)
-    # All columns (<= 128) in one program reads q once (its 128 x 128 float32 accumulators spill
-    # at head_dim 128 with the tuned 64 rows and 4 warps, which still ran 1.7x faster).
-    t = tiles(d, q.dtype, column_tile(d), 32, "retrieval_backward")
-    _retrieval_state_backward_kernel[(b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))](
-        q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
-        *q.stride()[:3], *dout.stride()[:3], GROUP=group, **t,
-    )  # fmt: skip
+    if one_pass:
+        gm, gz = (x[0] if chunks == 1 else x.sum(0) for x in (gm, gz))
+    else:
+        _retrieval_state_backward_kernel[(b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))](
+            q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
+            *q.stride()[:3], *dout.stride()[:3], GROUP=heads // kv_heads, **t,
+        )  # fmt: skip
     return dq, dlocal, ggate.sum((0, 2)), gm, gz
