@@ -341,12 +341,17 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
 
 def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):
     """attention_backward on the fused kernel: dQ goes through a float32 buffer that the kernel
-    adds into (the caller's own when it is one)."""
+    adds into (the caller's own when it is one); at the 256 build the fused kernel computes dK/dV
+    and the dQ kernel (hopper/dq.py) writes dq directly."""
     module = hopper_module("backward")
     tma_ok = hopper_module("tma").tma_layout_ok
     vl = problem.varlen
     if not tma_ok(as_4d(dout, vl)):
         dout = dout.contiguous()
+    if not module.computes_dq(problem):
+        module.fused_backward(dout, q, k, v, lse, delta, problem, None, dk, dv, accumulate)
+        hopper_module("dq").fused_dq(dout, q, k, v, lse, delta, problem, dq, accumulate)
+        return dq, dk, dv
     direct = dq.dtype == torch.float32 and tma_ok(as_4d(dq, vl))
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     if direct and not accumulate:

@@ -206,14 +206,10 @@ def compile_fused_backward(
     grads = "*fp32" if accumulate else "*bf16"
     cu = "*i32" if varlen else "*fp32"
     pointers = {
-        "DQ": "*fp32", "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32",
-        "CU_Q": cu, "CU_K": cu,
+        "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
     }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
-    # dQ's pointer and row stride (heads * head_dim) as a launch sees them: divisible by 16; the
-    # atomic adds of head_dim 256 depend on it.
-    aligned = ("DQ", "stride_dqs")
-    return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target, aligned)
+    return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)
 
 
 def compile_fused_forward(
@@ -239,6 +235,34 @@ def compile_fused_forward(
     pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
+
+
+def compile_fused_dq(
+    causal: bool, group: int = 1, dq_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
+    head_dim: int = 256, window: bool = False, varlen: bool = False, accumulate: bool = False,
+    target: GPUTarget = HOPPER, tensor_dim: int | None = None,
+) -> triton.compiler.CompiledKernel:  # fmt: skip
+    """Build hopper/dq.py's Gluon kernel for ``target`` as a bf16 launch makes it, writing dQ in
+    ``dq_dtype`` (added to it with ``accumulate``), with the masks and score options of
+    ``compile_fused_forward``."""
+    from .hopper import dq as hdq
+    from .hopper import forward as hf
+
+    block_n = hdq.BLOCK_N[head_dim]
+    kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
+    q = _example_descriptor(group, hf.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
+    descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q)
+    consts = dict(
+        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen, HAS_LEFT=window, HAS_RIGHT=causal,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, ACCUMULATE=accumulate, **_UNIT_STRIDES,
+    )  # fmt: skip
+    pointers = {
+        "DQ": f"*{dq_dtype}", "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32",
+        "CU_K": "*i32",
+    }  # fmt: skip
+    options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
+    return _compile_gluon(hdq._dq_kernel, descs, consts, pointers, options, target)
 
 
 def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> str:

@@ -75,8 +75,8 @@ print("fits")
 # per-head loop and softcap + ALiBi (the worst before its logits were reordered: 37, at a 30% loss
 # of backward speed); the masked loops of the three-loop variant reload 19 at head_dim 128, 60
 # with runtime position strides (they run only the edge tiles). At head_dim 256 (64 x 64 tiles)
-# no dQ ring: 44 wgmma per tile loop (S^T and dP^T 16 k-steps each, dV, dQ and dK 4 each),
-# one tile loop for every mask, dQ by 32 two-wide atomic adds per thread, and 0-4 reloads.
+# dK and dV only (dQ: hopper/dq.py, below): 40 wgmma per tile loop (S^T and dP^T 16 k-steps
+# each, dV and dK 4 each), one tile loop for every mask, and 0-4 reloads.
 # (causal, group, accumulate, softcap + ALiBi, head_dim, mask, most loop spills) as measured on
 # 2026-11-24 (docs in the module); mask: "" none or DIAGONAL (causal alone), "tail" lengths not
 # multiples of the tiles, "left" a window's left bound, "varlen" packed documents; "t96"/"t192":
@@ -132,14 +132,14 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     regs = sorted(set(int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     assert regs == [24, 240], regs
     assert ("cp.async.bulk.tensor.3d" in ptx) == (tensor_dim is not None), case
-    # One TMA reduce-add per dQ tile, or at head_dim 256 none and 32 two-wide atomic adds.
-    atomic = head_dim == 256
-    assert ptx.count("cp.async.bulk.commit_group") == (0 if atomic else 1), case
-    assert ptx.count("atom.global.gpu.relaxed.add.v2.f32") == (32 if atomic else 0), case
+    # One TMA reduce-add per dQ tile, or at head_dim 256 no dQ (hopper/dq.py's kernel); no atomics.
+    dkdv_only = head_dim == 256
+    assert ptx.count("cp.async.bulk.commit_group") == (0 if dkdv_only else 1), case
+    assert "atom.global" not in ptx, case
     # MASKED without GQA, softcap or ALiBi: masked edges, unmasked middle, masked edges (3 loops).
-    loops = 3 if mask and group == 1 and not softcap and not atomic else 1
+    loops = 3 if mask and group == 1 and not softcap and not dkdv_only else 1
     wgmma = ptx.count("wgmma.mma_async")
-    assert wgmma == loops * {64: 24, 128: 32, 256: 44}[head_dim], wgmma
+    assert wgmma == loops * {64: 24, 128: 32, 256: 40}[head_dim], wgmma
     assert ("tanh.approx.f32" in ptx) == softcap
     sass = disassemble(k)
     assert not serialized_wgmma(sass), case
@@ -168,6 +168,10 @@ assert not ok(head_dim=32) and not ok(head_dim=512)
 from ringflash.kernels.hopper import forward as hf
 assert all(hf.forward_supports(dataclasses.replace(base, head_dim=d)) for d in (64, 96, 128, 192, 256))
 assert not hf.forward_supports(dataclasses.replace(base, head_dim=32))
+from ringflash.kernels.hopper import dq as hdq
+dims = (64, 96, 128, 136, 192, 256)
+assert [d for d in dims if hdq.dq_supports(dataclasses.replace(base, head_dim=d))] == [136, 192, 256]
+assert [d for d in (64, 128, 136, 256) if hb.computes_dq(dataclasses.replace(base, head_dim=d))] == [64, 128]
 assert not ok(q_positions=TokenPositions(2**30)) and not ok(bounds=MaskBounds(2**30, 0))
 assert not ok(q_positions=TokenPositions(0, 2**24, -1))  # 100 tokens 2^24 apart: past POSITION_LIMIT
 slopes = torch.ones(1, 4)
@@ -207,6 +211,38 @@ for kw in (
     assert stores <= 8 and loads <= 24, (kw, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
 print("forward ok")
+"""
+
+
+# The dQ kernel of the head_dim-256 build (kernels/hopper/dq.py): the forward's programs with Q
+# and dO resident and 32-row K/V tiles; per tile S, dP (16 k-steps each) and dQ (2), in the
+# forward's three span loops of both compute warpgroups (204 wgmma), none serialized, within
+# shared memory, few reloads (2026-11-25: 0-4 loads per tile, 11 with softcap and ALiBi).
+_DQ = r"""
+import re
+from ringflash.kernels.offline_compile import (
+    SHARED_MEMORY_LIMIT, compile_fused_dq, disassemble, loop_spills, serialized_wgmma,
+)
+
+for kw in (
+    dict(causal=False),
+    dict(causal=True, window=True, varlen=True, group=4, dq_dtype="fp32", accumulate=True),
+    dict(causal=True, softcap=True, alibi=True),
+    dict(causal=True, tensor_dim=192),
+):
+    k = compile_fused_dq(**kw)
+    ptx = k.asm["ptx"]
+    assert ("tanh.approx.f32" in ptx) == kw.get("softcap", False)
+    assert ("cp.async.bulk.tensor.3d" in ptx) == ("tensor_dim" in kw), kw
+    assert ptx.count("wgmma.mma_async") == 204 and "atom.global" not in ptx, kw
+    regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {24, 240} <= regs, regs
+    sass = disassemble(k)
+    assert not serialized_wgmma(sass), kw
+    stores, loads = loop_spills(sass)
+    assert stores <= 8 and loads <= 16, (kw, stores, loads)
+    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
+print("dq ok")
 """
 
 
@@ -263,6 +299,11 @@ def test_hopper_kernels_support(tmp_path):
 @GLUON
 def test_fused_forward_compiles_for_sm90(tmp_path):
     assert _compile_in_subprocess(_FORWARD, tmp_path).strip().endswith("forward ok")
+
+
+@GLUON
+def test_dq_kernel_compiles_for_sm90(tmp_path):
+    assert _compile_in_subprocess(_DQ, tmp_path).strip().endswith("dq ok")
 
 
 def test_tile_config_parse():

@@ -2,7 +2,7 @@
 
 Each case first asserts that ``uses_fused_backward`` picks the fused kernel, so a test cannot
 pass on the Triton kernels by accident. Its sm_90 build on the CPU is checked in test_compile.py.
-Head_dim 256 (64 x 64 tiles, dQ by atomic adds, P^T/dS^T through shared memory) runs every kind
+Head_dim 256 (64 x 64 tiles for dK/dV, P^T/dS^T through shared memory, dQ by hopper/dq.py) runs every kind
 of case that 128 does: dtypes, odd lengths, packed documents, windows, ring positions, GQA,
 softcap, ALiBi.
 """
@@ -217,9 +217,11 @@ def _positions(tp: TokenPositions, n: int) -> torch.Tensor:
 
 
 def _fused_grads(q, k, v, dout, problem, accumulate_into=None):
-    """dq, dk, dv from hopper/backward.py fused_backward alone (asserting that it takes the problem);
-    with ``accumulate_into`` = (dq, dk, dv) float32 buffers, added into them."""
+    """dq, dk, dv from hopper/backward.py fused_backward alone (asserting that it takes the problem),
+    and at the 256 build hopper/dq.py's dQ kernel beside it; with ``accumulate_into`` = (dq, dk,
+    dv) float32 buffers, added into them."""
     from ringflash.kernels.hopper import backward as hopper_backward
+    from ringflash.kernels.hopper import dq as hopper_dq
 
     assert hopper_backward.backward_supports(problem)
     out, lse = attention_forward(q, k, v, problem)
@@ -229,9 +231,12 @@ def _fused_grads(q, k, v, dout, problem, accumulate_into=None):
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))  # all written
     else:
         dq, dk, dv = accumulate_into
-    hopper_backward.fused_backward(
-        dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate=accumulate_into is not None
-    )
+    accumulate = accumulate_into is not None
+    if hopper_backward.computes_dq(problem):
+        hopper_backward.fused_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate)
+    else:
+        hopper_backward.fused_backward(dout, q, k, v, lse, delta, problem, None, dk, dv, accumulate)
+        hopper_dq.fused_dq(dout, q, k, v, lse, delta, problem, dq, accumulate)
     return dq, dk, dv
 
 
@@ -399,7 +404,7 @@ def test_fused_kernel_masked_with_softcap_and_alibi(head_dim):
 def test_fused_kernel_adds_zeros_outside_its_rows(head_dim):
     """Tiles that run past a slice's end reduce-add exact zeros into the rows after it (the first
     sequence's, inside the tensor) and past the tensor's end (the second's, clipped by TMA), or
-    at head_dim 256 mask those rows out of their atomic adds: a float32 dQ buffer's other rows
+    at head_dim 256 (dq.py's kernel) store only the slice's rows: a float32 dQ buffer's other rows
     keep their bits, and dK/dV rows outside the slice are not written."""
     big_q, big_k, big_v, big_do = (
         cuda_randn(2, 1200, h, head_dim, seed=s) for s, h in ((101, 4), (102, 2), (103, 2), (104, 4))

@@ -41,23 +41,24 @@ spilled 32-62 registers per tile and serialized every wgmma (sm_90 build, 2026-1
 64 x 128 spills none.
 
 Head_dim 256 takes 64 x 64 tiles, as FlashAttention-3's sm90 backward does (64 x 64 or 64 x 80),
-and changes three things (constexprs SPLIT_N and DQ_ATOMIC, derived from the tiles):
+and changes three things (constexprs SPLIT_N and DKDV_ONLY, derived from the tiles):
 - dK + dV of a 64-row key tile take 128 float32 registers per thread; 64 rows are one wgmma's M,
-  so the two warpgroups split columns instead of rows (S^T/dP^T: 32 queries each; dK/dV/dQ: 128
+  so the two warpgroups split columns instead of rows (S^T/dP^T: 32 queries each; dK/dV: 128
   of head_dim each), and P^T and dS^T, which each warpgroup needs whole, go to the dV and dK
-  products through shared memory (P^T in a buffer of its own, dS^T in the one dQ reads);
+  products through shared memory (P^T in a buffer of its own, dS^T in the one dK reads);
 - shared memory: K, V and the two Q/dO stages (2 x 2 x 64 x 256 x 2 bytes) take 192 KiB of the
-  227 KiB, with dS^T and P^T 208 KiB, leaving no room for the float32 dQ ring (2 x 64 KiB). The
-  compute warps add dQ tiles into the dQ buffer themselves, by relaxed float32 atomic adds (32
-  two-wide ``red`` per thread per tile), as FlashAttention-3's does at 256; the writer warp idles;
-- dK is retired at the end of each tile, its product overlapping the atomic adds: left in flight
-  into the next tile's S^T/dP^T, ptxas serialized every wgmma (C7515), and the three loops of the
-  masked variant spilled 65-91 registers per tile, so every masked launch runs one masked loop.
-Built for sm_90 (2026-11-24, every mask, GQA, softcap + ALiBi): 214,284 bytes of shared memory,
-no wgmma serialized, 0-4 registers spilled per tile.
+  227 KiB, with dS^T and P^T 208 KiB, leaving no room for the float32 dQ ring (2 x 64 KiB). Adding
+  dQ tiles into a float32 buffer by atomic adds from registers instead (as FlashAttention-3's
+  does at 256) took half of the kernel's time (docs/experiments.md §28), so here this kernel
+  computes dK and dV only (four products per tile pair), and dq.py's kernel computes dQ as the
+  forward computes O (three products, no atomics); the writer warp idles;
+- dK is retired at the end of each tile: left in flight into the next tile's S^T/dP^T, ptxas
+  serialized every wgmma (C7515), and the three loops of the masked variant spilled 65-91
+  registers per tile, so every masked launch runs one masked loop.
 
-dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32 summation order
-varies between runs; under ``torch.use_deterministic_algorithms(True)`` the Triton kernels run.
+Up to head_dim 128, dQ tiles from different key tiles meet in the reduce-adds, so dQ's float32
+summation order varies between runs; under ``torch.use_deterministic_algorithms(True)`` the
+Triton kernels run.
 
 Measured on an H200 (docs/performance.md; history in docs/experiments.md): exact like the Triton
 kernels against float64; at head_dim 128 its backward runs 0.90-0.98x cuDNN's and 1.18-1.34x
@@ -246,12 +247,12 @@ def _load_partition(
 
 @gluon.jit
 def _dq_partition(
-    p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_ATOMIC: gl.constexpr
+    p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DKDV_ONLY: gl.constexpr
 ):
     # Rows of a tile past the sequence get exact zeros (their dS is 0): harmless to the next
-    # sequence's rows, and clipped past the tensor's end. Under DQ_ATOMIC the compute warps add
-    # dQ themselves and this warp idles.
-    if not DQ_ATOMIC:
+    # sequence's rows, and clipped past the tensor's end. Under DKDV_ONLY (dQ by dq.py's kernel)
+    # this warp idles.
+    if not DKDV_ONLY:
         for i in range(GROUP * p.n_tiles):
             j = i % 2
             mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
@@ -294,21 +295,20 @@ def _visible_t(mk: Mask, offs_n, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
 
 @gluon.jit
 def _compute_tile(
-    p: Shared, mk: Mask, dq_ptr, dq_stride, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
+    p: Shared, mk: Mask, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
     softmax_scale, alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
     HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
     """Query tile t of the group's query head g (ring slot i): dV and dK added to dv/dk (dK left
-    in flight), its dQ tile handed to the writer; under DQ_ATOMIC dQ is added into the dQ buffer
-    at dq_ptr by these warps (``_add_dq``) and dK retired. Under SPLIT_N the two warpgroups hold
-    halves of the columns (queries of S^T, head_dim of dK/dV), so P^T and dS^T reach the dV and
-    dK products from shared memory (p_smem, ds_smem) rather than from registers. Under SOFTCAP
-    the scores are tanh(S^T * tanh_scale) (``score_scales``) and dS^T takes the factor 1 - tanh^2;
-    under HAS_ALIBI the logits get ALiBi's bias (``_alibi_bias_t``). Under MASKED, P^T = 0 where a
-    pair is not visible, set after the exp, so that the LSE of rows past a sequence (never loaded)
-    cannot reach it."""
+    in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK retired. Under
+    SPLIT_N the two warpgroups hold halves of the columns (queries of S^T, head_dim of dK/dV),
+    so P^T and dS^T reach the dV and dK products from shared memory (p_smem, ds_smem) rather
+    than from registers. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``)
+    and dS^T takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias
+    (``_alibi_bias_t``). Under MASKED, P^T = 0 where a pair is not visible, set after the exp,
+    so that the LSE of rows past a sequence (never loaded) cannot reach it."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -365,21 +365,21 @@ def _compute_tile(
         dst16 = (pt * (dp_t - delta[None, :]) * softmax_scale).to(dtype)
     p.ds_smem.store(dst16)
     fence_async_shared()
-    if not DQ_ATOMIC:
+    if not DKDV_ONLY:
         mbarrier.wait(p.dq_empty.index(s), ((i // 2) & 1) ^ 1)
-    # wgmma groups retire in issue order: dK goes after dQ so that it can stay in flight.
-    dq = warpgroup_mma(p.ds_smem.permute((1, 0)), p.k_smem, dq_zero, use_acc=False, is_async=True)
+        # wgmma groups retire in issue order: dK goes after dQ so that it can stay in flight.
+        dq = warpgroup_mma(p.ds_smem.permute((1, 0)), p.k_smem, dq_zero, use_acc=False, is_async=True)
     if SPLIT_N:
         dk = warpgroup_mma(p.ds_smem, q_s, dk, is_async=True)
     else:
         dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_s, dk, is_async=True)
-    dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-    if DQ_ATOMIC:
-        _add_dq(p, dq, dq_ptr, dq_stride, m0, g, MASKED, HEAD_DIM)
-        # dK retired here, its product overlapping the adds: left in flight into the next
-        # tile's S^T/dP^T at head_dim 256, it made ptxas serialize every wgmma (C7515).
-        dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+    if DKDV_ONLY:
+        # dK retired here: left in flight into the next tile's S^T/dP^T at head_dim 256, it made
+        # ptxas serialize every wgmma (C7515).
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        dk = warpgroup_mma_init(dk)
     else:
+        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
         p.dq_smem.index(s).store(dq)
         fence_async_shared()
         mbarrier.arrive(p.dq_ready.index(s), count=1)
@@ -387,34 +387,12 @@ def _compute_tile(
 
 
 @gluon.jit
-def _add_dq(p: Shared, dq, dq_ptr, dq_stride, m0, g, MASKED: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Add the float32 dQ tile ``dq`` (query rows from m0, query head g of the group) into the dQ
-    buffer (dq_ptr: this group's first head at the sequence's first row; rows dq_stride apart)
-    with relaxed atomic adds, rows past the sequence masked under MASKED (they may lie
-    past the tensor), and columns past the tensor's head_dim (zero padding) where it is below
-    the build's. The tile's first row goes through int64; offsets inside it fit in int32."""
-    layout: gl.constexpr = dq.type.layout
-    rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    dim: gl.constexpr = p.tensor_dim
-    base = dq_ptr + m0.to(gl.int64) * dq_stride + g * dim
-    ptrs = base + (rows * dq_stride)[:, None] + cols[None, :]
-    if MASKED:
-        ok = ((m0 + rows) < p.len_q)[:, None] & (cols < dim)[None, :]
-        gl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
-    elif dim < HEAD_DIM:
-        gl.atomic_add(ptrs, dq, mask=(cols < dim)[None, :] & (rows >= 0)[:, None], sem="relaxed")
-    else:
-        gl.atomic_add(ptrs, dq, sem="relaxed")
-
-
-@gluon.jit
 def _compute_partition(
-    p: Shared, mk: Mask, dq_ptr, dq_stride, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale,
+    p: Shared, mk: Mask, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale,
     alibi_ptr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     # Key rows split between the warpgroups, or (SPLIT_N: a key tile of one wgmma's 64 rows)
@@ -453,37 +431,37 @@ def _compute_partition(
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
             alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-        # Masked, unmasked middle, masked; at head_dim 256 (DQ_ATOMIC) the three loops spilled
+        # Masked, unmasked middle, masked; at head_dim 256 (DKDV_ONLY) the three loops spilled
         # 65-91 registers per tile where one masked loop spills none.
-        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DQ_ATOMIC):
+        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DKDV_ONLY):
             for t in range(t_full_lo):
                 dk, dv = _compute_tile(
-                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
             # dK retired between the loops: in flight from one loop into the next, ptxas
             # serializes every wgmma at head_dim 128 (see above).
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_lo, t_full_hi):
                 dk, dv = _compute_tile(
-                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_hi, p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
         else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
             for t in range(p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, dq_ptr, dq_stride, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL,
-                    MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DQ_ATOMIC, HEAD_DIM,
+                    MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
@@ -502,7 +480,7 @@ def _fused_bwd_kernel(
     seqlen_q, seqlen_k, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
-    win_left, win_right, DQ, stride_dqs,
+    win_left, win_right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -512,13 +490,13 @@ def _fused_bwd_kernel(
     its tile and every pair visible, or under DIAGONAL a key at index n visible to a query at
     index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
     CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
-    per_len folds each sequence's length into its positions' start (positions.py). DQ is dq_desc's
-    tensor (row stride stride_dqs), which the compute warps add into themselves past head_dim 128."""
+    per_len folds each sequence's length into its positions' start (positions.py). Past head_dim
+    128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
-    # Q/dO stages: dQ goes by atomic adds from registers instead (as FlashAttention-3's at 256).
-    DQ_ATOMIC: gl.constexpr = HEAD_DIM > 128
+    # Q/dO stages: dQ comes from dq.py's kernel instead (atomic adds from here took half the time).
+    DKDV_ONLY: gl.constexpr = HEAD_DIM > 128
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
@@ -547,7 +525,7 @@ def _fused_bwd_kernel(
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
     else:
         p_smem = ds_smem
-    if DQ_ATOMIC:
+    if DKDV_ONLY:
         dq_smem = rows_smem
     else:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], tile_layout(dq_desc.layout))
@@ -601,12 +579,6 @@ def _fused_bwd_kernel(
         t_full_lo = n_tiles
         t_full_hi = n_tiles
     dq_row0 = b * dq_batch_rows + q0
-    if DQ_ATOMIC:
-        dq_ptr = DQ + dq_row0.to(gl.int64) * stride_dqs + hk * GROUP * TENSOR_DIM
-        dq_stride = stride_dqs + zero
-    else:  # unused: nothing for the compute warps to carry
-        dq_ptr = 0
-        dq_stride = 0
     p = Shared(
         q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, rows_smem, ds_smem,
         p_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_ready, dq_empty, b * q_batch_rows + q0,
@@ -627,8 +599,6 @@ def _fused_bwd_kernel(
                 (
                     p,
                     mk,
-                    dq_ptr,
-                    dq_stride,
                     t_full_lo,
                     t_full_hi,
                     qk_scale,
@@ -646,7 +616,7 @@ def _fused_bwd_kernel(
                     SOFTCAP,
                     HAS_ALIBI,
                     SPLIT_N,
-                    DQ_ATOMIC,
+                    DKDV_ONLY,
                     num_warps,
                 ),
             ),
@@ -654,7 +624,7 @@ def _fused_bwd_kernel(
                 _load_partition,
                 (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED),
             ),
-            (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM, DQ_ATOMIC)),
+            (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM, DKDV_ONLY)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
@@ -693,6 +663,12 @@ def backward_supports(problem: AttentionProblem) -> bool:
     return max(abs(x) for x in extremes + bounds) < limit
 
 
+def computes_dq(problem: AttentionProblem) -> bool:
+    """Whether ``fused_backward`` computes dQ for ``problem``: up to the 128 build; at 256 it
+    computes dK/dV only and ``dq.fused_dq`` computes dQ."""
+    return run_head_dim(problem.head_dim, TILES) <= 128
+
+
 def _aligned_diagonal(problem: AttentionProblem, block_m: int, block_n: int) -> bool:
     """Causal between blocks at equal positions (stride 1) whose lengths are multiples of the
     tiles: the DIAGONAL variant's index mask, cheaper than MASKED's positions (591 instead of
@@ -717,12 +693,14 @@ def fused_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     problem: AttentionProblem,
-    dq: torch.Tensor,
+    dq: torch.Tensor | None,
     dk: torch.Tensor,
     dv: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv.
+    """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
+    where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel
+    computes dQ).
 
     q/dout: (batch, seqlen_q, heads_q, head_dim), k/v: (batch, seqlen_k, heads_k, head_dim), or
     (total, heads, head_dim) with ``problem.varlen``; bf16/fp16 on an sm_90 GPU, in layouts
@@ -731,10 +709,14 @@ def fused_backward(
     describes, a softcap and ALiBi are honoured as in the forward. dq is added to, never
     overwritten: zero it first for a plain backward. A head_dim between two builds runs the next
     larger one, its tiles zero-filled past the tensors' head_dim by TMA (``tma.rows_descriptor``)."""
+    if (dq is None) == computes_dq(problem):
+        wanted = "a float32 buffer" if computes_dq(problem) else "None (dq.fused_dq computes dQ)"
+        raise ValueError(f"fused_backward at head_dim {problem.head_dim} takes dq={wanted}")
     head_dim = run_head_dim(problem.head_dim, TILES)
     varlen = problem.varlen
     if varlen:
-        dout, q, k, v, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, dq, dk, dv))
+        dout, q, k, v, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, dk, dv))
+        dq = None if dq is None else dq.unsqueeze(0)
     if k.shape[1] == 0:
         return
     if q.shape[1] == 0:  # no queries (TMA takes no empty tensor): zero gradients for the keys
@@ -745,7 +727,7 @@ def fused_backward(
     block_m, block_n = TILES[head_dim]
     qd, q_rows = rows_descriptor(q, block_m, head_dim)
     dod, do_rows = rows_descriptor(dout, block_m, head_dim)
-    dqd, dq_rows = rows_descriptor(dq, block_m, head_dim)
+    dqd, dq_rows = (qd, q_rows) if dq is None else rows_descriptor(dq, block_m, head_dim)
     kd, k_rows = rows_descriptor(k, block_n, head_dim)
     vd, v_rows = rows_descriptor(v, block_n, head_dim)
     dk_strides, dv_strides = list(dk.stride()[:3]), list(dv.stride()[:3])
@@ -766,7 +748,6 @@ def fused_backward(
         problem.max_seqlen_q, problem.max_seqlen_k, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
-        dq, dq.stride(1),
         GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,

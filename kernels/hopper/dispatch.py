@@ -148,4 +148,6 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     ):
         return False
     module = hopper_module("backward")
-    return module is not None and module.backward_supports(problem)
+    if module is None or not module.backward_supports(problem):
+        return False
+    return module.computes_dq(problem) or hopper_module("dq") is not None  # 256: dq.py's kernel too

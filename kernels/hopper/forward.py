@@ -211,7 +211,7 @@ def _mask_scores(s, mk: Mask, t, row_offs, col_offs, HAS_LEFT: gl.constexpr, HAS
 
 
 @gluon.jit
-def _logits(
+def logits(
     s, t, mk: Mask, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -255,6 +255,13 @@ def _load_partition(p: Shared, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
         bar = p.q_bar.index(w)
         mbarrier.expect(bar, p.q_desc.block_type.nbytes)
         load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(w))
+    load_key_tiles(p, BLOCK_N)
+
+
+@gluon.jit
+def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr):
+    """The loader's walk over the program's key tiles, the last first, into the K and V rings
+    (here and in dq.py)."""
     tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
     for i in range(p.n_tiles):
         s = i % 2
@@ -287,7 +294,7 @@ def _tile_step(
     o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
     mbarrier.arrive(p.k_empty.index(st), count=1)
-    s = _logits(
+    s = logits(
         s, p.t_last - i, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
         MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
     )  # fmt: skip
@@ -323,7 +330,7 @@ def _attend(
     s = warpgroup_mma(q_s, p.k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(p.k_empty.index(0), count=1)
-    s = _logits(
+    s = logits(
         s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
         False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
     )  # fmt: skip
@@ -415,16 +422,19 @@ def _compute_partition(
 
 
 @gluon.jit
-def _fused_fwd_kernel(
-    q_desc, k_desc, v_desc, O, LSE, CU_Q, CU_K,
-    seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
-    ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+def query_tile_program(
+    q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
-    # Causal: the heaviest query tiles (the last) are launched first.
+    """What a program over one query tile (program ids: query tile, query head, sequence) walks,
+    here and in the dQ kernel (dq.py): its ``Shared`` (two-stage K/V rings over the key tiles it
+    sees, barriers initialized), the ``Mask`` of each 64-row half, the first row of its sequence
+    in the packed rows (0 unless VARLEN), the batch index of its dense outputs, and the rows of
+    its sequence from the tile's first on. Packed documents are read in place: one batch of
+    packed rows, document b from row cu[b]. Causal: the heaviest query tiles (the last) are
+    launched first."""
     if HAS_RIGHT:
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
@@ -432,11 +442,8 @@ def _fused_fwd_kernel(
     h = gl.program_id(1)
     b = gl.program_id(2)
     m0 = pid_m * BLOCK_M
-    hk = h // GROUP
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
-
-    # Packed documents are read in place: one batch of packed rows, document b from row cu[b].
     if VARLEN:
         q_first = gl.load(CU_Q + b)
         len_q = gl.load(CU_Q + b + 1) - q_first
@@ -480,12 +487,8 @@ def _fused_fwd_kernel(
 
     p = Shared(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        q_row0 + m0, k_row0, v_row0, h, hk, t_hi - 1, n_tiles, TENSOR_DIM,
+        q_row0 + m0, k_row0, v_row0, h, h // GROUP, t_hi - 1, n_tiles, TENSOR_DIM,
     )  # fmt: skip
-    h64 = h.to(gl.int64)
-    o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + (q_first + m0).to(gl.int64) * stride_os
-    lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_first + m0
-    alibi_ptr = ALIBI + b * gl.num_programs(1) + h  # slopes (batch, heads_q), contiguous
     # Launches specialize integer arguments equal to 1 into constants; the aggregate holds tensors
     # (constants folded back by the compiler).
     zero = b * 0
@@ -495,16 +498,32 @@ def _fused_fwd_kernel(
     right_t = right + zero
     mk0 = Mask(q_pos0, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo, t_full_hi)
     mk1 = Mask(
-        q_pos0 + HALF_M * q_stride,
-        q_stride_t,
-        k_start,
-        k_stride_t,
-        left_t,
-        right_t,
-        len_k,
-        t_full_lo,
+        q_pos0 + HALF_M * q_stride, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo,
         t_full_hi,
-    )
+    )  # fmt: skip
+    return p, mk0, mk1, q_first + m0, ob, rows_left
+
+
+@gluon.jit
+def _fused_fwd_kernel(
+    q_desc, k_desc, v_desc, O, LSE, CU_Q, CU_K,
+    seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
+    ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+):  # fmt: skip
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    p, mk0, mk1, q_tile_row, ob, rows_left = query_tile_program(
+        q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+        q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+        GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
+    )  # fmt: skip
+    h64 = p.q_head.to(gl.int64)
+    o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + q_tile_row.to(gl.int64) * stride_os
+    lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_tile_row
+    alibi_ptr = ALIBI + gl.program_id(2) * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
     gl.warp_specialize(
         [
             (
