@@ -144,9 +144,31 @@ def test_fused_backward_is_chosen_only_where_it_applies(monkeypatch):
     torch.use_deterministic_algorithms(True)
     try:
         assert not fused()
+        assert fused(*(torch.cat([t, t], -1) for t in (q, k, v)))  # 256: deterministic, stays
     finally:
         torch.use_deterministic_algorithms(False)
     assert fused()
+    assert not fused(deterministic=True)
+
+
+def test_head_dim_256_backward_is_deterministic():
+    """At the 256 build dQ is written once per row (dq.py) and dK/dV once per program: under
+    torch.use_deterministic_algorithms(True) the Hopper backward still runs, and two backward
+    passes (GQA, causal, a length that is not a multiple of the tiles) agree bit for bit."""
+    q, dout = (cuda_randn(2, 700, 4, 256, seed=s) for s in (71, 72))
+    k, v = (cuda_randn(2, 700, 2, 256, seed=s) for s in (73, 74))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert uses_fused_backward(build_problem(q, k, v, None, True, (-1, -1)), q, k, v)
+        grads = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ringflash.flash_attn_func(*leaves, causal=True).backward(dout)
+            grads.append([t.grad for t in leaves])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)

@@ -133,21 +133,20 @@ def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tens
 
 def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``attention_backward`` computing dQ and dK/dV together runs the fused Hopper kernel
-    (backward.py) on these q (batch, seqlen_q, heads_q, head_dim) and k/v tensors.
+    (backward.py; at the 256 build with dq.py's dQ kernel beside it) on these q (batch, seqlen_q,
+    heads_q, head_dim) and k/v tensors.
 
     It does where ``dispatch.hopper_path_ok`` holds (sm_90, bf16/fp16, TMA-readable layouts)
     and the kernel's own ``backward_supports`` (head_dim 64, 128 or 256, or a multiple of 8
-    between them at the next build; any lengths, masks and packed documents), but not
-    under ``torch.use_deterministic_algorithms(True)`` (its dQ sums in a varying order), nor
-    with ``RINGFLASH_FUSED_BACKWARD=0`` in the environment."""
-    if (
-        torch.are_deterministic_algorithms_enabled()
-        or problem.deterministic
-        or not enabled("RINGFLASH_FUSED_BACKWARD")
-        or not hopper_path_ok(problem, q, k, v)
-    ):
+    between them at the next build; any lengths, masks and packed documents), but not with
+    ``RINGFLASH_FUSED_BACKWARD=0`` in the environment, nor, up to the 128 build, under
+    ``torch.use_deterministic_algorithms(True)`` or ``deterministic=True`` (its dQ sums in a
+    varying order; at 256 dQ is written once per row and dK/dV per program, deterministic)."""
+    if not enabled("RINGFLASH_FUSED_BACKWARD") or not hopper_path_ok(problem, q, k, v):
         return False
     module = hopper_module("backward")
     if module is None or not module.backward_supports(problem):
         return False
-    return module.computes_dq(problem) or hopper_module("dq") is not None  # 256: dq.py's kernel too
+    if module.computes_dq(problem):
+        return not (torch.are_deterministic_algorithms_enabled() or problem.deterministic)
+    return hopper_module("dq") is not None
