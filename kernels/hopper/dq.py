@@ -28,20 +28,19 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
 from .forward import (
-    BLOCK_M,
     COMPUTE_REGS,
     HALF_M,
     LOADER_REGS,
-    MAX_REGISTERS,
-    NUM_WARPS,
     Mask,
     Shared,
     load_key_tiles,
     logits,
+    query_tile_launch,
     query_tile_program,
     score_scales,
     tanh_approx,
 )
+from .forward import HEAD_DIMS as FORWARD_BUILDS
 from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_N = {256: 32}  # key rows per tile, by build
@@ -216,7 +215,7 @@ def _dq_kernel(
 
 def dq_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_dq`` computes ``problem``'s dQ: head dims that run at the 256 build."""
-    return run_head_dim(problem.head_dim, (64, 128, *HEAD_DIMS)) in HEAD_DIMS
+    return run_head_dim(problem.head_dim, FORWARD_BUILDS) in HEAD_DIMS
 
 
 def fused_dq(
@@ -237,27 +236,12 @@ def fused_dq(
     ``tma_layout_ok`` accepts; head_dim per ``dq_supports``. dq: q's shape, any float dtype,
     unit stride in head_dim; lse/delta: float32 in ``problem.lse_shape``, sharing strides, last
     stride 1. Any mask the problem describes, a softcap and ALiBi, as in the forward."""
-    head_dim = run_head_dim(problem.head_dim, (64, 128, *HEAD_DIMS))
-    varlen = problem.varlen
-    q4, k4, v4, do4, dq4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v, dout, dq))
-    block_n = BLOCK_N[head_dim]
-    qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
-    dod, do_rows = rows_descriptor(do4, HALF_M, head_dim)
-    kd, k_rows = rows_descriptor(k4, block_n, head_dim)
-    vd, v_rows = rows_descriptor(v4, block_n, head_dim)
-    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    grid = ((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch)
-    bounds = problem.bounds
-    cu_q = problem.cu_seqlens_q if varlen else lse
-    cu_k = problem.cu_seqlens_k if varlen else lse
-    slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    _dq_kernel[grid](
-        qd, kd, vd, dod, dq, lse, delta, cu_q, cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
-        q_rows, k_rows, v_rows, do_rows, *dq4.stride()[:3], *lse_strides, *score_scales(problem),
-        problem.softmax_scale, slopes, *problem.position_args(), bounds.left or 0, bounds.right or 0,
-        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        TENSOR_DIM=problem.head_dim, VARLEN=varlen,
-        HAS_LEFT=bounds.left is not None, HAS_RIGHT=bounds.right is not None,
-        SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[run_head_dim(problem.head_dim, FORWARD_BUILDS)])
+    do4, dq4 = (t.unsqueeze(0) if problem.varlen else t for t in (dout, dq))
+    dod, do_rows = rows_descriptor(do4, HALF_M, launch.constexprs["HEAD_DIM"])
+    _dq_kernel[launch.grid](
+        *launch.descriptors, dod, dq, lse, delta, launch.cu_q, launch.cu_k, problem.max_seqlen_q,
+        problem.max_seqlen_k, *launch.rows, do_rows, *dq4.stride()[:3], *launch.lse_strides,
+        *score_scales(problem), problem.softmax_scale, launch.slopes, *problem.position_args(),
+        *launch.window, ACCUMULATE=accumulate, **launch.constexprs,
     )  # fmt: skip

@@ -29,6 +29,8 @@ global positions) are built in only where a problem has them (docs/experiments.m
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
 
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -581,6 +583,55 @@ def _fused_fwd_kernel(
     )
 
 
+class QueryTileLaunch(NamedTuple):
+    """What a launch of a kernel over query tiles (``query_tile_program``: this kernel and
+    dq.py's) passes: the grid, q/k/v's TMA descriptors and rows per batch entry, the LSE's
+    (batch, head) strides, cu_seqlens (or stand-ins never read), ALiBi's slopes (or a stand-in),
+    the window's bounds and the constexprs with the launch options."""
+
+    grid: tuple[int, int, int]
+    descriptors: tuple
+    rows: tuple[int, int, int]
+    lse_strides: tuple[int, int]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    slopes: torch.Tensor
+    window: tuple[int, int]
+    constexprs: dict
+
+
+def query_tile_launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, lse: torch.Tensor,
+    block_n: int,
+) -> QueryTileLaunch:  # fmt: skip
+    """The launch arguments shared by the kernels over query tiles, for ``problem`` at the build
+    that runs its head_dim (``run_head_dim`` over HEAD_DIMS), with key tiles of ``block_n`` rows
+    (q/k/v and lse as the kernels' wrappers take them)."""
+    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
+    varlen = problem.varlen
+    q4, k4, v4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v))
+    qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
+    kd, k_rows = rows_descriptor(k4, block_n, head_dim)
+    vd, v_rows = rows_descriptor(v4, block_n, head_dim)
+    bounds = problem.bounds
+    return QueryTileLaunch(
+        grid=((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch),
+        descriptors=(qd, kd, vd),
+        rows=(q_rows, k_rows, v_rows),
+        lse_strides=(0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1)),
+        cu_q=problem.cu_seqlens_q if varlen else lse,
+        cu_k=problem.cu_seqlens_k if varlen else lse,
+        slopes=lse if problem.alibi_slopes is None else problem.alibi_slopes,
+        window=(bounds.left or 0, bounds.right or 0),
+        constexprs=dict(
+            GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+            TENSOR_DIM=problem.head_dim, VARLEN=varlen, HAS_LEFT=bounds.left is not None,
+            HAS_RIGHT=bounds.right is not None, SOFTCAP=bool(problem.softcap),
+            HAS_ALIBI=problem.alibi_slopes is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        ),
+    )  # fmt: skip
+
+
 def fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -600,26 +651,10 @@ def fused_forward(
     scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions.
     A head_dim between two builds runs the next larger one, its tiles zero-filled past the
     tensors' head_dim by TMA (``tma.rows_descriptor``)."""
-    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
-    varlen = problem.varlen
-    q4, k4, v4, o4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v, out))
-    block_n = BLOCK_N[head_dim]
-    qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
-    kd, k_rows = rows_descriptor(k4, block_n, head_dim)
-    vd, v_rows = rows_descriptor(v4, block_n, head_dim)
-    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    grid = ((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch)
-    bounds = problem.bounds
-    cu_q = problem.cu_seqlens_q if varlen else lse
-    cu_k = problem.cu_seqlens_k if varlen else lse
-    slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    _fused_fwd_kernel[grid](
-        qd, kd, vd, out, lse, cu_q, cu_k, problem.max_seqlen_q, problem.max_seqlen_k, q_rows, k_rows, v_rows,
-        *o4.stride()[:3], *lse_strides, *score_scales(problem), slopes, *problem.position_args(),
-        bounds.left or 0, bounds.right or 0,
-        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        TENSOR_DIM=problem.head_dim, VARLEN=varlen,
-        HAS_LEFT=bounds.left is not None, HAS_RIGHT=bounds.right is not None,
-        SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[run_head_dim(problem.head_dim, HEAD_DIMS)])
+    o4 = out.unsqueeze(0) if problem.varlen else out
+    _fused_fwd_kernel[launch.grid](
+        *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
+        *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem), launch.slopes,
+        *problem.position_args(), *launch.window, **launch.constexprs,
     )  # fmt: skip
