@@ -350,7 +350,11 @@ def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, ac
         dout = dout.contiguous()
     if not module.computes_dq(problem):
         module.fused_backward(dout, q, k, v, lse, delta, problem, None, dk, dv, accumulate)
-        hopper_module("dq").fused_dq(dout, q, k, v, lse, delta, problem, dq, accumulate)
+        # The dQ kernel stores rows with a unit stride in head_dim: any other dq gets a copy.
+        out = dq if dq.stride(-1) == 1 else torch.empty(q.shape, device=q.device, dtype=dq.dtype)
+        hopper_module("dq").fused_dq(dout, q, k, v, lse, delta, problem, out, accumulate and out is dq)
+        if out is not dq:
+            dq.add_(out) if accumulate else dq.copy_(out)
         return dq, dk, dv
     direct = dq.dtype == torch.float32 and tma_ok(as_4d(dq, vl))
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
