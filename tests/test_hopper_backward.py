@@ -65,6 +65,24 @@ def test_fused_backward_matches_float64(head_dim, dtype, batch, seqlen_q, seqlen
         assert err < TOLERANCE[dtype], f"{name}: rel err {err:.2e}"
 
 
+def test_head_dim_256_dq_without_unit_stride():
+    """attention_backward at the 256 build adding into a dq whose head_dim stride is not 1 (a
+    transposed view of a float32 buffer): the dQ kernel, which stores rows with unit stride,
+    writes a copy that is added in."""
+    q, k, v, dout = (cuda_randn(1, 300, 2, 256, seed=s) for s in (81, 82, 83, 84))
+    problem = build_problem(q, k, v, None, True, (-1, -1))
+    assert uses_fused_backward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    delta = attention_delta(out, dout, problem)
+    dq = cuda_randn(1, 300, 256, 2, dtype=torch.float32, seed=85).transpose(2, 3)
+    assert dq.stride(-1) != 1
+    before = dq.clone()
+    dk, dv = (torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (k, v))
+    attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate=True)
+    expected = _reference_docs(q, k, v, dout, True, (-1, -1), problem.q_positions, problem.k_positions)
+    _check((dq, dk, dv), expected, torch.bfloat16, bases=(before, 0, 0))
+
+
 @pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
 def test_fused_backward_on_slices_adds_into_float32_buffers(head_dim):
     """The ring's call: query/key slices of larger shards, dQ/dK/dV added to float32 buffers."""
