@@ -38,6 +38,7 @@ from .forward import (
     query_tile_launch,
     query_tile_program,
     score_scales,
+    store_rows,
     tanh_approx,
 )
 from .forward import HEAD_DIMS as FORWARD_BUILDS
@@ -152,15 +153,7 @@ def _compute_partition(
             softmax_scale, alibi2, ds_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
 
-    rows_o = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    offs = dq_off + rows_o.to(gl.int64)[:, None] * stride_dqs + cols_o[None, :]
-    keep = (rows_o < rows_left)[:, None]
-    if p.tensor_dim < HEAD_DIM:  # columns past the tensors' head_dim: zero padding, not stored
-        keep = keep & (cols_o < p.tensor_dim)[None, :]
-    if ACCUMULATE:
-        dq += gl.load(DQ + offs, mask=keep, other=0.0).to(gl.float32)
-    gl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=keep)
+    store_rows(DQ, dq_off, stride_dqs, dq, p, w, rows_left, ACCUMULATE)
 
 
 @gluon.jit

@@ -373,6 +373,26 @@ def _attend(
 
 
 @gluon.jit
+def store_rows(ptr, off, stride_s, value, p: Shared, w: gl.constexpr, rows_left, ACCUMULATE: gl.constexpr):
+    """Warpgroup w's float32 (rows, head_dim) tile ``value`` stored at ptr + off, rows stride_s
+    apart, in ptr's dtype (added to what is there under ACCUMULATE): the rows below
+    ``rows_left``, the columns below the tensors' head_dim (past it: zero padding, not stored).
+    The output here, dQ in dq.py."""
+    layout: gl.constexpr = value.type.layout
+    HALF_M: gl.constexpr = value.shape[0]
+    HEAD_DIM: gl.constexpr = value.shape[1]
+    rows = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = off + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
+    keep = (rows < rows_left)[:, None]
+    if p.tensor_dim < HEAD_DIM:
+        keep = keep & (cols < p.tensor_dim)[None, :]
+    if ACCUMULATE:
+        value += gl.load(ptr + offs, mask=keep, other=0.0).to(gl.float32)
+    gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
 def _compute_partition(
     p: Shared, mk: Mask, O, LSE, o_off, stride_os, lse_off, rows_left, qk_scale, tanh_scale, alibi_ptr,
     w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -410,13 +430,7 @@ def _compute_partition(
     # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
     l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
     out = o / l_o[:, None]
-    rows_o = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    offs = o_off + rows_o.to(gl.int64)[:, None] * stride_os + cols_o[None, :]
-    keep = (rows_o < rows_left)[:, None]
-    if p.tensor_dim < HEAD_DIM:  # columns past the tensors' head_dim: zero padding, not stored
-        keep = keep & (cols_o < p.tensor_dim)[None, :]
-    gl.store(O + offs, out.to(O.dtype.element_ty), mask=keep)
+    store_rows(O, o_off, stride_os, out, p, w, rows_left, False)
     # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .memory import (
     _dot,
+    _inverse,
     _load_sigma,
     _load_state,
     _operand,
@@ -63,7 +64,7 @@ def _retrieval_kernel(
         queries = _load_sigma(Q + b * stride_qb + h * stride_qh, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
         den = tl.sum(queries * z[None, :], 1)
         queries = _operand(queries, LOW_PRECISION)
-        scale = gate * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+        scale = gate * _inverse(den)
         for n0 in tl.static_range(0, BLOCK_D, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             if BLOCK_N == BLOCK_D:
@@ -115,14 +116,14 @@ def _retrieval_backward_kernel(
         h = kvh * GROUP + g
         gate = tl.load(GATE + h)
         gate_grad = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns of dout * (A - local)
+        q_base = Q + b * stride_qb + h * stride_qh
         for t0 in range(lo, hi, BLOCK_M):
             rows = t0 + tl.arange(0, BLOCK_M)
             row_ok = rows < hi
             rows64 = rows[:, None].to(tl.int64)
-            q_base = Q + b * stride_qb + h * stride_qh
             queries = _load_sigma(q_base, rows, row_ok, offs_d, stride_qs, HEAD_DIM)
             den = tl.sum(queries * z[None, :], 1)
-            inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+            inv = _inverse(den)
             # dout M^T gives both dq's product and, with sigma(Q), rowsum(dout * A): the
             # retrieval's sigma(Q) M is not formed again.
             dproj = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
