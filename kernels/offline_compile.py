@@ -280,6 +280,14 @@ def serialized_wgmma(sass: str) -> bool:
     return sass.count("HGMMA") > 0 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= sass.count("HGMMA")
 
 
+def wgmma_operands(sass: str) -> tuple[int, int]:
+    """(HGMMA with the A operand in registers, all HGMMA) in a kernel's SASS: an A operand read
+    from shared memory shows as a ``gdesc[...]`` descriptor in the first source slot."""
+    lines = [line for line in sass.splitlines() if "HGMMA." in line]
+    sources = [line.split("HGMMA", 1)[1].split(",")[1].strip() for line in lines]
+    return sum(1 for x in sources if x.startswith("R")), len(sources)
+
+
 def loop_spills(sass: str) -> tuple[int, int]:
     """(spill stores, spill loads) per thread inside a kernel's main loop: STL/LDL instructions
     between the target and the source of its longest backward branch, in its SASS

@@ -85,7 +85,7 @@ print("fits")
 _FUSED = r"""
 import re, sys
 from ringflash.kernels.offline_compile import (
-    SHARED_MEMORY_LIMIT, compile_fused_backward, disassemble, loop_spills, serialized_wgmma,
+    SHARED_MEMORY_LIMIT, compile_fused_backward, disassemble, loop_spills, serialized_wgmma, wgmma_operands,
 )
 
 CASES = {
@@ -143,6 +143,11 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     assert ("tanh.approx.f32" in ptx) == softcap
     sass = disassemble(k)
     assert not serialized_wgmma(sass), case
+    # dV and dK take P^T and dS^T from registers (not under SPLIT_N, head_dim 256); at head_dim
+    # 64 S^T and dP^T take K and V from them too: all but dQ's 8 k-steps per loop.
+    in_regs, hgmma = wgmma_operands(sass)
+    expected = {64: hgmma - 8 * loops, 128: hgmma // 4, 256: 0}[head_dim]
+    assert in_regs == expected, (case, in_regs, hgmma)
     stores, loads = loop_spills(sass)
     assert stores <= most and loads <= most, (case, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
@@ -189,8 +194,9 @@ print("supports ok")
 _FORWARD = r"""
 import re
 from ringflash.kernels.offline_compile import (
-    SHARED_MEMORY_LIMIT, compile_fused_forward, disassemble, loop_spills, serialized_wgmma,
+    SHARED_MEMORY_LIMIT, compile_fused_forward, disassemble, loop_spills, serialized_wgmma, wgmma_operands,
 )
+from ringflash.kernels.hopper.forward import BLOCK_N
 
 for kw in (
     dict(causal=True, window=True, varlen=True, group=4, out_dtype="fp32"),
@@ -207,6 +213,12 @@ for kw in (
     assert {24, 240} <= regs, regs
     sass = disassemble(k)
     assert not serialized_wgmma(sass), kw
+    # P V (block_n / 16 k-steps) takes P from registers; at head_dim 64 QK^T (head_dim / 16)
+    # takes Q from them too.
+    in_regs, hgmma = wgmma_operands(sass)
+    d = kw.get("head_dim", 128)
+    pv = BLOCK_N[d] // 16
+    assert in_regs == (hgmma if d == 64 else hgmma * pv // (pv + d // 16)), (kw, in_regs, hgmma)
     stores, loads = loop_spills(sass)
     assert stores <= 8 and loads <= 24, (kw, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared

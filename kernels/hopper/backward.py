@@ -295,7 +295,7 @@ def _visible_t(mk: Mask, offs_n, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
 
 @gluon.jit
 def _compute_tile(
-    p: Shared, mk: Mask, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
+    p: Shared, k_op, v_op, mk: Mask, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
     softmax_scale, alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
@@ -315,8 +315,8 @@ def _compute_tile(
     mbarrier.wait(p.qdo_ready.index(s), (i // 2) & 1)
     q_s = p.q_smem.index(s)
     do_s = p.do_smem.index(s)
-    st = warpgroup_mma(p.k_smem, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    dpt = warpgroup_mma(p.v_smem, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma(k_op, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_op, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     # In flight, oldest first: the previous tile's dK, S^T, dP^T.
     dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
     if i > 0:  # the previous tile's dK product has read its Q stage
@@ -398,6 +398,10 @@ def _compute_partition(
     # Key rows split between the warpgroups, or (SPLIT_N: a key tile of one wgmma's 64 rows)
     # the columns: queries of S^T/dP^T, head_dim of dK/dV.
     col_groups: gl.constexpr = num_warps // 4 if SPLIT_N else 1
+    # At head_dim 64 K and V (16 registers each) are the A operands of S^T and dP^T from registers:
+    # read from shared memory by every tile's products, they were 15% of its shared-memory
+    # traffic, which binds more at 64 than at 128 (dS^T's reads do not shrink with head_dim).
+    KV_IN_REGS: gl.constexpr = HEAD_DIM == 64 and not SPLIT_N
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps // col_groups, col_groups],
         instr_shape=[16, BLOCK_M // col_groups, 16],
@@ -427,6 +431,12 @@ def _compute_partition(
     # loop of their own, dK in flight from one loop into the next made ptxas serialize every
     # wgmma (silently, no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
     mbarrier.wait(p.kv_bar, 0)
+    if KV_IN_REGS:
+        k_op = p.k_smem.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+        v_op = p.v_smem.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+    else:
+        k_op = p.k_smem
+        v_op = p.v_smem
     for g in range(GROUP):
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
@@ -436,7 +446,7 @@ def _compute_partition(
         if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DKDV_ONLY):
             for t in range(t_full_lo):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
@@ -445,21 +455,21 @@ def _compute_partition(
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_lo, t_full_hi):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_hi, p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
         else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
             for t in range(p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL,
                     MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip

@@ -1,0 +1,174 @@
+"""The Hopper kernels of this tree against another checkout's, interleaved in one process.
+
+    git archive <rev> | tar -x -C /tmp/base
+    python launch/ab_hopper.py --base /tmp/base --rounds 5
+
+Between processes the same kernel reads a few percent apart on these machines (clocks, the
+other runs on the host), more than a tile change moves it. Here the base checkout's
+``kernels/hopper/{forward,backward}.py`` are loaded beside this tree's (their imports of the
+other modules resolve to this tree's), and every round times each workload with the base
+modules, then this tree's, then SDPA cuDNN where it has the shape, each through the public
+``flash_attn_func`` / ``flash_attn_varlen_func``. bf16, 16 heads, --tokens tokens per workload;
+TFLOP/s as launch/bench_attention.py counts them (fwd / bwd / fwd+bwd, medians over rounds of
+``triton.testing.do_bench`` medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ringflash
+from ringflash.kernels import backward as kernel_backward
+from ringflash.kernels import forward as kernel_forward
+from ringflash.kernels.hopper import dispatch
+
+MODULES = ("forward", "backward")
+DEFAULT_WORKLOADS = ["dense:4096", "causal:4096", "dense:65536", "causal:65536", "docs:2048"]
+
+
+def load_base_modules(base: Path) -> dict:
+    """The base checkout's Hopper modules, as ringflash.kernels.hopper.<name>_base."""
+    loaded = {}
+    for name in MODULES:
+        spec = importlib.util.spec_from_file_location(
+            f"ringflash.kernels.hopper.{name}_base", base / "kernels" / "hopper" / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        loaded[name] = module
+    return loaded
+
+
+_DISPATCH = dispatch.hopper_module
+
+
+def use_modules(modules: dict) -> None:
+    """Route the dispatch of the forward and backward to ``modules`` (name -> module; the others,
+    and every name when empty, to this tree's)."""
+
+    def hopper_module(name: str):
+        return modules.get(name) or _DISPATCH(name)
+
+    dispatch.hopper_module = kernel_forward.hopper_module = kernel_backward.hopper_module = hopper_module
+
+
+def workload(name: str, d: int, tokens: int, heads: int):
+    """(ringflash fn, its leaves, cuDNN fn or None, its leaves, forward FLOPs) of a named
+    workload. cuDNN gets its own inputs in SDPA's (batch, heads, seqlen, head_dim) layout, as in
+    launch/bench_attention.py; equal-length documents go to it as a dense batch."""
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    kind, _, arg = name.partition(":")
+    n = int(arg)
+    if kind == "window":
+        q, k, v = (randn(1, tokens, heads, d) for _ in range(3))
+        pairs = sum(min(i + 1, n + 1) for i in range(tokens))
+
+        def ours():
+            return ringflash.flash_attn_func(q, k, v, causal=True, window_size=(n, 0))
+
+        return ours, (q, k, v), None, (), 4 * heads * d * pairs
+    if kind not in ("dense", "causal", "docs"):
+        raise ValueError(f"workload: expected dense:S, causal:S, docs:N or window:W, got {name!r}")
+    b = max(1, tokens // n)
+    causal = kind != "dense"
+    flops = 4 * b * heads * n * n * d / (2 if causal else 1)
+    qs, ks, vs = (randn(b, heads, n, d) for _ in range(3))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+
+    if kind == "docs":
+        q, k, v = (randn(b * n, heads, d) for _ in range(3))
+        cu = torch.arange(0, b * n + 1, n, device="cuda", dtype=torch.int32)
+
+        def ours():
+            return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+
+    else:
+        q, k, v = (randn(b, n, heads, d) for _ in range(3))
+
+        def ours():
+            return ringflash.flash_attn_func(q, k, v, causal=causal)
+
+    return ours, (q, k, v), cudnn, (qs, ks, vs), flops
+
+
+def times(fn, leaves) -> tuple[float, float]:
+    """Median ms of the forward and of forward + backward."""
+    dout = torch.randn_like(fn())
+    with torch.no_grad():
+        fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    both = triton.testing.do_bench(
+        lambda: torch.autograd.grad(fn(), leaves, dout), warmup=25, rep=100, return_mode="median"
+    )
+    return fwd, both
+
+
+def rates(samples: list[tuple[float, float]], flops: float) -> tuple[float, float, float] | None:
+    """TFLOP/s fwd, bwd, fwd+bwd from the medians of (fwd ms, fwd+bwd ms) samples."""
+    if not samples:
+        return None
+    fwd = statistics.median(s[0] for s in samples)
+    both = statistics.median(s[1] for s in samples)
+    return flops / fwd / 1e9, 2.5 * flops / (both - fwd) / 1e9, 3.5 * flops / both / 1e9
+
+
+def cell(r) -> str:
+    return "n/a" if r is None else " / ".join(f"{v:.0f}" for v in r)
+
+
+def ratio(a, b) -> str:
+    return "n/a" if a is None or b is None else f"{a[2] / b[2]:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base", type=Path, required=True, help="a checkout of the base revision")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64])
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    variants = {"base": load_base_modules(args.base), "new": {}}
+    print(f"{torch.cuda.get_device_name()} {datetime.date.today()} rounds={args.rounds}")
+    print("| workload | D | base | new | cuDNN | new / base | base / cuDNN | new / cuDNN |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in args.head_dims:
+        for name in args.workloads:
+            ours, leaves, cudnn, cudnn_leaves, flops = workload(name, d, args.tokens, args.heads)
+            runs = {"base": [], "new": [], "cudnn": []}
+            for _ in range(args.rounds):
+                for variant, modules in variants.items():
+                    use_modules(modules)
+                    runs[variant].append(times(ours, leaves))
+                if cudnn is not None:
+                    runs["cudnn"].append(times(cudnn, cudnn_leaves))
+            use_modules({})
+            base, new, ref = (rates(runs[key], flops) for key in ("base", "new", "cudnn"))
+            print(
+                f"| {name} | {d} | {cell(base)} | {cell(new)} | {cell(ref)} | "
+                f"{ratio(new, base)} | {ratio(base, ref)} | {ratio(new, ref)} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
