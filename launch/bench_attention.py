@@ -7,7 +7,8 @@ forward, dK/dV and dQ kernels.
     python launch/bench_attention.py --head-dims 128 --seqlens 16384 65536 --backends ringflash cudnn
 
 bf16, B*S kept near --tokens (default 64K), 16 heads. TFLOP/s from attention FLOPs: fwd =
-4*B*H*S^2*D (half when causal), fwd+bwd = 3.5x fwd; medians of triton.testing.do_bench. Peak
+4*B*H*S^2*D (half when causal), fwd+bwd = 3.5x fwd; the backends take turns over --rounds rounds
+(default 3) and each reports the median over rounds of triton.testing.do_bench medians. Peak
 memory is one fwd+bwd's peak allocation above the inputs. Cells read fwd / bwd / fwd+bwd, where
 bwd is 2.5x fwd FLOPs over (fwd+bwd time - fwd time). Each config first checks ringflash's
 output against SDPA's flash backend (rel. error < 2e-2, else the row says FAIL).
@@ -27,6 +28,7 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import sys
 from unittest import mock
 
@@ -104,39 +106,73 @@ def _compiled_flex():
     return torch.compile(_flex.flex_attention, dynamic=False)
 
 
-def bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
-    off = {"RINGFLASH_FUSED_FORWARD": "0", "RINGFLASH_FUSED_BACKWARD": "0"}
-    env = off if name == "ringflash-triton" else {}
-    with mock.patch.dict(os.environ, env):
-        return _bench_one(name, b, s, h, d, causal, hk, softcap, alibi)
+def backend_env(name: str) -> dict[str, str]:
+    """Environment a backend runs under: ``ringflash-triton`` switches the Hopper kernels off."""
+    if name == "ringflash-triton":
+        return {"RINGFLASH_FUSED_FORWARD": "0", "RINGFLASH_FUSED_BACKWARD": "0"}
+    return {}
 
 
-def _bench_one(name: str, b: int, s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool):
-    fn, leaves = make_runner(name, b, s, h, d, causal, hk, softcap, alibi)
-    return measure(fn, leaves, 4 * b * h * s * s * d * (0.5 if causal else 1.0))
-
-
-def measure(fn, leaves: tuple[torch.Tensor, ...], flops: float) -> dict:
-    """TFLOP/s of ``fn()`` (forward) and of forward + backward with respect to ``leaves``, given
-    the forward's FLOPs (backward = 2.5x), and the peak memory of one fwd+bwd above the inputs."""
-    dout = torch.randn_like(fn())
+def _times(fn, leaves: tuple[torch.Tensor, ...], dout: torch.Tensor) -> tuple[float, float]:
+    """Median ms of the forward and of forward + backward (triton.testing.do_bench)."""
     with torch.no_grad():
         t_fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     t_all = triton.testing.do_bench(
         lambda: torch.autograd.grad(fn(), leaves, dout), warmup=25, rep=100, return_mode="median"
     )
+    return t_fwd, t_all
+
+
+def _peak_gib(fn, leaves: tuple[torch.Tensor, ...], dout: torch.Tensor) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.autograd.grad(fn(), leaves, dout)
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return {
-        "fwd": flops / t_fwd / 1e9,
-        "bwd": 2.5 * flops / (t_all - t_fwd) / 1e9,
-        "fwd_bwd": 3.5 * flops / t_all / 1e9,
-        "peak_gib": peak,
-    }
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def measure_rounds(runners: dict, flops: float, rounds: int = 3) -> dict[str, dict | None]:
+    """TFLOP/s and peak memory of each backend, ``runners`` mapping a name to (fn, leaves): fn()
+    the forward, differentiated with respect to leaves, given the forward's FLOPs (backward =
+    2.5x). The backends take turns, one timing each per round over ``rounds`` rounds, and the
+    medians over rounds are reported: a slow stretch of the machine (clocks, the host) then
+    touches every backend alike instead of the one that ran in it. A backend that raises is
+    None (the shape is not one it runs)."""
+    douts, samples = {}, {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, (fn, leaves) in runners.items():
+            if samples[name] is None:
+                continue
+            try:
+                with mock.patch.dict(os.environ, backend_env(name)):
+                    if name not in douts:
+                        douts[name] = torch.randn_like(fn())
+                    samples[name].append(_times(fn, leaves, douts[name]))
+            except Exception as e:  # a backend that cannot run a shape shows n/a
+                print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+                samples[name] = None
+    results = {}
+    for name, (fn, leaves) in runners.items():
+        if samples[name] is None:
+            results[name] = None
+            continue
+        t_fwd = statistics.median(t[0] for t in samples[name])
+        t_all = statistics.median(t[1] for t in samples[name])
+        with mock.patch.dict(os.environ, backend_env(name)):
+            peak = _peak_gib(fn, leaves, douts[name])
+        results[name] = {
+            "fwd": flops / t_fwd / 1e9,
+            "bwd": 2.5 * flops / (t_all - t_fwd) / 1e9,
+            "fwd_bwd": 3.5 * flops / t_all / 1e9,
+            "peak_gib": peak,
+        }
+    return results
+
+
+def measure(fn, leaves: tuple[torch.Tensor, ...], flops: float) -> dict:
+    """``measure_rounds`` of one function, one round."""
+    return measure_rounds({"fn": (fn, leaves)}, flops, rounds=1)["fn"]
 
 
 def check_scores(s: int, h: int, d: int, causal: bool, hk: int, softcap: float, alibi: bool) -> float:
@@ -189,6 +225,7 @@ def main() -> None:
     p.add_argument("--softcaps", type=float, nargs="+", default=[0.0], help="logit softcaps, 0 = none")
     p.add_argument("--alibi", choices=["both", "yes", "no"], default="no", help="rows with ALiBi")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per config (medians)")
     p.add_argument("--quick", action="store_true", help="one small config, for a smoke test")
     p.add_argument("--json", help="write raw results here")
     args = p.parse_args()
@@ -213,18 +250,22 @@ def main() -> None:
             "alibi": alibi,
             "err": check_against_sdpa(b, s, args.heads, d, causal, hk, softcap, alibi),
         }
+        print(
+            f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} softcap={softcap} "
+            f"alibi={alibi}",
+            file=sys.stderr,
+        )
+        runners = {}
         for name in args.backends:
-            print(
-                f"[{datetime.datetime.now():%H:%M:%S}] D={d} causal={causal} S={s} softcap={softcap} "
-                f"alibi={alibi} {name}",
-                file=sys.stderr,
-            )
             try:
-                row[name] = bench_one(name, b, s, args.heads, d, causal, hk, softcap, alibi)
-            except Exception as e:  # a backend that cannot run a shape shows n/a
+                runners[name] = make_runner(name, b, s, args.heads, d, causal, hk, softcap, alibi)
+            except Exception as e:  # a backend without this shape's features shows n/a
                 print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
                 row[name] = None
-            torch.cuda.empty_cache()
+        flops = 4 * b * args.heads * s * s * d * (0.5 if causal else 1.0)
+        row.update(measure_rounds(runners, flops, args.rounds))
+        del runners
+        torch.cuda.empty_cache()
         rows.append(row)
 
     def cell(r):

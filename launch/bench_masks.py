@@ -8,7 +8,8 @@ out as a dense batch, in the same run on the same shapes.
 bf16, causal, 16 heads, --tokens tokens (default 64K) in one packed sequence. TFLOP/s count the
 visible pairs only: a causal document of n tokens is 4*H*D*n^2/2 forward FLOPs (as a dense causal
 row counts), a causal window of W keys 4*H*D*(pairs it sees); fwd+bwd = 3.5x fwd. Cells read fwd /
-bwd / fwd+bwd; medians of triton.testing.do_bench (bench_attention.measure). Each workload first
+bwd / fwd+bwd; the backends take turns over --rounds rounds, medians over rounds of
+triton.testing.do_bench medians (bench_attention.measure_rounds). Each workload first
 checks ringflash's output against FlexAttention's (rel. error < 2e-2, else the row says FAIL).
 """
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_attention
 import torch.nn.functional as F
 import triton
-from bench_attention import _compiled_flex, measure
+from bench_attention import _compiled_flex, measure_rounds
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--window", type=int, default=4095, help="keys before each query (window4k)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per workload (medians)")
     p.add_argument("--json", help="write raw results here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -127,15 +129,17 @@ def main() -> None:
         for workload in args.workloads:
             err = check(workload, args.tokens, args.heads, d, args.window)
             row = {"workload": workload, "D": d, "err": err}
+            print(f"[{datetime.datetime.now():%H:%M:%S}] D={d} {workload}", file=sys.stderr)
+            runners, flops = {}, None
             for name in args.backends:
-                print(f"[{datetime.datetime.now():%H:%M:%S}] D={d} {workload} {name}", file=sys.stderr)
                 runner = make_runner(name, workload, args.tokens, args.heads, d, args.window)
-                try:
-                    row[name] = None if runner is None else measure(*runner)
-                except Exception as e:  # a backend that cannot run a shape shows n/a
-                    print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+                if runner is None:
                     row[name] = None
-                torch.cuda.empty_cache()
+                else:
+                    runners[name], flops = runner[:2], runner[2]
+            row.update(measure_rounds(runners, flops, args.rounds))
+            del runners
+            torch.cuda.empty_cache()
             rows.append(row)
 
     def cell(r):
