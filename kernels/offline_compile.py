@@ -222,18 +222,19 @@ def compile_fused_forward(
     a left window bound (``window``) and packed documents (``varlen``); with ``tensor_dim`` below
     head_dim, on tensors of a head_dim between two builds."""
     from .hopper import forward as hf
+    from .hopper import query_tiles as qt
 
     block_n = hf.BLOCK_N[head_dim]
     kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
-    q = _example_descriptor(group, hf.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
+    q = _example_descriptor(group, qt.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv)
     consts = dict(
-        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=qt.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen,
         HAS_LEFT=window, HAS_RIGHT=causal, SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
     )  # fmt: skip
     pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
-    options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
+    options = {"num_warps": qt.NUM_WARPS, "maxnreg": qt.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 
 
@@ -246,14 +247,14 @@ def compile_fused_dq(
     ``dq_dtype`` (added to it with ``accumulate``), with the masks and score options of
     ``compile_fused_forward``."""
     from .hopper import dq as hdq
-    from .hopper import forward as hf
+    from .hopper import query_tiles as qt
 
     block_n = hdq.BLOCK_N[head_dim]
     kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
-    q = _example_descriptor(group, hf.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
+    q = _example_descriptor(group, qt.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q)
     consts = dict(
-        GROUP=group, BLOCK_M=hf.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=qt.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen, HAS_LEFT=window, HAS_RIGHT=causal,
         SOFTCAP=softcap, HAS_ALIBI=alibi, ACCUMULATE=accumulate, **_UNIT_STRIDES,
     )  # fmt: skip
@@ -261,7 +262,7 @@ def compile_fused_dq(
         "DQ": f"*{dq_dtype}", "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32",
         "CU_K": "*i32",
     }  # fmt: skip
-    options = {"num_warps": hf.NUM_WARPS, "maxnreg": hf.MAX_REGISTERS}
+    options = {"num_warps": qt.NUM_WARPS, "maxnreg": qt.MAX_REGISTERS}
     return _compile_gluon(hdq._dq_kernel, descs, consts, pointers, options, target)
 
 

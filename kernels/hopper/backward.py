@@ -85,7 +85,7 @@ from triton.language.core import _aggregate as aggregate
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
-from .forward import score_scales, tanh_approx
+from .scores import score_scales, tanh_approx
 from .spans import count_at_or_before, first_at_or_after, query_span
 from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
 

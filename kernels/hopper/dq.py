@@ -4,7 +4,7 @@ where the fused backward (backward.py) has no room for its float32 dQ ring in sh
 There the fused backward added every (query tile, key tile) pair's dQ into a float32 buffer by
 atomic adds from registers, and half of its time went to them (docs/experiments.md §28). This
 kernel computes dQ as the forward computes O, with the forward's programs (one per 128-row
-query tile, query head and sequence: ``forward.query_tile_program``), walk over the key tiles
+query tile, query head and sequence: ``query_tiles.query_tile_program``), walk over the key tiles
 a tile sees, masks, softcap and ALiBi: Q and dO of the tile stay in shared memory while 32-row
 K and V tiles stream through two-stage rings, and per key tile
 
@@ -27,21 +27,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
-from .forward import (
+from .query_tiles import (
     COMPUTE_REGS,
     HALF_M,
     LOADER_REGS,
-    Mask,
     Shared,
     load_key_tiles,
-    logits,
     query_tile_launch,
     query_tile_program,
-    score_scales,
     store_rows,
-    tanh_approx,
 )
-from .forward import HEAD_DIMS as FORWARD_BUILDS
+from .query_tiles import HEAD_DIMS as QUERY_TILE_BUILDS
+from .scores import Mask, logits, score_scales, tanh_approx
 from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_N = {256: 32}  # key rows per tile, by build
@@ -208,7 +205,7 @@ def _dq_kernel(
 
 def dq_supports(problem: AttentionProblem) -> bool:
     """Whether ``fused_dq`` computes ``problem``'s dQ: head dims that run at the 256 build."""
-    return run_head_dim(problem.head_dim, FORWARD_BUILDS) in HEAD_DIMS
+    return run_head_dim(problem.head_dim, QUERY_TILE_BUILDS) in HEAD_DIMS
 
 
 def fused_dq(
@@ -229,7 +226,8 @@ def fused_dq(
     ``tma_layout_ok`` accepts; head_dim per ``dq_supports``. dq: q's shape, any float dtype,
     unit stride in head_dim; lse/delta: float32 in ``problem.lse_shape``, sharing strides, last
     stride 1. Any mask the problem describes, a softcap and ALiBi, as in the forward."""
-    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[run_head_dim(problem.head_dim, FORWARD_BUILDS)])
+    build = run_head_dim(problem.head_dim, QUERY_TILE_BUILDS)
+    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[build])
     do4, dq4 = (t.unsqueeze(0) if problem.varlen else t for t in (dout, dq))
     dod, do_rows = rows_descriptor(do4, HALF_M, launch.constexprs["HEAD_DIM"])
     _dq_kernel[launch.grid](

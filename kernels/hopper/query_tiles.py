@@ -1,0 +1,264 @@
+"""Programs over query tiles, the frame of the Hopper forward (forward.py) and of the dQ kernel of
+the head_dim-256 build (dq.py): one program per (128-row query tile, query head, sequence), its
+warps specialized into a loader warp and two compute warpgroups of 4 warps, one per 64-row half
+of the tile (registers: 240 per compute thread, 24 per loader thread).
+
+``query_tile_program`` works out what a program walks: the sequence's rows in the packed or dense
+tensors, the key tiles that any of its rows sees and those that every row sees in full
+(``spans.key_tiles``), the shared-memory tiles and two-stage K/V rings with their mbarriers
+(``Shared``) and each half's ``Mask``. ``load_key_tiles`` is the loader's walk over the key
+tiles, ``store_rows`` a compute warpgroup's store of its rows, and ``query_tile_launch`` the
+arguments a launch passes (grid, TMA descriptors, constexprs).
+
+No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
+"""
+
+from typing import NamedTuple
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate as aggregate
+
+from ..problem import AttentionProblem
+from .dispatch import run_head_dim
+from .scores import Mask
+from .spans import key_tiles
+from .tma import load_tile, rows_descriptor, tile_layout
+
+BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
+HALF_M = BLOCK_M // 2
+HEAD_DIMS = (64, 128, 256)  # the builds; a head_dim between two runs at the next (run_head_dim)
+NUM_WARPS = 4  # the first compute warpgroup; the second and the loader are workers
+# Entry cap; warp specialization pads the loader warp to a warpgroup and redistributes:
+# 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, within the 64K register file.
+MAX_REGISTERS = 168
+COMPUTE_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+
+
+@aggregate
+class Shared:
+    """What the partitions share: descriptors, shared-memory tiles and rings with their
+    mbarriers, and the program's rows/columns in the descriptors' (rows, heads * head_dim)
+    views: the query tile's first row ``q_row``, the sequence's first key row ``k_row0``/
+    ``v_row0``, the query head ``q_head``, the KV head ``k_head``; the key tiles walked,
+    ``n_tiles`` of them from tile ``t_last`` down; the tensors' head_dim ``tensor_dim`` (below the
+    build's where it lies between two builds)."""
+
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    q_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_bar: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    q_row: gl.tensor
+    k_row0: gl.tensor
+    v_row0: gl.tensor
+    q_head: gl.tensor
+    k_head: gl.tensor
+    t_last: gl.tensor
+    n_tiles: gl.tensor
+    tensor_dim: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(
+        self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+        q_row, k_row0, v_row0, q_head, k_head, t_last, n_tiles, tensor_dim,
+    ):  # fmt: skip
+        self.q_desc = q_desc
+        self.k_desc = k_desc
+        self.v_desc = v_desc
+        self.q_smem = q_smem
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.q_bar = q_bar
+        self.k_ready = k_ready
+        self.k_empty = k_empty
+        self.v_ready = v_ready
+        self.v_empty = v_empty
+        self.q_row = q_row
+        self.k_row0 = k_row0
+        self.v_row0 = v_row0
+        self.q_head = q_head
+        self.k_head = k_head
+        self.t_last = t_last
+        self.n_tiles = n_tiles
+        self.tensor_dim = gl.constexpr(tensor_dim)
+
+
+@gluon.jit
+def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr):
+    """The loader's walk over the program's key tiles, the last first, into the K and V rings
+    (here and in dq.py)."""
+    tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    for i in range(p.n_tiles):
+        s = i % 2
+        n0 = (p.t_last - i) * BLOCK_N  # last key tile first
+        # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
+        mbarrier.wait(p.k_empty.index(s), ((i // 2) & 1) ^ 1)
+        bar = p.k_ready.index(s)
+        mbarrier.expect(bar, tile_bytes)
+        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.k_smem.index(s))
+        mbarrier.wait(p.v_empty.index(s), ((i // 2) & 1) ^ 1)
+        bar = p.v_ready.index(s)
+        mbarrier.expect(bar, tile_bytes)
+        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.v_smem.index(s))
+
+
+@gluon.jit
+def store_rows(ptr, off, stride_s, value, p: Shared, w: gl.constexpr, rows_left, ACCUMULATE: gl.constexpr):
+    """Warpgroup w's float32 (rows, head_dim) tile ``value`` stored at ptr + off, rows stride_s
+    apart, in ptr's dtype (added to what is there under ACCUMULATE): the rows below
+    ``rows_left``, the columns below the tensors' head_dim (past it: zero padding, not stored).
+    The output here, dQ in dq.py."""
+    layout: gl.constexpr = value.type.layout
+    HALF_M: gl.constexpr = value.shape[0]
+    HEAD_DIM: gl.constexpr = value.shape[1]
+    rows = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = off + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
+    keep = (rows < rows_left)[:, None]
+    if p.tensor_dim < HEAD_DIM:
+        keep = keep & (cols < p.tensor_dim)[None, :]
+    if ACCUMULATE:
+        value += gl.load(ptr + offs, mask=keep, other=0.0).to(gl.float32)
+    gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def query_tile_program(
+    q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """What a program over one query tile (program ids: query tile, query head, sequence) walks,
+    here and in the dQ kernel (dq.py): its ``Shared`` (two-stage K/V rings over the key tiles it
+    sees, barriers initialized), the ``Mask`` of each 64-row half, the first row of its sequence
+    in the packed rows (0 unless VARLEN), the batch index of its dense outputs, and the rows of
+    its sequence from the tile's first on. Packed documents are read in place: one batch of
+    packed rows, document b from row cu[b]. Causal: the heaviest query tiles (the last) are
+    launched first."""
+    if HAS_RIGHT:
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    m0 = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    if VARLEN:
+        q_first = gl.load(CU_Q + b)
+        len_q = gl.load(CU_Q + b + 1) - q_first
+        k_first = gl.load(CU_K + b)
+        len_k = gl.load(CU_K + b + 1) - k_first
+        q_row0 = q_first
+        k_row0 = k_first
+        v_row0 = k_first
+        ob = b * 0
+    else:
+        q_first = b * 0
+        len_q = seqlen_q + b * 0
+        len_k = seqlen_k + b * 0
+        q_row0 = b * q_batch_rows
+        k_row0 = b * k_batch_rows
+        v_row0 = b * v_batch_rows
+        ob = b
+    q_pos0 = q_start + q_per_len * len_q + m0 * q_stride
+    k_start = k_start + k_per_len * len_k
+    rows_left = len_q - m0
+    q_hi = q_pos0 + (gl.minimum(rows_left, BLOCK_M) - 1) * q_stride
+    t_lo, t_hi, t_full_lo, t_full_hi = key_tiles(
+        q_pos0, q_hi, k_start, k_stride, len_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N
+    )
+    n_tiles = gl.where(rows_left > 0, t_hi - t_lo, 0)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], tile_layout(q_desc.layout))
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_layout(v_desc.layout))
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+
+    p = Shared(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+        q_row0 + m0, k_row0, v_row0, h, h // GROUP, t_hi - 1, n_tiles, TENSOR_DIM,
+    )  # fmt: skip
+    # Launches specialize integer arguments equal to 1 into constants; the aggregate holds tensors
+    # (constants folded back by the compiler).
+    zero = b * 0
+    q_stride_t = q_stride + zero
+    k_stride_t = k_stride + zero
+    left_t = left + zero
+    right_t = right + zero
+    mk0 = Mask(q_pos0, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo, t_full_hi)
+    mk1 = Mask(
+        q_pos0 + HALF_M * q_stride, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo,
+        t_full_hi,
+    )  # fmt: skip
+    return p, mk0, mk1, q_first + m0, ob, rows_left
+
+
+class QueryTileLaunch(NamedTuple):
+    """What a launch of a kernel over query tiles (``query_tile_program``: this kernel and
+    dq.py's) passes: the grid, q/k/v's TMA descriptors and rows per batch entry, the LSE's
+    (batch, head) strides, cu_seqlens (or stand-ins never read), ALiBi's slopes (or a stand-in),
+    the window's bounds and the constexprs with the launch options."""
+
+    grid: tuple[int, int, int]
+    descriptors: tuple
+    rows: tuple[int, int, int]
+    lse_strides: tuple[int, int]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    slopes: torch.Tensor
+    window: tuple[int, int]
+    constexprs: dict
+
+
+def query_tile_launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, lse: torch.Tensor,
+    block_n: int,
+) -> QueryTileLaunch:  # fmt: skip
+    """The launch arguments shared by the kernels over query tiles, for ``problem`` at the build
+    that runs its head_dim (``run_head_dim`` over HEAD_DIMS), with key tiles of ``block_n`` rows
+    (q/k/v and lse as the kernels' wrappers take them)."""
+    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
+    varlen = problem.varlen
+    q4, k4, v4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v))
+    qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
+    kd, k_rows = rows_descriptor(k4, block_n, head_dim)
+    vd, v_rows = rows_descriptor(v4, block_n, head_dim)
+    bounds = problem.bounds
+    return QueryTileLaunch(
+        grid=((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch),
+        descriptors=(qd, kd, vd),
+        rows=(q_rows, k_rows, v_rows),
+        lse_strides=(0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1)),
+        cu_q=problem.cu_seqlens_q if varlen else lse,
+        cu_k=problem.cu_seqlens_k if varlen else lse,
+        slopes=lse if problem.alibi_slopes is None else problem.alibi_slopes,
+        window=(bounds.left or 0, bounds.right or 0),
+        constexprs=dict(
+            GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+            TENSOR_DIM=problem.head_dim, VARLEN=varlen, HAS_LEFT=bounds.left is not None,
+            HAS_RIGHT=bounds.right is not None, SOFTCAP=bool(problem.softcap),
+            HAS_ALIBI=problem.alibi_slopes is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        ),
+    )  # fmt: skip
