@@ -18,7 +18,7 @@ def fresh_gate():
 
 @pytest.mark.skipif(not triton.__version__.startswith(dispatch.GLUON_TRITON), reason="another Triton")
 def test_the_gluon_release_imports_the_hopper_modules(fresh_gate):
-    for name in ("tma", "forward", "backward"):
+    for name in ("tma", "scores", "query_tiles", "forward", "backward", "dq"):
         assert dispatch.hopper_module(name) is not None, name
 
 
