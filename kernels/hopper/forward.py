@@ -7,10 +7,11 @@ specialized (``gl.warp_specialize``):
   two-stage rings (K and V each with their own ready/empty mbarriers, so a K stage is refilled
   as soon as QK^T has read it, while V waits for P V);
 - two compute warpgroups of 4 warps, one per 64-row half, at 240 registers. Each issues
-  S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and computes the softmax of S_j while
-  P V runs. The warpgroups run free of each other: making them take turns at issuing their
-  products (FlashAttention-3's ping-pong, through an mbarrier pair) measured no faster on an
-  H200 (medians within -3%..+1% over 5 interleaved rounds, docs/experiments.md).
+  S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then the softmax of S_j. ptxas places
+  the wait for P V before the softmax (the SASS reorders it), so a warpgroup's softmax overlaps
+  the other warpgroup's products rather than its own; pinning the wait after the softmax
+  measured no faster (docs/experiments.md §34), nor did making the warpgroups take turns at
+  issuing their products (FlashAttention-3's ping-pong, §12 and §27). They run free of each other.
 
 Every mask the library takes runs here: any lengths, packed documents (``cu_seqlens``: one
 program per query tile of a document, reading the packed tensors in place), windows and
@@ -40,14 +41,13 @@ from .query_tiles import (
     COMPUTE_REGS,
     HEAD_DIMS,
     LOADER_REGS,
-    Mask,
     Shared,
     load_key_tiles,
     query_tile_launch,
     query_tile_program,
     store_rows,
 )
-from .scores import logits, mask_scores, score_scales
+from .scores import Mask, logits, mask_scores, score_scales
 from .tma import load_tile
 
 # Key rows per tile, by build: at 256 two stages of 128-row K and V tiles (256 KiB) would not
@@ -98,7 +98,7 @@ def _tile_step(
     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     """Walk step i (key tile t_last - i): S_i = Q K_i^T issued beside O += P_{i-1} V_{i-1}, the
-    softmax of S_i computed while P V runs."""
+    softmax of S_i written to run while P V does (ptxas waits for P V first: module docstring)."""
     dtype: gl.constexpr = p.q_desc.dtype
     st = i % 2
     prev = 1 - st
