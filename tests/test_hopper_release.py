@@ -20,6 +20,8 @@ def fresh_gate():
 def test_the_gluon_release_imports_the_hopper_modules(fresh_gate):
     for name in ("tma", "scores", "query_tiles", "forward", "backward", "dq"):
         assert dispatch.hopper_module(name) is not None, name
+    # The forward's key tiles are given per build of the programs over query tiles.
+    assert tuple(dispatch.hopper_module("forward").BLOCK_N) == dispatch.hopper_module("query_tiles").HEAD_DIMS
 
 
 def test_another_triton_release_turns_the_hopper_path_off(fresh_gate, monkeypatch):
