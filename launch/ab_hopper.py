@@ -2,15 +2,17 @@
 
     git archive <rev> | tar -x -C /tmp/base
     python launch/ab_hopper.py --base /tmp/base --rounds 5
+    python launch/ab_hopper.py --base /tmp/base /tmp/other --rep 400   # two bases, longer timings
 
 Between processes the same kernel reads a few percent apart on these machines (clocks, the
-other runs on the host), more than a tile change moves it. Here the base checkout's
+other runs on the host), more than a tile change moves it. Here each base checkout's
 ``kernels/hopper/{forward,backward}.py`` are loaded beside this tree's (their imports of the
-other modules resolve to this tree's), and every round times each workload with the base
-modules, then this tree's, then SDPA cuDNN where it has the shape, each through the public
-``flash_attn_func`` / ``flash_attn_varlen_func``. bf16, 16 heads, --tokens tokens per workload;
-TFLOP/s as launch/bench_attention.py counts them (fwd / bwd / fwd+bwd, medians over rounds of
-``triton.testing.do_bench`` medians).
+other modules resolve to this tree's), and every round times each workload with the bases'
+modules and this tree's (in reverse order every other round), then SDPA cuDNN where it has
+the shape, each through the public ``flash_attn_func`` /
+``flash_attn_varlen_func``; the backward is timed on its own, over one recorded forward. bf16,
+16 heads, --tokens tokens per workload; TFLOP/s as launch/bench_attention.py counts them (fwd /
+bwd / fwd+bwd, medians over rounds of ``triton.testing.do_bench`` medians).
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ MODULES = ("forward", "backward")
 DEFAULT_WORKLOADS = ["dense:4096", "causal:4096", "dense:65536", "causal:65536", "docs:2048"]
 
 
-def load_base_modules(base: Path) -> dict:
-    """The base checkout's Hopper modules, as ringflash.kernels.hopper.<name>_base."""
+def load_base_modules(base: Path, tag: str) -> dict:
+    """The base checkout's Hopper modules, as ringflash.kernels.hopper.<name>_<tag>."""
     loaded = {}
     for name in MODULES:
         spec = importlib.util.spec_from_file_location(
-            f"ringflash.kernels.hopper.{name}_base", base / "kernels" / "hopper" / f"{name}.py"
+            f"ringflash.kernels.hopper.{name}_{tag}", base / "kernels" / "hopper" / f"{name}.py"
         )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -108,24 +110,27 @@ def workload(name: str, d: int, tokens: int, heads: int):
     return ours, (q, k, v), cudnn, (qs, ks, vs), flops
 
 
-def times(fn, leaves) -> tuple[float, float]:
-    """Median ms of the forward and of forward + backward."""
-    dout = torch.randn_like(fn())
+def times(fn, leaves, rep: int) -> tuple[float, float]:
+    """Median ms of the forward and of the backward, the latter timed on its own over one
+    recorded forward (a difference of two timings would carry the spread of both)."""
+    out = fn()
+    dout = torch.randn_like(out)
     with torch.no_grad():
-        fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    both = triton.testing.do_bench(
-        lambda: torch.autograd.grad(fn(), leaves, dout), warmup=25, rep=100, return_mode="median"
-    )
-    return fwd, both
+        fwd = triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    bwd = triton.testing.do_bench(
+        lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+        warmup=25, rep=rep, return_mode="median",
+    )  # fmt: skip
+    return fwd, bwd
 
 
 def rates(samples: list[tuple[float, float]], flops: float) -> tuple[float, float, float] | None:
-    """TFLOP/s fwd, bwd, fwd+bwd from the medians of (fwd ms, fwd+bwd ms) samples."""
+    """TFLOP/s fwd, bwd, fwd+bwd from the medians of (fwd ms, bwd ms) samples."""
     if not samples:
         return None
     fwd = statistics.median(s[0] for s in samples)
-    both = statistics.median(s[1] for s in samples)
-    return flops / fwd / 1e9, 2.5 * flops / (both - fwd) / 1e9, 3.5 * flops / both / 1e9
+    bwd = statistics.median(s[1] for s in samples)
+    return flops / fwd / 1e9, 2.5 * flops / bwd / 1e9, 3.5 * flops / (fwd + bwd) / 1e9
 
 
 def cell(r) -> str:
@@ -140,34 +145,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base", type=Path, required=True, help="a checkout of the base revision")
+    parser.add_argument("--base", type=Path, nargs="+", required=True, help="checkouts of base revisions")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64])
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rep", type=int, default=100, help="ms of repeats per timing (do_bench)")
     args = parser.parse_args()
-    variants = {"base": load_base_modules(args.base), "new": {}}
-    print(f"{torch.cuda.get_device_name()} {datetime.date.today()} rounds={args.rounds}")
-    print("| workload | D | base | new | cuDNN | new / base | base / cuDNN | new / cuDNN |")
-    print("|---|---|---|---|---|---|---|---|")
+    variants = {f"base{i}": load_base_modules(path, f"base{i}") for i, path in enumerate(args.base)}
+    variants["new"] = {}
+    names = list(variants)
+    print(f"{torch.cuda.get_device_name()} {datetime.date.today()} rounds={args.rounds} rep={args.rep} ms")
+    print(f"bases: {', '.join(f'base{i} = {path}' for i, path in enumerate(args.base))}")
+    header = names + ["cuDNN"] + [f"new / {n}" for n in names[:-1]] + ["base0 / cuDNN", "new / cuDNN"]
+    print("| workload | D | " + " | ".join(header) + " |")
+    print("|---|---|" + "---|" * len(header))
     for d in args.head_dims:
         for name in args.workloads:
             ours, leaves, cudnn, cudnn_leaves, flops = workload(name, d, args.tokens, args.heads)
-            runs = {"base": [], "new": [], "cudnn": []}
-            for _ in range(args.rounds):
-                for variant, modules in variants.items():
-                    use_modules(modules)
-                    runs[variant].append(times(ours, leaves))
+            runs = {key: [] for key in names + ["cudnn"]}
+            for r in range(args.rounds):
+                # Reverse the order every other round: a later run can find the GPU warmer.
+                for variant in names[:: 1 if r % 2 == 0 else -1]:
+                    use_modules(variants[variant])
+                    runs[variant].append(times(ours, leaves, args.rep))
                 if cudnn is not None:
-                    runs["cudnn"].append(times(cudnn, cudnn_leaves))
+                    runs["cudnn"].append(times(cudnn, cudnn_leaves, args.rep))
             use_modules({})
-            base, new, ref = (rates(runs[key], flops) for key in ("base", "new", "cudnn"))
-            print(
-                f"| {name} | {d} | {cell(base)} | {cell(new)} | {cell(ref)} | "
-                f"{ratio(new, base)} | {ratio(base, ref)} | {ratio(new, ref)} |",
-                flush=True,
-            )
+            got = {key: rates(samples, flops) for key, samples in runs.items()}
+            cells = [cell(got[n]) for n in names] + [cell(got["cudnn"])]
+            cells += [ratio(got["new"], got[n]) for n in names[:-1]]
+            cells += [ratio(got["base0"], got["cudnn"]), ratio(got["new"], got["cudnn"])]
+            print(f"| {name} | {d} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,9 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     wgmma = ptx.count("wgmma.mma_async")
     assert wgmma == loops * {64: 24, 128: 32, 256: 40}[head_dim], wgmma
     assert ("tanh.approx.f32" in ptx) == softcap
+    # Hand-overs back to the workers: at head_dim 64 by named barriers, where the compute warps
+    # arrive without waiting (two per tile loop), elsewhere by mbarriers (hopper/backward.py).
+    assert ptx.count("bar.arrive") == (2 * loops if head_dim == 64 else 0), case
     sass = disassemble(k)
     assert not serialized_wgmma(sass), case
     # dV and dK take P^T and dS^T from registers (not under SPLIT_N, head_dim 256); at head_dim

@@ -37,7 +37,7 @@ def _reference_grads(q, k, v, dout, causal, **kw):
     return qd.grad, kd.grad, vd.grad
 
 
-@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "causal"),
@@ -83,7 +83,7 @@ def test_head_dim_256_dq_without_unit_stride():
     _check((dq, dk, dv), expected, torch.bfloat16, bases=(before, 0, 0))
 
 
-@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 def test_fused_backward_on_slices_adds_into_float32_buffers(head_dim):
     """The ring's call: query/key slices of larger shards, dQ/dK/dV added to float32 buffers."""
     big_q, big_k, big_v, big_do = (
@@ -124,7 +124,7 @@ def test_fused_backward_on_slices_adds_into_float32_buffers(head_dim):
         assert torch.equal(buf[:, outside], base[:, outside])
 
 
-@pytest.mark.parametrize("head_dim", [128, 256], ids="d{}".format)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids="d{}".format)
 def test_fused_backward_on_a_diagonal_block_with_offsets(head_dim):
     """A ring shard's own causal block sits at the same global positions on both sides."""
     q, k, v, dout = (cuda_randn(1, 256, 2, head_dim, seed=s) for s in range(10, 14))

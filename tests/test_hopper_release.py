@@ -18,7 +18,7 @@ def fresh_gate():
 
 @pytest.mark.skipif(not triton.__version__.startswith(dispatch.GLUON_TRITON), reason="another Triton")
 def test_the_gluon_release_imports_the_hopper_modules(fresh_gate):
-    for name in ("tma", "scores", "query_tiles", "forward", "backward", "dq"):
+    for name in ("tma", "scores", "query_tiles", "named_barriers", "forward", "backward", "dq"):
         assert dispatch.hopper_module(name) is not None, name
     # The forward's key tiles are given per build of the programs over query tiles.
     assert tuple(dispatch.hopper_module("forward").BLOCK_N) == dispatch.hopper_module("query_tiles").HEAD_DIMS

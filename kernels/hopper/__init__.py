@@ -8,7 +8,8 @@
   applied to a tile of scores;
 - ``spans``: which tiles a program visits (positions, windows);
 - ``tma``: the TMA descriptors and tile copies both use (head dims between their builds read
-  as the next build's tiles, zero-filled).
+  as the next build's tiles, zero-filled);
+- ``named_barriers``: hand-overs between warp-specialized partitions by named barriers.
 
 Only ``dispatch`` imports without Gluon; the kernel modules are imported on first
 use (``dispatch.hopper_module``), never under the interpreter.

@@ -13,6 +13,10 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
   softmax_scale, which serves dK and dQ), dV += P^T dO, dQ = dS K, dK += dS^T Q, the dK product
   left in flight while the next tile's S^T/dP^T are issued.
 
+The compute warps hand stages back to the loader and dQ tiles to the writer by mbarriers, or at
+head_dim 64 by named barriers that they pass without waiting for each other (QDO_FREE, DQ_FULL;
+docs/experiments.md §35).
+
 A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
 
 Masks. Each program computes, from its key tile's positions, the span of query tiles that see
@@ -85,6 +89,9 @@ from triton.language.core import _aggregate as aggregate
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
+from .named_barriers import FIRST_ID
+from .named_barriers import arrive as named_arrive
+from .named_barriers import sync as named_sync
 from .scores import score_scales, tanh_approx
 from .spans import count_at_or_before, first_at_or_after, query_span
 from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
@@ -96,12 +103,22 @@ NUM_WARPS = 8  # compute warps; the two workers add one warp each
 # 8 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168, the 64K register file.
 MAX_REGISTERS = 168
 WORKER_REGS = gl.constexpr(24)
+# Hand-overs from the compute warps to a worker, one per ring slot s: Q/dO stage s back to the
+# loader, dQ buffer s to the writer. At head_dim 64 by named barriers (named_barriers.py: the
+# compute warps arrive without waiting, the worker syncs; QDO_FREE + s, DQ_FULL + s), elsewhere by
+# mbarriers (qdo_empty, dq_ready: a bar.sync of the eight compute warps before each arrive).
+# Named, the backward measured 1-5% faster at 64 and 0-4% slower at 128 on an H100
+# (docs/experiments.md §35).
+QDO_FREE = gl.constexpr(FIRST_ID)
+DQ_FULL = gl.constexpr(FIRST_ID + 2)
+HANDOFF_THREADS = gl.constexpr(NUM_WARPS * 32 + 32)
 
 
 @aggregate
 class Shared:
     """What the partitions share: descriptors, shared-memory rings (``rows_smem``: each Q/dO
-    stage's LSE and delta rows, at 2 * stage and 2 * stage + 1) and their barriers, and the
+    stage's LSE and delta rows, at 2 * stage and 2 * stage + 1) and their mbarriers (at head_dim
+    64 the hand-overs back to the workers go by named barriers instead: QDO_FREE, DQ_FULL), and the
     program's coordinates in the descriptors' (rows, heads * head_dim) views: each tensor's
     first row of this sequence (``*_row0``), the key tile's first row ``n0`` in its sequence,
     the first visible query row ``lo``, the query-tile count per head ``n_tiles``, the sequence's
@@ -203,6 +220,57 @@ class Mask:
         self.k_stride = k_stride
 
 
+@gluon.constexpr_function
+def _named_handoff(head_dim) -> bool:
+    """Whether the hand-overs to the workers go by named barriers (see QDO_FREE)."""
+    return head_dim == 64
+
+
+@gluon.jit
+def _await_stage(p: Shared, i, HEAD_DIM: gl.constexpr):
+    """The loader, before loading tile i into Q/dO stage i % 2: tile i - 2 has released it."""
+    s = i % 2
+    if _named_handoff(HEAD_DIM):
+        if i >= 2:
+            named_sync(QDO_FREE + s, HANDOFF_THREADS)
+    else:  # mbarriers start in phase 1 complete: the first wait on each empty slot passes
+        mbarrier.wait(p.qdo_empty.index(s), ((i // 2) & 1) ^ 1)
+
+
+@gluon.jit
+def _release_stage(p: Shared, i, n_total, HEAD_DIM: gl.constexpr):
+    """The compute warps at tile i of n_total: tile i - 1's stage back to the loader, where it
+    loads another tile into it. A named barrier's next arrive for the same stage (two tiles on)
+    needs a tile that the loader loads only after its sync on this one, so no warp arrives twice
+    before the barrier completes."""
+    s = i % 2
+    if _named_handoff(HEAD_DIM):
+        named_arrive(QDO_FREE + 1 - s, HANDOFF_THREADS, (i > 0) & (i + 1 < n_total))
+    elif i > 0:
+        mbarrier.arrive(p.qdo_empty.index(1 - s), count=1)
+
+
+@gluon.jit
+def _hand_dq(p: Shared, i, HEAD_DIM: gl.constexpr):
+    """The compute warps: tile i's dQ stored in buffer i % 2 (and fenced for TMA), to the writer.
+    The buffer comes back (dq_empty) only after the writer's sync on this hand-over, so a named
+    barrier's next arrive for it follows that sync."""
+    s = i % 2
+    if _named_handoff(HEAD_DIM):
+        named_arrive(DQ_FULL + s, HANDOFF_THREADS, i >= 0)
+    else:
+        mbarrier.arrive(p.dq_ready.index(s), count=1)
+
+
+@gluon.jit
+def _await_dq(p: Shared, i, HEAD_DIM: gl.constexpr):
+    """The writer, before adding tile i's dQ (buffer i % 2) into the dQ buffer."""
+    if _named_handoff(HEAD_DIM):
+        named_sync(DQ_FULL + i % 2, HANDOFF_THREADS)
+    else:
+        mbarrier.wait(p.dq_ready.index(i % 2), (i // 2) & 1)
+
+
 @gluon.jit
 def _load_partition(
     p: Shared,
@@ -221,8 +289,7 @@ def _load_partition(
     tile_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes
     for i in range(GROUP * p.n_tiles):
         s = i % 2
-        # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
-        mbarrier.wait(p.qdo_empty.index(s), ((i // 2) & 1) ^ 1)
+        _await_stage(p, i, HEAD_DIM)
         bar = p.qdo_ready.index(s)
         m0 = p.lo + (i % p.n_tiles) * BLOCK_M
         g = i // p.n_tiles
@@ -255,7 +322,7 @@ def _dq_partition(
     if not DKDV_ONLY:
         for i in range(GROUP * p.n_tiles):
             j = i % 2
-            mbarrier.wait(p.dq_ready.index(j), (i // 2) & 1)
+            _await_dq(p, i, HEAD_DIM)
             m0 = p.lo + (i % p.n_tiles) * BLOCK_M
             reduce_add_tile(p.dq_desc, p.dq_row0 + m0, p.q_head + i // p.n_tiles, p.dq_smem.index(j))
             tma.store_wait(1)  # the previous tile's reduce has read its buffer
@@ -295,14 +362,14 @@ def _visible_t(mk: Mask, offs_n, offs_m, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.c
 
 @gluon.jit
 def _compute_tile(
-    p: Shared, k_op, v_op, mk: Mask, i, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
+    p: Shared, k_op, v_op, mk: Mask, i, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale,
     softmax_scale, alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
     HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
-    """Query tile t of the group's query head g (ring slot i): dV and dK added to dv/dk (dK left
-    in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK retired. Under
+    """Query tile t of the group's query head g (ring slot i of n_total): dV and dK added to
+    dv/dk (dK left in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK retired. Under
     SPLIT_N the two warpgroups hold halves of the columns (queries of S^T, head_dim of dK/dV),
     so P^T and dS^T reach the dV and dK products from shared memory (p_smem, ds_smem) rather
     than from registers. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``)
@@ -319,8 +386,7 @@ def _compute_tile(
     dpt = warpgroup_mma(v_op, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     # In flight, oldest first: the previous tile's dK, S^T, dP^T.
     dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
-    if i > 0:  # the previous tile's dK product has read its Q stage
-        mbarrier.arrive(p.qdo_empty.index(1 - s), count=1)
+    _release_stage(p, i, n_total, HEAD_DIM)  # the previous tile's dK product has read its Q stage
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=qcol_layout)
     lse2 = p.rows_smem.index(2 * s).load(qcol_layout) * 1.4426950408889634
     delta = p.rows_smem.index(2 * s + 1).load(qcol_layout)
@@ -382,7 +448,7 @@ def _compute_tile(
         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
         p.dq_smem.index(s).store(dq)
         fence_async_shared()
-        mbarrier.arrive(p.dq_ready.index(s), count=1)
+        _hand_dq(p, i, HEAD_DIM)
     return dk, dv
 
 
@@ -437,6 +503,7 @@ def _compute_partition(
     else:
         k_op = p.k_smem
         v_op = p.v_smem
+    n_total = GROUP * p.n_tiles
     for g in range(GROUP):
         base = g * p.n_tiles
         if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
@@ -446,7 +513,7 @@ def _compute_partition(
         if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DKDV_ONLY):
             for t in range(t_full_lo):
                 dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
@@ -455,21 +522,21 @@ def _compute_partition(
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_lo, t_full_hi):
                 dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
             for t in range(t_full_hi, p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
                     HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
         else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
             for t in range(p.n_tiles):
                 dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
+                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
                     tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL,
                     MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
                 )  # fmt: skip
