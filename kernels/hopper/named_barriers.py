@@ -13,8 +13,8 @@ barrier completes. Users alternate two barriers between the two slots of a ring,
 slot's next hand-over cannot start before the worker has taken the last one (each user's
 docstring says why), and every arrive is matched by a sync.
 
-The compiler numbers its own barriers from 0 (one per partition: 0-2 in the backward's sm_90
-build); the kernels take theirs from ``FIRST_ID`` up.
+The compiler numbers its own barriers from 0 (0-2 in these kernels' sm_90 builds); the kernels
+take theirs from ``FIRST_ID`` up.
 """
 
 from triton.experimental import gluon
