@@ -369,13 +369,14 @@ def _compute_tile(
     HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
     """Query tile t of the group's query head g (ring slot i of n_total): dV and dK added to
-    dv/dk (dK left in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK retired. Under
-    SPLIT_N the two warpgroups hold halves of the columns (queries of S^T, head_dim of dK/dV),
-    so P^T and dS^T reach the dV and dK products from shared memory (p_smem, ds_smem) rather
-    than from registers. Under SOFTCAP the scores are tanh(S^T * tanh_scale) (``score_scales``)
-    and dS^T takes the factor 1 - tanh^2; under HAS_ALIBI the logits get ALiBi's bias
-    (``_alibi_bias_t``). Under MASKED, P^T = 0 where a pair is not visible, set after the exp,
-    so that the LSE of rows past a sequence (never loaded) cannot reach it."""
+    dv/dk (dK left in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK
+    retired. Under SPLIT_N the two warpgroups hold halves of the columns (queries of S^T,
+    head_dim of dK/dV), so P^T and dS^T reach the dV and dK products from shared memory
+    (p_smem, ds_smem) rather than from registers. Under SOFTCAP the scores are tanh(S^T *
+    tanh_scale) (``score_scales``) and dS^T takes the factor 1 - tanh^2; under HAS_ALIBI the
+    logits get ALiBi's bias (``_alibi_bias_t``). Under MASKED, P^T = 0 where a pair is not
+    visible, set after the exp, so that the LSE of rows past a sequence (never loaded) cannot
+    reach it."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
