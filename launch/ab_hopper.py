@@ -6,8 +6,8 @@
 
 Between processes the same kernel reads a few percent apart on these machines (clocks, the
 other runs on the host), more than a tile change moves it. Here each base checkout's
-``kernels/hopper/{forward,backward}.py`` are loaded beside this tree's (their imports of the
-other modules resolve to this tree's), and every round times each workload with the bases'
+``kernels/hopper`` package is loaded beside this tree's (its modules import each other from the
+base, the rest of ``kernels`` from this tree), and every round times each workload with the bases'
 modules and this tree's (in reverse order every other round), then SDPA cuDNN where it has
 the shape, each through the public ``flash_attn_func`` /
 ``flash_attn_varlen_func``; the backward is timed on its own, over one recorded forward. bf16,
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from bench_masks import document_lengths  # launch/ is on the path: run as a script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
@@ -34,22 +35,23 @@ from ringflash.kernels import backward as kernel_backward
 from ringflash.kernels import forward as kernel_forward
 from ringflash.kernels.hopper import dispatch
 
-MODULES = ("forward", "backward")
+MODULES = ("forward", "backward", "dq", "tma")  # what the dispatch asks for (dispatch.hopper_module)
 DEFAULT_WORKLOADS = ["dense:4096", "causal:4096", "dense:65536", "causal:65536", "docs:2048"]
 
 
 def load_base_modules(base: Path, tag: str) -> dict:
-    """The base checkout's Hopper modules, as ringflash.kernels.hopper.<name>_<tag>."""
-    loaded = {}
-    for name in MODULES:
-        spec = importlib.util.spec_from_file_location(
-            f"ringflash.kernels.hopper.{name}_{tag}", base / "kernels" / "hopper" / f"{name}.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        loaded[name] = module
-    return loaded
+    """The base checkout's whole ``kernels/hopper`` package, loaded as
+    ringflash.kernels.hopper_<tag>: its modules import each other from the base, and the rest of
+    the kernels (``..problem``, ``..positions``) from this tree. Returns name -> module."""
+    root = base / "kernels" / "hopper"
+    package = f"ringflash.kernels.hopper_{tag}"
+    spec = importlib.util.spec_from_file_location(
+        package, root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[package] = module
+    spec.loader.exec_module(module)
+    return {name: importlib.import_module(f"{package}.{name}") for name in MODULES}
 
 
 _DISPATCH = dispatch.hopper_module
@@ -83,8 +85,25 @@ def workload(name: str, d: int, tokens: int, heads: int):
             return ringflash.flash_attn_func(q, k, v, causal=True, window_size=(n, 0))
 
         return ours, (q, k, v), None, (), 4 * heads * d * pairs
+    if kind in ("random", "mixed"):
+        # random: bench_masks' 12 seeded lengths; mixed: half the tokens in one document, the
+        # rest in documents of N tokens (what packing a long document among short ones gives).
+        lengths = (
+            document_lengths("docs-random", tokens)
+            if kind == "random"
+            else [tokens // 2] + [n] * (tokens // 2 // n)
+        )
+        q, k, v = (randn(sum(lengths), heads, d) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+
+        def ours():
+            return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+        return ours, (q, k, v), None, (), sum(2 * heads * d * x * x for x in lengths)
     if kind not in ("dense", "causal", "docs"):
-        raise ValueError(f"workload: expected dense:S, causal:S, docs:N or window:W, got {name!r}")
+        raise ValueError(
+            f"workload: expected dense:S, causal:S, docs:N, random:0, mixed:N or window:W, got {name!r}"
+        )
     b = max(1, tokens // n)
     causal = kind != "dense"
     flops = 4 * b * heads * n * n * d / (2 if causal else 1)

@@ -179,6 +179,12 @@ def test_fused_forward_any_lengths_windows_positions(
         ([700, 90, 1300], 2, 1, 128, True, (200, 0), 0.0, False),
         ([300, 257, 128], 2, 2, 256, True, (-1, -1), 0.0, False),
         ([450, 1, 333], 4, 2, 128, True, (-1, -1), 20.0, True),
+        # One long document among many short ones: one program per tile of the packed batch
+        # (spans.packed_grid), found by a binary search over 32 documents; equal lengths: one
+        # per (tile, document).
+        ([3000, *[1, 127, 129] * 10, 5], 2, 1, 128, True, (-1, -1), 0.0, False),
+        ([3000, *[1, 127, 129] * 10, 5], 2, 2, 64, False, (300, 0), 0.0, False),
+        ([256, 256, 256], 4, 2, 128, True, (-1, -1), 0.0, False),
     ],
 )
 def test_fused_forward_packed_documents(
@@ -197,6 +203,11 @@ def test_fused_forward_packed_documents(
         max_seqlen_k=max(lengths), softcap=softcap, alibi_slopes=slopes,
     )  # fmt: skip
     assert uses_fused_forward(problem, q, k, v)
+    from ringflash.kernels.hopper.query_tiles import BLOCK_M
+    from ringflash.kernels.hopper.spans import packed_grid
+
+    _, sequences, packed_docs = packed_grid(total, len(lengths), max(lengths), BLOCK_M)
+    assert (sequences, packed_docs) == ((1, len(lengths)) if len(set(lengths)) > 1 else (len(lengths), 0))
     out, lse = attention_forward(q, k, v, problem)
     for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
         doc = [t[a:b].unsqueeze(0).double().cpu() for t in (q, k, v)]

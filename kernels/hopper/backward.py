@@ -93,7 +93,7 @@ from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
 from .scores import score_scales, tanh_approx
-from .spans import count_at_or_before, first_at_or_after, query_span
+from .spans import count_at_or_before, first_at_or_after, packed_grid, packed_tile, query_span
 from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
 
 # head_dim -> (query rows per tile, key rows per program)
@@ -196,8 +196,9 @@ class Shared:
 
 @aggregate
 class Mask:
-    """What the compute warps need to mask a tile: the sequence's lengths, the window's bounds
-    and both sides' positions (start + stride * index, int32)."""
+    """What the compute warps need to mask a tile: the sequence's query length and its keys' from
+    the key tile's first, the window's bounds and both sides' positions (start + stride * index,
+    int32; keys indexed from the tile's first)."""
 
     len_q: gl.tensor
     len_k: gl.tensor
@@ -488,12 +489,14 @@ def _compute_partition(
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    offs_n = p.n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # from the tile's first key
     if HAS_ALIBI:
         k_pos = (mk.k_start + offs_n * mk.k_stride).to(gl.float32)
     else:
         k_pos = 0.0
         alibi2 = 0.0
+    if DIAGONAL:  # an index mask: the keys' rows in the sequence
+        offs_n += p.n0
     # One tile loop, masked tiles inside it behind a runtime branch: with the diagonal tiles in a
     # loop of their own, dK in flight from one loop into the next made ptxas serialize every
     # wgmma (silently, no C7512 in its log): 64 of 64 HGMMAs waited on the previous one.
@@ -552,11 +555,13 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
     gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=mask)
 
 
-@gluon.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI,
-    seqlen_q, seqlen_k, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows, v_batch_rows,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows,
+    v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb,
+    stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -564,9 +569,10 @@ def _fused_bwd_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
     ACCUMULATE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """One program per (key tile, KV head, sequence). Unless MASKED, every length is a multiple of
-    its tile and every pair visible, or under DIAGONAL a key at index n visible to a query at
-    index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
+    """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
+    packed batch's key tiles, KV head) (``spans.packed_grid``). Unless MASKED, every length is a
+    multiple of its tile and every pair visible, or under DIAGONAL a key at index n visible to a
+    query at index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
     CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
     per_len folds each sequence's length into its positions' start (positions.py). Past head_dim
     128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read."""
@@ -578,6 +584,9 @@ def _fused_bwd_kernel(
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
+    if VARLEN:
+        if packed_docs > 0:  # program ids: a slot of the packed batch's key tiles, key head
+            b, pid_n = packed_tile(pid_n, CU_K, packed_docs, BLOCK_N)
     n0 = pid_n * BLOCK_N
     if VARLEN:
         q0 = gl.load(CU_Q + b)
@@ -663,13 +672,19 @@ def _fused_bwd_kernel(
         b * do_batch_rows + q0, dq_row0, b * k_batch_rows + k0 + n0, b * v_batch_rows + k0 + n0, n0, lo,
         hk * GROUP, hk, n_tiles, len_q, TENSOR_DIM,
     )  # fmt: skip
+    # Keys counted from the tile's first (its length and position start moved by n0): the compute
+    # warps' key offsets are then constants. Taken from packed_tile, n0 is no program id that
+    # ptxas could recompute, and kept beside them it cost spills at head_dim 128.
+    keys_left = len_k - n0
     mk = Mask(
-        len_q, len_k, win_left + zero, win_right + zero, q_start, q_stride + zero, k_start, k_stride + zero,
+        len_q, keys_left, win_left + zero, win_right + zero, q_start, q_stride + zero,
+        k_start + k_stride * n0, k_stride + zero,
     )  # fmt: skip
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
     lse_off = b64 * stride_lb + hk64 * GROUP * stride_lh + q0
     alibi_ptr = ALIBI + (b * gl.num_programs(1) + hk) * GROUP  # this group's first query head
+    key_row0 = k0 + n0
     dk, dv = gl.warp_specialize(
         [
             (
@@ -708,13 +723,17 @@ def _fused_bwd_kernel(
         [WORKER_REGS, WORKER_REGS],
     )
     layout: gl.constexpr = dk.type.layout
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    rows = (k0 + offs_n).to(gl.int64)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    rows = (key_row0 + offs_n).to(gl.int64)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))[None, :]
-    dk_offs = b64 * stride_dkb + hk64 * stride_dkh + rows[:, None] * stride_dks + cols
-    dv_offs = b64 * stride_dvb + hk64 * stride_dvh + rows[:, None] * stride_dvs + cols
+    if VARLEN:  # one packed batch: no batch stride (b, from packed_tile, is not kept past the loop)
+        dk_offs = hk64 * stride_dkh + rows[:, None] * stride_dks + cols
+        dv_offs = hk64 * stride_dvh + rows[:, None] * stride_dvs + cols
+    else:
+        dk_offs = b64 * stride_dkb + hk64 * stride_dkh + rows[:, None] * stride_dks + cols
+        dv_offs = b64 * stride_dvb + hk64 * stride_dvh + rows[:, None] * stride_dvs + cols
     if MASKED:
-        ok = (offs_n < len_k)[:, None] & (cols < TENSOR_DIM)
+        ok = (offs_n < keys_left)[:, None] & (cols < TENSOR_DIM)
     elif TENSOR_DIM < HEAD_DIM:  # columns past the tensors' head_dim: zero padding, not stored
         ok = (offs_n >= 0)[:, None] & (cols < TENSOR_DIM)
     else:
@@ -820,10 +839,14 @@ def fused_backward(
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    grid = (triton.cdiv(problem.max_seqlen_k, block_n), problem.heads_k, problem.batch)
-    _fused_bwd_kernel[grid](
+    tiles, sequences, packed_docs = (
+        packed_grid(k.shape[1], problem.batch, problem.max_seqlen_k, block_n)
+        if varlen
+        else (triton.cdiv(problem.max_seqlen_k, block_n), problem.batch, 0)
+    )
+    _fused_bwd_kernel[(tiles, problem.heads_k, sequences)](
         qd, kd, vd, dod, dqd, dk, dv, lse, delta, cu_q, cu_k, slopes,
-        problem.max_seqlen_q, problem.max_seqlen_k, q_rows, do_rows, dq_rows, k_rows, v_rows,
+        problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
         GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,

@@ -153,10 +153,11 @@ def _compute_partition(
     store_rows(DQ, dq_off, stride_dqs, dq, p, w, rows_left, ACCUMULATE)
 
 
-@gluon.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@gluon.jit(do_not_specialize=["packed_docs"])
 def _dq_kernel(
     q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, CU_Q, CU_K,
-    seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows, do_batch_rows,
+    seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows, v_batch_rows, do_batch_rows,
     stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, qk_scale, tanh_scale, softmax_scale,
     ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -164,8 +165,9 @@ def _dq_kernel(
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
 ):  # fmt: skip
     HALF_M: gl.constexpr = BLOCK_M // 2
-    p, mk0, mk1, q_tile_row, ob, rows_left = query_tile_program(
-        q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_program(
+        q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
+        v_batch_rows,
         q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
         GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
     )  # fmt: skip
@@ -173,11 +175,11 @@ def _dq_kernel(
     if VARLEN:  # one packed batch: the tile's row is the same in every packed tensor
         do_row = q_tile_row
     else:
-        do_row = gl.program_id(2) * do_batch_rows + q_tile_row
+        do_row = b * do_batch_rows + q_tile_row
     h64 = p.q_head.to(gl.int64)
     dq_off = ob.to(gl.int64) * stride_dqb + h64 * stride_dqh + q_tile_row.to(gl.int64) * stride_dqs
     lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_tile_row
-    alibi_ptr = ALIBI + gl.program_id(2) * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
+    alibi_ptr = ALIBI + b * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
     lse_ptr = LSE + lse_off
     delta_ptr = DELTA + lse_off
     # fmt: off
@@ -232,7 +234,7 @@ def fused_dq(
     dod, do_rows = rows_descriptor(do4, HALF_M, launch.constexprs["HEAD_DIM"])
     _dq_kernel[launch.grid](
         *launch.descriptors, dod, dq, lse, delta, launch.cu_q, launch.cu_k, problem.max_seqlen_q,
-        problem.max_seqlen_k, *launch.rows, do_rows, *dq4.stride()[:3], *launch.lse_strides,
-        *score_scales(problem), problem.softmax_scale, launch.slopes, *problem.position_args(),
-        *launch.window, ACCUMULATE=accumulate, **launch.constexprs,
+        problem.max_seqlen_k, launch.packed_docs, *launch.rows, do_rows, *dq4.stride()[:3],
+        *launch.lse_strides, *score_scales(problem), problem.softmax_scale, launch.slopes,
+        *problem.position_args(), *launch.window, ACCUMULATE=accumulate, **launch.constexprs,
     )  # fmt: skip

@@ -233,10 +233,11 @@ def _compute_partition(
     gl.store(LSE + lse_off + rows, lse, mask=rows < rows_left)
 
 
-@gluon.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE, CU_Q, CU_K,
-    seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows, v_batch_rows,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
     ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -244,15 +245,16 @@ def _fused_fwd_kernel(
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
     HALF_M: gl.constexpr = BLOCK_M // 2
-    p, mk0, mk1, q_tile_row, ob, rows_left = query_tile_program(
-        q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
+    p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_program(
+        q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
+        v_batch_rows,
         q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
         GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
     )  # fmt: skip
     h64 = p.q_head.to(gl.int64)
     o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + q_tile_row.to(gl.int64) * stride_os
     lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_tile_row
-    alibi_ptr = ALIBI + gl.program_id(2) * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
+    alibi_ptr = ALIBI + b * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
     gl.warp_specialize(
         [
             (
@@ -333,6 +335,6 @@ def fused_forward(
     o4 = out.unsqueeze(0) if problem.varlen else out
     _fused_fwd_kernel[launch.grid](
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
-        *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem), launch.slopes,
-        *problem.position_args(), *launch.window, **launch.constexprs,
+        launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
+        launch.slopes, *problem.position_args(), *launch.window, **launch.constexprs,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """Programs over query tiles, the frame of the Hopper forward (forward.py) and of the dQ kernel of
-the head_dim-256 build (dq.py): one program per (128-row query tile, query head, sequence), its
-warps specialized into a loader warp and two compute warpgroups of 4 warps, one per 64-row half
+the head_dim-256 build (dq.py): one program per (128-row query tile, query head, sequence), or
+in a packed batch of unequal lengths per (tile of the packed batch, query head), its warps
+specialized into a loader warp and two compute warpgroups of 4 warps, one per 64-row half
 of the tile (registers: 240 per compute thread, 24 per loader thread).
 
 ``query_tile_program`` works out what a program walks: the sequence's rows in the packed or dense
@@ -24,7 +25,7 @@ from triton.language.core import _aggregate as aggregate
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
 from .scores import Mask
-from .spans import key_tiles
+from .spans import key_tiles, packed_grid, packed_tile
 from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
@@ -134,24 +135,27 @@ def store_rows(ptr, off, stride_s, value, p: Shared, w: gl.constexpr, rows_left,
 
 @gluon.jit
 def query_tile_program(
-    q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, q_batch_rows, k_batch_rows, v_batch_rows,
-    q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+    q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
+    v_batch_rows, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """What a program over one query tile (program ids: query tile, query head, sequence) walks,
-    here and in the dQ kernel (dq.py): its ``Shared`` (two-stage K/V rings over the key tiles it
-    sees, barriers initialized), the ``Mask`` of each 64-row half, the first row of its sequence
-    in the packed rows (0 unless VARLEN), the batch index of its dense outputs, and the rows of
-    its sequence from the tile's first on. Packed documents are read in place: one batch of
-    packed rows, document b from row cu[b]. Causal: the heaviest query tiles (the last) are
-    launched first."""
+    """What a program over one query tile (program ids: query tile, query head, sequence; or,
+    with ``packed_docs`` > 0, a slot of the packed batch's tiles (``spans.packed_grid``), query
+    head) walks, here and in the dQ kernel (dq.py): its ``Shared`` (two-stage K/V rings over the
+    key tiles it sees, barriers initialized), the ``Mask`` of each 64-row half, the first row of
+    its sequence in the packed rows (0 unless VARLEN), its sequence's index, the batch index of
+    its dense outputs, and the rows of its sequence from the tile's first on. Packed documents
+    are read in place: one batch of packed rows, document b from row cu[b]. Causal: the
+    heaviest query tiles (the last) are launched first."""
+    pid_m = gl.program_id(0)
     if HAS_RIGHT:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
+        pid_m = gl.num_programs(0) - 1 - pid_m
     h = gl.program_id(1)
     b = gl.program_id(2)
+    if VARLEN:
+        if packed_docs > 0:
+            b, pid_m = packed_tile(pid_m, CU_Q, packed_docs, BLOCK_M)
     m0 = pid_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -212,16 +216,18 @@ def query_tile_program(
         q_pos0 + HALF_M * q_stride, q_stride_t, k_start, k_stride_t, left_t, right_t, len_k, t_full_lo,
         t_full_hi,
     )  # fmt: skip
-    return p, mk0, mk1, q_first + m0, ob, rows_left
+    return p, mk0, mk1, q_first + m0, b, ob, rows_left
 
 
 class QueryTileLaunch(NamedTuple):
     """What a launch of a kernel over query tiles (``query_tile_program``: this kernel and
-    dq.py's) passes: the grid, q/k/v's TMA descriptors and rows per batch entry, the LSE's
-    (batch, head) strides, cu_seqlens (or stand-ins never read), ALiBi's slopes (or a stand-in),
-    the window's bounds and the constexprs with the launch options."""
+    dq.py's) passes: the grid and ``packed_docs`` (``spans.packed_grid``), q/k/v's TMA
+    descriptors and rows per batch entry, the LSE's (batch, head) strides, cu_seqlens (or
+    stand-ins never read), ALiBi's slopes (or a stand-in), the window's bounds and the
+    constexprs with the launch options."""
 
     grid: tuple[int, int, int]
+    packed_docs: int
     descriptors: tuple
     rows: tuple[int, int, int]
     lse_strides: tuple[int, int]
@@ -246,8 +252,14 @@ def query_tile_launch(
     kd, k_rows = rows_descriptor(k4, block_n, head_dim)
     vd, v_rows = rows_descriptor(v4, block_n, head_dim)
     bounds = problem.bounds
+    tiles, sequences, packed_docs = (
+        packed_grid(q.shape[0], problem.batch, problem.max_seqlen_q, BLOCK_M)
+        if varlen
+        else (-(-problem.max_seqlen_q // BLOCK_M), problem.batch, 0)
+    )
     return QueryTileLaunch(
-        grid=((problem.max_seqlen_q + BLOCK_M - 1) // BLOCK_M, problem.heads_q, problem.batch),
+        grid=(tiles, problem.heads_q, sequences),
+        packed_docs=packed_docs,
         descriptors=(qd, kd, vd),
         rows=(q_rows, k_rows, v_rows),
         lse_strides=(0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1)),
