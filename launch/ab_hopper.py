@@ -86,13 +86,7 @@ def workload(name: str, d: int, tokens: int, heads: int):
 
         return ours, (q, k, v), None, (), 4 * heads * d * pairs
     if kind in ("random", "mixed"):
-        # random: bench_masks' 12 seeded lengths; mixed: half the tokens in one document, the
-        # rest in documents of N tokens (what packing a long document among short ones gives).
-        lengths = (
-            document_lengths("docs-random", tokens)
-            if kind == "random"
-            else [tokens // 2] + [n] * (tokens // 2 // n)
-        )
+        lengths = document_lengths(f"docs-{kind}", tokens)  # bench_masks' packings
         q, k, v = (randn(sum(lengths), heads, d) for _ in range(3))
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
 
@@ -102,7 +96,7 @@ def workload(name: str, d: int, tokens: int, heads: int):
         return ours, (q, k, v), None, (), sum(2 * heads * d * x * x for x in lengths)
     if kind not in ("dense", "causal", "docs"):
         raise ValueError(
-            f"workload: expected dense:S, causal:S, docs:N, random:0, mixed:N or window:W, got {name!r}"
+            f"workload: expected dense:S, causal:S, docs:N, random:0, mixed:0 or window:W, got {name!r}"
         )
     b = max(1, tokens // n)
     causal = kind != "dense"

@@ -30,17 +30,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
 
-WORKLOADS = ("docs8x8k", "docs32x2k", "docs-random", "window4k")
+WORKLOADS = ("docs8x8k", "docs32x2k", "docs-random", "docs-mixed", "window4k")
 BACKENDS = ("ringflash", "flex", "cudnn")
 
 
 def document_lengths(workload: str, tokens: int) -> list[int]:
-    """The packed documents of a workload: equal lengths, or (docs-random) 12 lengths drawn with a
-    fixed seed that sum to ``tokens``."""
+    """The packed documents of a workload: equal lengths, (docs-random) 12 lengths drawn with a
+    fixed seed that sum to ``tokens``, or (docs-mixed) one document of half the tokens among
+    documents of 256."""
     if workload == "docs8x8k":
         return [tokens // 8] * 8
     if workload == "docs32x2k":
         return [tokens // 32] * 32
+    if workload == "docs-mixed":
+        return [tokens // 2] + [256] * (tokens // 2 // 256)
     rng = random.Random(0)
     cuts = sorted(rng.sample(range(1, tokens), 11))
     return [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]

@@ -91,8 +91,9 @@ def packed_grid(total: int, n_docs: int, max_len: int, block: int) -> tuple[int,
     ``max_len`` of ``total`` rows): (grid x, grid z, packed_docs). One slot per tile
     (``packed_tile``: total // block + n_docs slots, packed_docs = n_docs) where that is fewer
     programs than one per (tile of the longest sequence, sequence) (grid z = n_docs, packed_docs
-    = 0), which idles most programs when lengths differ (12 random lengths summing to 64K: 3 in
-    4 programs)."""
+    = 0), which idles most programs when lengths differ (12 random lengths summing to 64K: 2 in
+    3 programs). The slots run head by head (grid x): with the heads fastest instead, the
+    backward lost 3-8% on an H100 (docs/experiments.md §36)."""
     per_sequence = -(-max_len // block)
     slots = total // block + n_docs
     if slots < per_sequence * n_docs:
