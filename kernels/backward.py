@@ -30,18 +30,17 @@ from .forward import as_4d, dot_precision, lse_strides
 from .hopper.dispatch import hopper_module, uses_fused_backward
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
-from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
+from .tiling import program_tile, row_pointers, seq_bounds, tile_grid, visibility_mask, visible_tiles
 
 
-@triton.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@triton.jit(do_not_specialize=["packed_docs"])
 def _delta_kernel(
     O, DO, DELTA, CU_Q, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-    stride_lb, stride_lh, seqlen_q,
+    stride_lb, stride_lh, seqlen_q, packed_docs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_m, h, b = program_tile(CU_Q, packed_docs, BLOCK_M, IS_VARLEN)
     q0, len_q, _, _, pb = seq_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -129,22 +128,21 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@triton.jit(do_not_specialize=["packed_docs"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
-    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right,
+    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right, packed_docs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_n, hk, b = program_tile(CU_K, packed_docs, BLOCK_N, IS_VARLEN)
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < len_k:
@@ -248,21 +246,20 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@triton.jit(do_not_specialize=["packed_docs"])
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
-    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right,
+    q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len, win_left, win_right, packed_docs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_m, h, b = program_tile(CU_Q, packed_docs, BLOCK_M, IS_VARLEN)
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
@@ -329,12 +326,15 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
     delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
     o4, do4 = as_4d(out, vl), as_4d(dout, vl)
     block_m = 64
-    grid = (triton.cdiv(problem.max_seqlen_q, block_m), problem.heads_q, problem.batch)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_q, problem.heads_q, problem.batch, block_m, out.shape[0] if vl else None
+    )
     if grid[0] > 0:
         _delta_kernel[grid](
             o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
             do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
-            HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m, IS_VARLEN=vl,
+            packed_docs, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m,
+            IS_VARLEN=vl,
         )  # fmt: skip
     return delta
 
@@ -431,23 +431,27 @@ def attention_backward(
         v4.stride(0), v4.stride(1), v4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
     )  # fmt: skip
     cfg = backward_kv_config(problem.head_dim, q.dtype == torch.float32)
-    grid = (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_k, problem.heads_k, problem.batch, cfg.block_n, k.shape[0] if vl else None
+    )
     if compute_dkdv:
         dk4, dv4 = as_4d(dk, vl), as_4d(dv, vl)
         _dkdv_kernel[grid](
             q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
-            *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            *lse_strides(lse, vl), *scalars, packed_docs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
     cfg = backward_q_config(problem.head_dim, q.dtype == torch.float32)
-    grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_q, problem.heads_q, problem.batch, cfg.block_m, q.shape[0] if vl else None
+    )
     if compute_dq:
         dq4 = as_4d(dq, vl)
         _dq_kernel[grid](
             q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
-            *lse_strides(lse, vl), *scalars, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            *lse_strides(lse, vl), *scalars, packed_docs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
     return dq, dk, dv

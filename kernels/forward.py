@@ -23,7 +23,7 @@ from .hopper.dispatch import hopper_module, uses_fused_forward
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import LOG2E as LOG2E  # re-exported: the Hopper kernels take it from here
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales
-from .tiling import row_pointers, seq_bounds, visibility_mask, visible_tiles
+from .tiling import program_tile, row_pointers, seq_bounds, tile_grid, visibility_mask, visible_tiles
 
 
 @triton.jit
@@ -72,21 +72,20 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
+@triton.jit(do_not_specialize=["packed_docs"])
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, qk_scale, softcap_log2, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
-    win_left, win_right,
+    win_left, win_right, packed_docs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_m, h, b = program_tile(CU_Q, packed_docs, BLOCK_M, IS_VARLEN)
     q0, len_q, k0, len_k, pb = seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < len_q:
@@ -188,7 +187,9 @@ def attention_forward(
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))
-    grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_q, problem.heads_q, problem.batch, cfg.block_m, q.shape[0] if vl else None
+    )
     if grid[0] == 0 or problem.max_seqlen_k == 0:
         out.zero_()
         lse.fill_(float("-inf"))
@@ -200,7 +201,7 @@ def attention_forward(
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         *lse_strides(lse, vl),
         problem.max_seqlen_q, problem.max_seqlen_k, *score_scales(problem), *problem.position_args(),
-        b.left or 0, b.right or 0,
+        b.left or 0, b.right or 0, packed_docs,
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=vl,
         HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None, **score_constexprs(problem),

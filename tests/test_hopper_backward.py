@@ -357,7 +357,7 @@ VARLEN_CASES = [
     ([64, 127, 300, 5], [200, 1, 129, 300], 4, 1, True, (-1, -1)),  # own key lengths, bottom-right
     ([64, 0, 129, 7], [130, 33, 0, 129], 8, 2, False, (40, 40)),
     # One long document among many short ones (one program per key tile of the packed batch,
-    # spans.packed_grid, over 26 documents), and equal lengths (one per key tile and document).
+    # tiling.tile_grid, over 26 documents), and equal lengths (one per key tile and document).
     ([2000, *[1, 129, 64] * 8, 5], None, 2, 1, True, (-1, -1)),
     ([256, 256, 256], None, 4, 2, True, (-1, -1)),
 ]
@@ -379,11 +379,11 @@ def test_fused_kernel_packed_documents(head_dim, dtype, heads, kv_heads, lens_q,
         max_seqlen_k=max(lens_k),
     )  # fmt: skip
     from ringflash.kernels.hopper.backward import TILES
-    from ringflash.kernels.hopper.spans import packed_grid
+    from ringflash.kernels.tiling import tile_grid
 
-    _, sequences, packed_docs = packed_grid(sum(lens_k), len(lens_k), max(lens_k), TILES[head_dim][1])
-    per_tile = len(set(lens_k)) > 1
-    assert (sequences, packed_docs) == ((1, len(lens_k)) if per_tile else (len(lens_k), 0))
+    n = TILES[head_dim][1]
+    _, packed_docs = tile_grid(max(lens_k), kv_heads, len(lens_k), n, packed_total=sum(lens_k))
+    assert packed_docs == (len(lens_k) if len(set(lens_k)) > 1 else 0)
     got = _fused_grads(q, k, v, dout, problem)
     expected = _reference_docs(
         q, k, v, dout, causal, window, problem.q_positions, problem.k_positions, cu_q.cpu(), cu_k.cpu()

@@ -180,7 +180,7 @@ def test_fused_forward_any_lengths_windows_positions(
         ([300, 257, 128], 2, 2, 256, True, (-1, -1), 0.0, False),
         ([450, 1, 333], 4, 2, 128, True, (-1, -1), 20.0, True),
         # One long document among many short ones: one program per tile of the packed batch
-        # (spans.packed_grid), found by a binary search over 32 documents; equal lengths: one
+        # (tiling.tile_grid), found by a binary search over 32 documents; equal lengths: one
         # per (tile, document).
         ([3000, *[1, 127, 129] * 10, 5], 2, 1, 128, True, (-1, -1), 0.0, False),
         ([3000, *[1, 127, 129] * 10, 5], 2, 2, 64, False, (300, 0), 0.0, False),
@@ -204,10 +204,10 @@ def test_fused_forward_packed_documents(
     )  # fmt: skip
     assert uses_fused_forward(problem, q, k, v)
     from ringflash.kernels.hopper.query_tiles import BLOCK_M
-    from ringflash.kernels.hopper.spans import packed_grid
+    from ringflash.kernels.tiling import tile_grid
 
-    _, sequences, packed_docs = packed_grid(total, len(lengths), max(lengths), BLOCK_M)
-    assert (sequences, packed_docs) == ((1, len(lengths)) if len(set(lengths)) > 1 else (len(lengths), 0))
+    _, packed_docs = tile_grid(max(lengths), heads, len(lengths), BLOCK_M, packed_total=total)
+    assert packed_docs == (len(lengths) if len(set(lengths)) > 1 else 0)
     out, lse = attention_forward(q, k, v, problem)
     for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
         doc = [t[a:b].unsqueeze(0).double().cpu() for t in (q, k, v)]

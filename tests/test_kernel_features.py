@@ -24,7 +24,9 @@ from ringflash.kernels import (
     attention_forward,
     build_problem,
 )
+from ringflash.kernels.configs import forward_config
 from ringflash.kernels.scores import tanh
+from ringflash.kernels.tiling import tile_grid
 
 FULL = (-1, -1)
 BITES = 0.03  # the least relative change in out that each feature must make
@@ -151,6 +153,9 @@ VARLEN_CASES = [  # (lens_q, lens_k, causal, window, q positions, k positions, d
         [7, 33, 1, 19], [7, 33, 1, 19], True, FULL,
         TokenPositions(0, 1, per_len=2), TokenPositions(0, 1, per_len=1), torch.float32,
     ),
+    # One long document among 21 short ones: one program per tile of the packed batch, each
+    # finding its document by a binary search over cu_seqlens (tiling.tile_grid, packed_tile).
+    ([70, *[1, 3, 0, 5] * 5, 2], [70, *[1, 3, 0, 5] * 5, 2], True, (20, 0), None, None, torch.float32),
 ]  # fmt: skip
 
 
@@ -166,6 +171,9 @@ def test_varlen_matches_per_sequence_reference(device, lens_q, lens_k, causal, w
     prob = build_problem(q, k, v, 1.5, causal, window, q_positions=q_pos, k_positions=k_pos,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                          max_seqlen_k=max(lens_k), softcap=3.0, alibi_slopes=alibi)  # fmt: skip
+    if device == "cpu" and len(lens_q) > 20:  # the interpreter's 16-row tiles take the packed grid
+        block = forward_config(16, dtype == torch.float32).block_m
+        assert tile_grid(max(lens_q), h, len(lens_q), block, sum(lens_q))[1] == len(lens_q)
     out, lse, grads = _run_kernels(q, k, v, dout, prob)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
     tol = TOLERANCE[dtype]

@@ -72,7 +72,6 @@ No ``from __future__ import annotations``: Gluon aggregates check their fields a
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -88,12 +87,13 @@ from triton.language.core import _aggregate as aggregate
 
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
+from ..tiling import tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
 from .scores import score_scales, tanh_approx
-from .spans import count_at_or_before, first_at_or_after, packed_grid, packed_tile, query_span
+from .spans import count_at_or_before, first_at_or_after, packed_tile, query_span
 from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
 
 # head_dim -> (query rows per tile, key rows per program)
@@ -570,7 +570,7 @@ def _fused_bwd_kernel(
     ACCUMULATE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
-    packed batch's key tiles, KV head) (``spans.packed_grid``). Unless MASKED, every length is a
+    packed batch's key tiles, KV head) (``tiling.tile_grid``). Unless MASKED, every length is a
     multiple of its tile and every pair visible, or under DIAGONAL a key at index n visible to a
     query at index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
     CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
@@ -839,12 +839,10 @@ def fused_backward(
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    tiles, sequences, packed_docs = (
-        packed_grid(k.shape[1], problem.batch, problem.max_seqlen_k, block_n)
-        if varlen
-        else (triton.cdiv(problem.max_seqlen_k, block_n), problem.batch, 0)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
-    _fused_bwd_kernel[(tiles, problem.heads_k, sequences)](
+    _fused_bwd_kernel[grid](
         qd, kd, vd, dod, dqd, dk, dv, lse, delta, cu_q, cu_k, slopes,
         problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,

@@ -23,9 +23,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 from ..problem import AttentionProblem
+from ..tiling import tile_grid
 from .dispatch import run_head_dim
 from .scores import Mask
-from .spans import key_tiles, packed_grid, packed_tile
+from .spans import key_tiles, packed_tile
 from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup
@@ -141,7 +142,7 @@ def query_tile_program(
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """What a program over one query tile (program ids: query tile, query head, sequence; or,
-    with ``packed_docs`` > 0, a slot of the packed batch's tiles (``spans.packed_grid``), query
+    with ``packed_docs`` > 0, a slot of the packed batch's tiles (``tiling.tile_grid``), query
     head) walks, here and in the dQ kernel (dq.py): its ``Shared`` (two-stage K/V rings over the
     key tiles it sees, barriers initialized), the ``Mask`` of each 64-row half, the first row of
     its sequence in the packed rows (0 unless VARLEN), its sequence's index, the batch index of
@@ -221,7 +222,7 @@ def query_tile_program(
 
 class QueryTileLaunch(NamedTuple):
     """What a launch of a kernel over query tiles (``query_tile_program``: this kernel and
-    dq.py's) passes: the grid and ``packed_docs`` (``spans.packed_grid``), q/k/v's TMA
+    dq.py's) passes: the grid and ``packed_docs`` (``tiling.tile_grid``), q/k/v's TMA
     descriptors and rows per batch entry, the LSE's (batch, head) strides, cu_seqlens (or
     stand-ins never read), ALiBi's slopes (or a stand-in), the window's bounds and the
     constexprs with the launch options."""
@@ -252,13 +253,11 @@ def query_tile_launch(
     kd, k_rows = rows_descriptor(k4, block_n, head_dim)
     vd, v_rows = rows_descriptor(v4, block_n, head_dim)
     bounds = problem.bounds
-    tiles, sequences, packed_docs = (
-        packed_grid(q.shape[0], problem.batch, problem.max_seqlen_q, BLOCK_M)
-        if varlen
-        else (-(-problem.max_seqlen_q // BLOCK_M), problem.batch, 0)
+    grid, packed_docs = tile_grid(
+        problem.max_seqlen_q, problem.heads_q, problem.batch, BLOCK_M, q.shape[0] if varlen else None
     )
     return QueryTileLaunch(
-        grid=(tiles, problem.heads_q, sequences),
+        grid=grid,
         packed_docs=packed_docs,
         descriptors=(qd, kd, vd),
         rows=(q_rows, k_rows, v_rows),

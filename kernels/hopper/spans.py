@@ -1,8 +1,8 @@
 """Which tiles a Hopper program visits: ``tiling.visible_tiles``'s rule in Gluon, from token
 positions (start + stride * index) and the window's bounds (a query at pq sees a key at pk iff
 pq - left <= pk <= pq + right), in non-negative integer math. The forward walks key tiles per
-query tile (``key_tiles``), the backward query tiles per key tile (``query_span``). In a packed
-batch a program finds its sequence and tile from its slot (``packed_tile``, ``packed_grid``)."""
+query tile (``key_tiles``), the backward query tiles per key tile (``query_span``); a program
+of a packed batch finds its sequence and tile from its slot (``packed_tile``)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -72,7 +72,7 @@ def query_span(
 def packed_tile(slot, CU, n_docs, BLOCK: gl.constexpr):
     """(sequence, tile index) of grid slot ``slot`` in a packed batch of ``n_docs`` sequences
     (cu_seqlens ``CU``), tiles of BLOCK rows numbered sequence by sequence: sequence b's tiles take
-    the slots from cu[b] // BLOCK + b on (``packed_grid``). That start grows by at least each
+    the slots from cu[b] // BLOCK + b on (``tiling.tile_grid``). That start grows by at least each
     sequence's tile count, so a slot belongs to the last sequence starting at or before it
     (binary search over CU); a slot between two sequences gets a tile index past its rows."""
     lo = slot * 0
@@ -84,18 +84,3 @@ def packed_tile(slot, CU, n_docs, BLOCK: gl.constexpr):
         else:
             hi = mid
     return lo, slot - gl.load(CU + lo) // BLOCK - lo
-
-
-def packed_grid(total: int, n_docs: int, max_len: int, block: int) -> tuple[int, int, int]:
-    """Programs over the tiles of ``block`` rows of a packed batch (``n_docs`` sequences of up to
-    ``max_len`` of ``total`` rows): (grid x, grid z, packed_docs). One slot per tile
-    (``packed_tile``: total // block + n_docs slots, packed_docs = n_docs) where that is fewer
-    programs than one per (tile of the longest sequence, sequence) (grid z = n_docs, packed_docs
-    = 0), which idles most programs when lengths differ (12 random lengths summing to 64K: 2 in
-    3 programs). The slots run head by head (grid x): with the heads fastest instead, the
-    backward lost 3-8% on an H100 (docs/experiments.md §36)."""
-    per_sequence = -(-max_len // block)
-    slots = total // block + n_docs
-    if slots < per_sequence * n_docs:
-        return slots, 1, n_docs
-    return per_sequence, n_docs, 0
