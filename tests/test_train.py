@@ -83,7 +83,7 @@ def test_train_saves_resumes_and_summarizes(tmp_path):
     summary, full, stdout = _train(tmp_path, "--steps", "2", "--save-every", "1", "--profile", *common)
     assert "profile: step" in stdout
     assert summary["summary"] == "train" and summary["sp_size"] == 2 and summary["steps_run"] == 2
-    assert [r["step"] for r in full["history"]] == [1, 2]
+    assert [r["step"] for r in full["history"]] == [1, 2] and not (ck / "step3").exists()
     for key in ("tokens_per_s_per_gpu", "mfu", "peak_mem_gib", "final_recall_acc", "params"):
         assert key in summary
     (ck / "latest").write_text("step1")  # resume from step 1, not from the final save
