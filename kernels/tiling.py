@@ -10,8 +10,7 @@ pair is visible and no mask is needed:
 
 Which tile a program owns: ``tile_grid`` launches one program per (tile, head, sequence), or per
 (tile of a packed batch, head) where lengths differ, and ``packed_tile`` finds the latter's
-sequence (the Hopper kernels launch over ``tile_grid`` too and search with the Gluon twin,
-``hopper/spans.packed_tile``).
+sequence (the Hopper kernels use both too: Gluon calls this scalar code as it is).
 """
 
 import triton

@@ -87,13 +87,13 @@ from triton.language.core import _aggregate as aggregate
 
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
-from ..tiling import tile_grid
+from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
 from .scores import score_scales, tanh_approx
-from .spans import count_at_or_before, first_at_or_after, packed_tile, query_span
+from .spans import count_at_or_before, first_at_or_after, query_span
 from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
 
 # head_dim -> (query rows per tile, key rows per program)

@@ -23,10 +23,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 from ..problem import AttentionProblem
-from ..tiling import tile_grid
+from ..tiling import packed_tile, tile_grid
 from .dispatch import run_head_dim
 from .scores import Mask
-from .spans import key_tiles, packed_tile
+from .spans import key_tiles
 from .tma import load_tile, rows_descriptor, tile_layout
 
 BLOCK_M = 128  # query rows per program, 64 per compute warpgroup

@@ -1,8 +1,9 @@
 """Which tiles a Hopper program visits: ``tiling.visible_tiles``'s rule in Gluon, from token
 positions (start + stride * index) and the window's bounds (a query at pq sees a key at pk iff
 pq - left <= pk <= pq + right), in non-negative integer math. The forward walks key tiles per
-query tile (``key_tiles``), the backward query tiles per key tile (``query_span``); a program
-of a packed batch finds its sequence and tile from its slot (``packed_tile``)."""
+query tile (``key_tiles``), the backward query tiles per key tile (``query_span``). (A program
+of a packed batch finds its sequence with ``tiling.packed_tile``: scalar Triton code, which
+Gluon kernels call as it is.)"""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -66,21 +67,3 @@ def query_span(
         hi = gl.minimum(count_at_or_before(key_hi + left, q_start, q_stride), len_q)
     empty = lo >= hi
     return gl.where(empty, 0, (lo // BLOCK_M) * BLOCK_M), gl.where(empty, 0, hi)
-
-
-@gluon.jit
-def packed_tile(slot, CU, n_docs, BLOCK: gl.constexpr):
-    """(sequence, tile index) of grid slot ``slot`` in a packed batch of ``n_docs`` sequences
-    (cu_seqlens ``CU``), tiles of BLOCK rows numbered sequence by sequence: sequence b's tiles take
-    the slots from cu[b] // BLOCK + b on (``tiling.tile_grid``). That start grows by at least each
-    sequence's tile count, so a slot belongs to the last sequence starting at or before it
-    (binary search over CU); a slot between two sequences gets a tile index past its rows."""
-    lo = slot * 0
-    hi = lo + n_docs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if gl.load(CU + mid) // BLOCK + mid <= slot:
-            lo = mid
-        else:
-            hi = mid
-    return lo, slot - gl.load(CU + lo) // BLOCK - lo
