@@ -572,10 +572,10 @@ def _fused_bwd_kernel(
     """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
     packed batch's key tiles, KV head) (``tiling.tile_grid``). Unless MASKED, every length is a
     multiple of its tile and every pair visible, or under DIAGONAL a key at index n visible to a
-    query at index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's rows start at
-    CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb are 0);
-    per_len folds each sequence's length into its positions' start (positions.py). Past head_dim
-    128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read."""
+    query at index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's
+    rows start at CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb
+    are 0); per_len folds each sequence's length into its positions' start (positions.py). Past
+    head_dim 128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
