@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import random
 import sys
@@ -29,6 +30,7 @@ from bench_attention import _compiled_flex, measure_rounds
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
+from ringflash.kernels import cu_seqlens_tensor
 
 WORKLOADS = ("docs8x8k", "docs32x2k", "docs-random", "docs-mixed", "window4k")
 BACKENDS = ("ringflash", "flex", "cudnn")
@@ -80,7 +82,7 @@ def make_runner(name: str, workload: str, tokens: int, h: int, d: int, window: i
                 *(t.unsqueeze(0) for t in (q, k, v)), causal=True, window_size=(window, 0)
             )
             return run, (q, k, v), flops
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        cu = cu_seqlens_tensor([0, *itertools.accumulate(lengths)], "cuda")
         n = max(lengths)
         run = lambda: ringflash.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)  # noqa: E731
         return run, (q, k, v), flops
