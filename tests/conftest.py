@@ -11,6 +11,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_patching import skip_overflow_checks, skip_repeated_language_patching
+
+    skip_repeated_language_patching()
+    skip_overflow_checks()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

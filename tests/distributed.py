@@ -56,6 +56,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         torch.cuda.set_device(_DEVICE)
         dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=_DEVICE)
     else:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from interpreter_patching import skip_overflow_checks, skip_repeated_language_patching
+
+            skip_repeated_language_patching()
+            skip_overflow_checks()
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     while True:
         item = tasks.get()

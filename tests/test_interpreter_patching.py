@@ -1,0 +1,65 @@
+"""The CPU suite's interpreter shortcuts (interpreter_patching.py): installed on the pinned
+Triton, and a kernel calling jit helpers computes the same with them, leaving triton.language
+as it found it."""
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+
+
+@triton.jit
+def _scaled(x, s):
+    return x * s
+
+
+@triton.jit
+def _offsets(start, BLOCK: tl.constexpr):
+    return start + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _helper_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = _offsets(tl.program_id(0) * BLOCK, BLOCK)  # helpers called in a loop too
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(3):
+        acc += _scaled(tl.load(X + offs, mask=offs < n, other=0.0), i + 1)
+    tl.store(Y + offs, acc, mask=offs < n)
+
+
+def test_shortcuts_installed_and_exact():
+    from interpreter_patching import skip_repeated_language_patching
+
+    assert skip_repeated_language_patching()  # conftest installed it; a second call keeps it
+    from triton.runtime import interpreter
+
+    assert interpreter._patch_lang.skips_repeats
+    x = torch.randn(37)
+    y = torch.empty_like(x)
+    _helper_kernel[(3,)](x, y, 37, BLOCK=16)
+    torch.testing.assert_close(y, x * 6.0)
+    assert tl.core.is_builtin(tl.arange), "the launch left triton.language patched"
+
+
+@triton.jit
+def _add_kernel(X, Y, c):
+    tl.store(Y, tl.load(X) + c)
+
+
+def test_overflow_checks_could_not_fire():
+    """The overflow check is off, and it could not have fired: the interpreter's options have
+    debug off, without which ``device_assert`` does nothing (an int32 add wraps either way)."""
+    from interpreter_patching import skip_overflow_checks
+    from triton.runtime import interpreter
+
+    assert skip_overflow_checks()
+    options = interpreter.interpreter_builder.options
+    assert not options.sanitize_overflow and not options.debug
+    x = torch.tensor([5], dtype=torch.int32)
+    y = torch.empty_like(x)
+    _add_kernel[(1,)](x, y, 2147483647)
+    assert y.item() == 5 + 2147483647 - 2**32
