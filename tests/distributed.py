@@ -57,10 +57,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=_DEVICE)
     else:
         if os.environ.get("TRITON_INTERPRET") == "1":
-            from interpreter_patching import skip_overflow_checks, skip_repeated_language_patching
+            from interpreter_patching import set_overflow_checks, skip_repeated_language_patching
 
             skip_repeated_language_patching()
-            skip_overflow_checks()
+            set_overflow_checks(False)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     while True:
         item = tasks.get()

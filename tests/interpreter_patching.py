@@ -1,4 +1,4 @@
-"""Two costs of Triton's interpreter that the CPU suite skips: repeated patching, overflow checks.
+"""Triton's interpreter in the CPU suite: no repeated patching, overflow checks where they matter.
 
 Under TRITON_INTERPRET=1 a kernel launch replaces the builtins of ``triton.language`` (and
 ``tl.math``, ``tl.tensor``) with numpy-backed ones, and undoes it when the launch ends. Triton
@@ -15,8 +15,10 @@ The interpreter also prepares an int32 overflow check for every integer +, - and
 operands cast to int64, the result compared with int32's bounds: eight more numpy ops each, 40%
 of a rank's kernel time in the distributed tests) and then drops it: ``device_assert`` does
 nothing unless the options' ``debug`` is set, which the interpreter's never are in this Triton.
-``skip_overflow_checks`` turns the preparation off where ``debug`` is off, so nothing that was
-checked goes unchecked.
+``set_overflow_checks`` makes the checks live (``debug`` on: an overflow raises) for the kernel
+tests, marked ``overflow_checks``, whose positions, strides and windows reach the kernels'
+int32 limits, and skips their preparation everywhere else: the other tests' kernels get the
+same problems on small positions (the ring's steps are ordinary ``build_problem`` calls).
 """
 
 from __future__ import annotations
@@ -56,18 +58,17 @@ def skip_repeated_language_patching() -> bool:
     return True
 
 
-def skip_overflow_checks() -> bool:
-    """Turn off the interpreter's int32 overflow checks in this process where its ``debug`` is
-    off (they could not fire); True where done."""
+def set_overflow_checks(live: bool) -> bool:
+    """Make the interpreter's int32 overflow checks live (``debug`` on, an overflowing integer
+    +, - or * raises) or skip them (neither prepared nor asserted); True where this Triton's
+    interpreter has the options to do it."""
     try:
         from triton.runtime import interpreter
     except ImportError:
         return False
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if not dataclasses.is_dataclass(options) or getattr(options, "debug", True):
+    if not dataclasses.is_dataclass(options) or not {"debug", "sanitize_overflow"} <= vars(options).keys():
         return False
-    if not hasattr(options, "sanitize_overflow"):
-        return False
-    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    builder.options = dataclasses.replace(options, debug=live, sanitize_overflow=live)
     return True

@@ -1,6 +1,7 @@
-"""The CPU suite's interpreter shortcuts (interpreter_patching.py): installed on the pinned
-Triton, and a kernel calling jit helpers computes the same with them, leaving triton.language
-as it found it."""
+"""The CPU suite's interpreter settings (interpreter_patching.py): the helper-call shortcut is
+installed on the pinned Triton, a kernel calling jit helpers computes the same with it and
+leaves triton.language as it found it; overflow checks are skipped in unmarked tests and raise
+in tests marked ``overflow_checks``."""
 
 import os
 
@@ -50,16 +51,28 @@ def _add_kernel(X, Y, c):
     tl.store(Y, tl.load(X) + c)
 
 
-def test_overflow_checks_could_not_fire():
-    """The overflow check is off, and it could not have fired: the interpreter's options have
-    debug off, without which ``device_assert`` does nothing (an int32 add wraps either way)."""
-    from interpreter_patching import skip_overflow_checks
-    from triton.runtime import interpreter
-
-    assert skip_overflow_checks()
-    options = interpreter.interpreter_builder.options
-    assert not options.sanitize_overflow and not options.debug
+def _overflowing_add() -> int:
     x = torch.tensor([5], dtype=torch.int32)
     y = torch.empty_like(x)
     _add_kernel[(1,)](x, y, 2147483647)
-    assert y.item() == 5 + 2147483647 - 2**32
+    return y.item()
+
+
+def test_overflow_checks_skipped_where_unmarked():
+    """Unmarked tests skip the checks, which could not fire there anyway (``debug`` off: an
+    int32 add wraps either way)."""
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    assert not options.sanitize_overflow and not options.debug
+    assert _overflowing_add() == 5 + 2147483647 - 2**32
+
+
+@pytest.mark.overflow_checks
+def test_overflow_checks_live_where_marked():
+    with pytest.raises(Exception, match="int32 overflow detected for operation add"):
+        _overflowing_add()
+    x = torch.randn(37)  # and an ordinary kernel runs as before
+    y = torch.empty_like(x)
+    _helper_kernel[(3,)](x, y, 37, BLOCK=16)
+    torch.testing.assert_close(y, x * 6.0)

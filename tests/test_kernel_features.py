@@ -28,6 +28,9 @@ from ringflash.kernels.configs import forward_config
 from ringflash.kernels.scores import tanh
 from ringflash.kernels.tiling import tile_grid
 
+# Under the interpreter an int32 overflow in a kernel raises here (tests/interpreter_patching.py).
+pytestmark = pytest.mark.overflow_checks
+
 FULL = (-1, -1)
 BITES = 0.03  # the least relative change in out that each feature must make
 

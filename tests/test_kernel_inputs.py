@@ -19,6 +19,9 @@ from ringflash.kernels import (
 )
 from ringflash.kernels.configs import MAX_TILE_ROWS
 
+# Under the interpreter an int32 overflow in a kernel raises here (tests/interpreter_patching.py).
+pytestmark = pytest.mark.overflow_checks
+
 
 def _qkv(device, b=1, s=8, h=2, hk=2, d=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)

@@ -28,6 +28,9 @@ from ringflash.kernels import (
 from ringflash.kernels.configs import MAX_TILE_ROWS
 from ringflash.kernels.tiling import visible_tiles
 
+# Under the interpreter an int32 overflow in a kernel raises here (tests/interpreter_patching.py).
+pytestmark = pytest.mark.overflow_checks
+
 HALF_AND_FULL = [torch.float32, torch.float16]
 FULL = (-1, -1)
 
