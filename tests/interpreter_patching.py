@@ -4,7 +4,7 @@ Under TRITON_INTERPRET=1 a kernel launch replaces the builtins of ``triton.langu
 ``tl.math``, ``tl.tensor``) with numpy-backed ones, and undoes it when the launch ends. Triton
 3.6 also redoes the replacement on every call of a ``@triton.jit`` helper inside a kernel
 (``InterpretedFunction.__call__``), walking those modules with ``inspect.getmembers`` each time:
-about 1 ms per call, which the kernels' per-tile helpers make thousands of per launch (a quarter
+about 1.3 ms per call, which the kernels' per-tile helpers make thousands of per launch (a quarter
 of a kernel-heavy test's time). The repeat changes nothing while the launch's replacement is in
 place, so ``skip_repeated_language_patching`` makes ``_patch_lang`` return at once for a
 function whose language modules are all replaced already. Launches, and anything not already
