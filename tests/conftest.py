@@ -13,10 +13,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
-    from interpreter_patching import set_overflow_checks, skip_repeated_language_patching
+    import interpreter_patching
 
-    skip_repeated_language_patching()
-    set_overflow_checks(False)
+    interpreter_patching.configure()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,10 +35,10 @@ def _overflow_checks(request):
     kernel tests that reach the position and stride limits); see interpreter_patching.py."""
     live = INTERPRET and request.node.get_closest_marker("overflow_checks") is not None
     if live:
-        set_overflow_checks(True)
+        interpreter_patching.set_overflow_checks(True)
     yield
     if live:
-        set_overflow_checks(False)
+        interpreter_patching.set_overflow_checks(False)
 
 
 @pytest.fixture

@@ -55,12 +55,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         _DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(_DEVICE)
         dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=_DEVICE)
-    else:
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            from interpreter_patching import set_overflow_checks, skip_repeated_language_patching
+    else:  # gloo: the kernels run under the interpreter (pool_backend)
+        import interpreter_patching
 
-            skip_repeated_language_patching()
-            set_overflow_checks(False)
+        interpreter_patching.configure()
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     while True:
         item = tasks.get()

@@ -26,12 +26,12 @@ from __future__ import annotations
 import dataclasses
 
 
-def _patched(lang) -> bool:
-    """Whether the interpreter has replaced ``lang``'s builtins (``arange`` stands for them all:
-    one ``_patch_lang`` call replaces every one of them, and the launch's restore undoes all)."""
-    import triton.language as tl
-
-    return not tl.core.is_builtin(getattr(lang, "arange", None))
+def configure() -> None:
+    """The suite's settings for a process that runs kernels under the interpreter: the
+    helper-call shortcut installed, overflow checks skipped (conftest turns them on for the
+    tests marked ``overflow_checks``)."""
+    skip_repeated_language_patching()
+    set_overflow_checks(False)
 
 
 def skip_repeated_language_patching() -> bool:
@@ -49,7 +49,9 @@ def skip_repeated_language_patching() -> bool:
 
     def patch_lang(fn):
         langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
-        if langs and all(_patched(lang) for lang in langs):
+        # ``arange`` stands for all the builtins: one ``_patch_lang`` call replaces every one of
+        # them, and the launch's restore undoes them all.
+        if langs and all(not tl.core.is_builtin(getattr(lang, "arange", None)) for lang in langs):
             return scope_type()  # nothing replaced here, so the caller's restore() has nothing to undo
         return original(fn)
 
