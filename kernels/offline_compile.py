@@ -230,10 +230,15 @@ def compile_fused_forward(
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv)
     consts = dict(
         GROUP=group, BLOCK_M=qt.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen,
-        HAS_LEFT=window, HAS_RIGHT=causal, SOFTCAP=softcap, HAS_ALIBI=alibi, **_UNIT_STRIDES,
+        TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen, HAS_LEFT=window, HAS_RIGHT=causal,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, Q_STAGES=hf.Q_STAGES[head_dim], **_UNIT_STRIDES,
     )  # fmt: skip
-    pointers = {"O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
+    if varlen:
+        consts["n_b"] = 1  # a packed grid's one sequence, specialized as a launch does
+    pointers = {
+        "O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+        "TILE_COUNTER": "*i32",
+    }  # fmt: skip
     options = {"num_warps": qt.NUM_WARPS, "maxnreg": qt.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)
 
@@ -289,11 +294,9 @@ def wgmma_operands(sass: str) -> tuple[int, int]:
     return sum(1 for x in sources if x.startswith("R")), len(sources)
 
 
-def loop_spills(sass: str) -> tuple[int, int]:
-    """(spill stores, spill loads) per thread inside a kernel's main loop: STL/LDL instructions
-    between the target and the source of its longest backward branch, in its SASS
-    (``disassemble``). ``resource_usage`` counts spills anywhere; a spill outside the loop costs
-    once per program, one inside it once per tile."""
+def _sass_loops(sass: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """A SASS listing's (address, line) instructions and its loops as (first, last) addresses:
+    the targets and sources of its backward branches."""
     labels, pending, instrs = {}, None, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -310,6 +313,33 @@ def loop_spills(sass: str) -> tuple[int, int]:
         for a, line in instrs
         if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), a) < a
     ]
-    lo, hi = max(back, key=lambda r: r[1] - r[0])
+    return instrs, back
+
+
+def _spills(instrs: list[tuple[int, str]], lo: int, hi: int) -> tuple[int, int]:
     inside = [line for a, line in instrs if lo <= a <= hi]
     return sum("STL" in x for x in inside), sum("LDL" in x for x in inside)
+
+
+def loop_spills(sass: str) -> tuple[int, int]:
+    """(spill stores, spill loads) per thread inside a kernel's main loop: STL/LDL instructions
+    between the target and the source of its longest backward branch, in its SASS
+    (``disassemble``). ``resource_usage`` counts spills anywhere; a spill outside the loop costs
+    once per program, one inside it once per tile."""
+    instrs, back = _sass_loops(sass)
+    return _spills(instrs, *max(back, key=lambda r: r[1] - r[0]))
+
+
+def tile_loop_spills(sass: str, min_instructions: int = 200) -> tuple[int, int]:
+    """The most (spill stores, spill loads) per thread in any innermost loop of at least
+    ``min_instructions`` SASS instructions: the tile loops of a persistent kernel, whose longest
+    loop is the one over work items (a spill there costs once per item)."""
+    instrs, back = _sass_loops(sass)
+    inner = [
+        (lo, hi)
+        for lo, hi in back
+        if not any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in back)
+        and sum(lo <= a <= hi for a, _ in instrs) >= min_instructions
+    ]
+    counts = [_spills(instrs, lo, hi) for lo, hi in inner]
+    return max(c[0] for c in counts), max(c[1] for c in counts)

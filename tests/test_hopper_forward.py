@@ -284,3 +284,47 @@ def test_fused_forward_gate_with_softcap_and_alibi():
     assert fused(alibi_slopes=slopes, q_positions=TokenPositions(2**21), k_positions=TokenPositions(0))
     assert not fused(alibi_slopes=slopes, q_positions=far, k_positions=TokenPositions(0))
     assert fused(q_positions=far, k_positions=TokenPositions(0))  # without ALiBi positions do not matter
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_few_persistent_programs_walk_every_item(monkeypatch, programs, head_dim):
+    """Programs that walk many work items each (here forced to 1 or 3): Q stages, K/V rings and
+    claimed items carried across items of uneven work, causal rows of packed documents with a
+    window, GQA, and slots of the packed grid that hold no rows (the documents of length 1)."""
+    from ringflash.kernels.hopper import forward as hopper_forward
+
+    monkeypatch.setattr(hopper_forward, "persistent_programs", lambda grid, device: programs)
+    lengths = [1, 127, 129, 1000, 1, 64, 300]
+    total = sum(lengths)
+    q = cuda_randn(total, 4, head_dim, seed=61)
+    k = cuda_randn(total, 2, head_dim, seed=62)
+    v = cuda_randn(total, 2, head_dim, seed=63)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    problem = build_problem(
+        q, k, v, None, True, (200, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+        max_seqlen_k=max(lengths),
+    )  # fmt: skip
+    assert uses_fused_forward(problem, q, k, v)
+    out, lse = attention_forward(q, k, v, problem)
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        doc = [t[a:b].unsqueeze(0).double().cpu() for t in (q, k, v)]
+        exp_out, exp_lse = reference_attention(*doc, causal=True, window_size=(200, 0))
+        err = rel_err(out[a:b].unsqueeze(0).double().cpu(), exp_out)
+        assert err < TOLERANCE[torch.bfloat16], f"document {i}: out rel err {err:.2e}"
+        assert rel_err(lse[:, a:b].unsqueeze(0).double().cpu(), exp_lse) < 1e-4, f"document {i}: lse"
+    # Dense: query tiles that see no key (positions before every key's, causal) between others.
+    q, k, v = (cuda_randn(2, 640, 4, head_dim, seed=s) for s in (64, 65, 66))
+    positions = dict(q_positions=TokenPositions(0, 1), k_positions=TokenPositions(300, 1))
+    problem = build_problem(q, k, v, None, True, (-1, -1), **positions)
+    out, lse = attention_forward(q, k, v, problem)
+    exp_out, exp_lse = reference_attention(
+        *(t.double().cpu() for t in (q, k, v)),
+        causal=True,
+        q_pos=torch.arange(640),
+        k_pos=300 + torch.arange(640),
+    )
+    assert rel_err(out.double().cpu(), exp_out) < TOLERANCE[torch.bfloat16], "dense out"
+    seen = exp_lse > -float("inf")
+    assert (lse.cpu()[~seen] == -float("inf")).all() and (out[:, :300] == 0).all()
+    assert rel_err(lse.double().cpu()[seen], exp_lse[seen]) < 1e-4, "dense lse"

@@ -4,7 +4,7 @@ where the fused backward (backward.py) has no room for its float32 dQ ring in sh
 There the fused backward added every (query tile, key tile) pair's dQ into a float32 buffer by
 atomic adds from registers, and half of its time went to them (docs/experiments.md §28). This
 kernel computes dQ as the forward computes O, with the forward's programs (one per 128-row
-query tile, query head and sequence: ``query_tiles.query_tile_program``), walk over the key tiles
+query tile, query head and sequence: ``query_tiles.query_tile_item``), walk over the key tiles
 a tile sees, masks, softcap and ALiBi: Q and dO of the tile stay in shared memory while 32-row
 K and V tiles stream through two-stage rings, and per key tile
 
@@ -32,9 +32,11 @@ from .query_tiles import (
     HALF_M,
     LOADER_REGS,
     Shared,
+    allocate_rings,
     load_key_tiles,
+    query_tile_item,
     query_tile_launch,
-    query_tile_program,
+    query_tiles,
     store_rows,
 )
 from .query_tiles import HEAD_DIMS as QUERY_TILE_BUILDS
@@ -49,9 +51,9 @@ HEAD_DIMS = tuple(BLOCK_N)
 def _load_partition(p: Shared, do_desc, do_smem, do_row, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     tile_bytes: gl.constexpr = p.q_desc.block_type.nbytes + do_desc.block_type.nbytes
     for w in gl.static_range(2):
-        bar = p.q_bar.index(w)
+        bar = p.q_bar.index(p.q_slot + w)
         mbarrier.expect(bar, tile_bytes)
-        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(w))
+        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(p.q_slot + w))
         load_tile(do_desc, do_row + w * HALF_M, p.q_head, bar, do_smem.index(w))
     load_key_tiles(p, BLOCK_N)
 
@@ -65,8 +67,9 @@ def _tile_step(
     """Walk step i (key tile t_last - i): S and dP issued together, P from S while dP runs, then
     dQ += dS K; the tile's K and V stages are released as their last products finish."""
     dtype: gl.constexpr = p.q_desc.dtype
-    st = i % 2
-    phase = (i // 2) & 1
+    j = p.ring0 + i
+    st = j % 2
+    phase = (j // 2) & 1
     mbarrier.wait(p.k_ready.index(st), phase)
     mbarrier.wait(p.v_ready.index(st), phase)
     s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -124,11 +127,11 @@ def _compute_partition(
     alibi2 = 0.0
     if HAS_ALIBI:
         alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
-    q_s = p.q_smem.index(w)
+    q_s = p.q_smem.index(p.q_slot + w)
     do_s = do_smem.index(w)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
-    mbarrier.wait(p.q_bar.index(w), 0)
+    mbarrier.wait(p.q_bar.index(p.q_slot + w), p.q_phase)
 
     # Walk step i visits key tile t_last - i: tiles at or above t_full_hi come first (masked),
     # then the full ones down to t_full_lo, then the masked rest (as the forward's _attend).
@@ -165,11 +168,16 @@ def _dq_kernel(
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ACCUMULATE: gl.constexpr,
 ):  # fmt: skip
     HALF_M: gl.constexpr = BLOCK_M // 2
-    p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_program(
+    qt = query_tiles(
         q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
-        v_batch_rows,
-        q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
-        GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
+        v_batch_rows, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
+        gl.num_programs(0), gl.num_programs(1), gl.num_programs(2),
+    )  # fmt: skip
+    rings = allocate_rings(q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, 1)
+    zero = gl.program_id(0) * 0  # the program's first and only query tile, from ring step 0
+    p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_item(
+        qt, rings, gl.program_id(0), gl.program_id(1), gl.program_id(2), zero, zero,
+        GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
     )  # fmt: skip
     do_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_DIM], tile_layout(do_desc.layout))
     if VARLEN:  # one packed batch: the tile's row is the same in every packed tensor

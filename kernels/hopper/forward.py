@@ -1,11 +1,19 @@
 """Attention forward for Hopper (sm_90) in Gluon, warp-specialized as in FlashAttention-3.
 
-One program per (128-row query tile, query head, sequence) (query_tiles.py), its warps
-specialized (``gl.warp_specialize``):
+Persistent: one program per SM walks work items, each a (128-row query tile, query head,
+sequence) (query_tiles.py), numbered as a grid over them would launch its programs; a program
+starts with the item of its id and claims each next one from a counter in global memory
+(``TILE_COUNTER``, an atomic add) as it starts loading the last, so that uneven items (causal
+rows, documents of different lengths) balance as a grid's would. Its warps are specialized
+(``gl.warp_specialize``):
 
-- loader, 1 warp: the two 64-row halves of the query tile, then K and V tiles by TMA into
-  two-stage rings (K and V each with their own ready/empty mbarriers, so a K stage is refilled
-  as soon as QK^T has read it, while V waits for P V);
+- loader, 1 warp: per item, the two 64-row halves of the query tile into one of two Q stages
+  (published with the item's number, ``query_tiles.publish_item``), then K and V tiles by TMA
+  into two-stage rings that run on across items (K and V each with their own ready/empty
+  mbarriers, so a K stage is refilled as soon as QK^T has read it, while V waits for P V). The
+  next item's Q and first key tiles thus load while the compute warpgroups finish the last one,
+  where a program per item started with its loads and the SM idle: 4.3 us per program against
+  cuDNN's 1.1 (docs/experiments.md §37-38);
 - two compute warpgroups of 4 warps, one per 64-row half, at 240 registers. Each issues
   S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then the softmax of S_j. ptxas places
   the wait for P V before the softmax (the SASS reorders it), so a warpgroup's softmax overlaps
@@ -14,9 +22,9 @@ specialized (``gl.warp_specialize``):
   issuing their products (FlashAttention-3's ping-pong, §12 and §27). They run free of each other.
 
 Every mask the library takes runs here: any lengths, packed documents (``cu_seqlens``: one
-program per query tile of a document, reading the packed tensors in place), windows and
+item per query tile of a document, reading the packed tensors in place), windows and
 causal masks in global positions (``TokenPositions``: a ring step's shifted or strided blocks).
-``key_tiles`` works out, per program, the key tiles that any of its rows sees and among them
+``key_tiles`` works out, per item, the key tiles that any of its rows sees and among them
 those that every row sees in full; only the others (window edges, a document's last tile) are
 masked, in loops of their own, and tiles that no row sees are never loaded.
 
@@ -41,11 +49,19 @@ from .query_tiles import (
     COMPUTE_REGS,
     HEAD_DIMS,
     LOADER_REGS,
+    QueryTiles,
+    Rings,
     Shared,
+    allocate_rings,
     load_key_tiles,
+    persistent_programs,
+    publish_item,
+    published_item,
+    query_tile_item,
     query_tile_launch,
-    query_tile_program,
+    query_tiles,
     store_rows,
+    tile_of_item,
 )
 from .scores import Mask, logits, mask_scores, score_scales
 from .tma import load_tile
@@ -53,6 +69,9 @@ from .tma import load_tile
 # Key rows per tile, by build: at 256 two stages of 128-row K and V tiles (256 KiB) would not
 # fit beside Q in shared memory (227 KiB), so its tiles are 64 rows (Q 64 + K/V 128 KiB).
 BLOCK_N = {64: 128, 128: 128, 256: 64}
+# Query tiles in shared memory, by build: with two the loader fetches a program's next query tile
+# while the last one's key tiles run; at 256 a second (64 KiB) does not fit beside the K/V rings.
+Q_STAGES = {64: 2, 128: 2, 256: 1}
 
 
 def forward_supports(problem: AttentionProblem) -> bool:
@@ -83,12 +102,45 @@ def _online_softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr, HAS_ALIBI: gl.c
 
 
 @gluon.jit
-def _load_partition(p: Shared, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _load_partition(
+    qt: QueryTiles, rings: Rings, TILE_COUNTER, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """The program's work items in turn (the first its program id, each next one claimed from
+    ``TILE_COUNTER`` as the last starts): the item published with its Q stage, each half of Q
+    loaded once the stage is released, then the key tiles. The rings run on across items, so an
+    item's loads overlap the last one's end. Past the last item, a stage published with
+    ``n_items`` and no Q tells the compute warpgroups to stop."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = qt.n_m * qt.n_h * qt.n_b
+    k = gl.program_id(0) * 0
+    ring = k
+    item = gl.program_id(0) + k
+    while item < n_items:
+        # Claimed now, so that the atomic's round trip overlaps this item's loads.
+        next_item = gl.atomic_add(TILE_COUNTER, 1) + gl.num_programs(0)
+        pid_m, h, b = tile_of_item(qt, item)
+        p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_item(
+            qt, rings, pid_m, h, b, k, ring, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT
+        )
+        for w in gl.static_range(2):
+            mbarrier.wait(p.q_empty.index(p.q_slot + w), p.q_phase ^ 1)
+        publish_item(rings, k, item)
+        for w in gl.static_range(2):
+            bar = p.q_bar.index(p.q_slot + w)
+            mbarrier.expect(bar, p.q_desc.block_type.nbytes)
+            load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(p.q_slot + w))
+        load_key_tiles(p, BLOCK_N)
+        k += 1
+        ring += p.n_tiles
+        item = next_item
+    slot = (k % rings.q_stages) * 2
     for w in gl.static_range(2):
-        bar = p.q_bar.index(w)
-        mbarrier.expect(bar, p.q_desc.block_type.nbytes)
-        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(w))
-    load_key_tiles(p, BLOCK_N)
+        mbarrier.wait(rings.q_empty.index(slot + w), ((k // rings.q_stages) & 1) ^ 1)
+    publish_item(rings, k, n_items)
+    for w in gl.static_range(2):
+        mbarrier.arrive(rings.q_bar.index(slot + w), count=1)
 
 
 @gluon.jit
@@ -100,10 +152,11 @@ def _tile_step(
     """Walk step i (key tile t_last - i): S_i = Q K_i^T issued beside O += P_{i-1} V_{i-1}, the
     softmax of S_i written to run while P V does (ptxas waits for P V first: module docstring)."""
     dtype: gl.constexpr = p.q_desc.dtype
-    st = i % 2
+    j = p.ring0 + i
+    st = j % 2
     prev = 1 - st
-    mbarrier.wait(p.k_ready.index(st), (i // 2) & 1)
-    mbarrier.wait(p.v_ready.index(prev), ((i - 1) // 2) & 1)
+    mbarrier.wait(p.k_ready.index(st), (j // 2) & 1)
+    mbarrier.wait(p.v_ready.index(prev), ((j - 1) // 2) & 1)
     s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
@@ -121,14 +174,15 @@ def _tile_step(
 
 @gluon.jit
 def _attend(
-    p: Shared, mk: Mask, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    p: Shared, mk: Mask, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w: gl.constexpr,
+    RELEASE_Q: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
-    """(O unnormalized, running max, running sum) over the program's n_tiles >= 1 key tiles:
-    the first tile (masked where it needs it) before the loop; then the masked tiles at the high
-    end, the full tiles and the masked tiles at the low end, each span in a loop of its own so
-    that only the edges pay for the mask; P V of the last tile after the loops."""
+    """(O unnormalized, running max, running sum) of warpgroup w over the tile's n_tiles >= 1 key
+    tiles: the first tile (masked where it needs it) before the loop; then the masked tiles at
+    the high end, the full tiles and the masked tiles at the low end, each span in a loop of its
+    own so that only the edges pay for the mask; P V of the last tile after the loops, Q's half
+    released before it under RELEASE_Q."""
     dtype: gl.constexpr = p.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -140,10 +194,11 @@ def _attend(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(p.k_ready.index(0), 0)
-    s = warpgroup_mma(q_s, p.k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st = p.ring0 % 2
+    mbarrier.wait(p.k_ready.index(st), (p.ring0 // 2) & 1)
+    s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(p.k_empty.index(0), count=1)
+    mbarrier.arrive(p.k_empty.index(st), count=1)
     s = logits(
         s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
         False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
@@ -175,7 +230,9 @@ def _attend(
             o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
 
-    last = p.n_tiles - 1
+    if RELEASE_Q:  # every QK^T of the tile is done: the loader may fetch the next tile's Q
+        mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
+    last = p.ring0 + p.n_tiles - 1
     st = last % 2
     mbarrier.wait(p.v_ready.index(st), (last // 2) & 1)
     o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(st), o, is_async=True)
@@ -186,15 +243,17 @@ def _attend(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, mk: Mask, O, LSE, o_off, stride_os, lse_off, rows_left, qk_scale, tanh_scale, alibi_ptr,
-    w: gl.constexpr, BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    qt: QueryTiles, rings: Rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+    tanh_scale, ALIBI, w: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):  # fmt: skip
-    """Warpgroup w: query rows [q_row + w * HALF_M, + HALF_M) against the program's key tiles,
-    its output and LSE stored for the rows below ``rows_left`` (the sequence's rows from the
-    program's first on). Under SOFTCAP each score tile becomes tanh(S * tanh_scale) before the
-    mask (``score_scales``); under HAS_ALIBI the logits get ALiBi's bias (slope at
-    ``alibi_ptr``)."""
+    """Warpgroup w, for each of the program's query tiles: rows [q_row + w * HALF_M, + HALF_M)
+    against the tile's key tiles, output and LSE stored for the rows below ``rows_left`` (the
+    sequence's rows from the tile's first on). Under SOFTCAP each score tile becomes
+    tanh(S * tanh_scale) before the mask (``score_scales``); under HAS_ALIBI the logits get
+    ALiBi's bias (slopes (batch, heads_q) at ``ALIBI``)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -202,35 +261,61 @@ def _compute_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_s = p.q_smem.index(w)
-    row_offs = gl.arange(0, HALF_M, layout=row_layout) * mk.q_stride
-    col_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) * mk.k_stride
-    alibi2 = 0.0
-    if HAS_ALIBI:
-        alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
-    mbarrier.wait(p.q_bar.index(w), 0)
-    if HEAD_DIM == 64:  # Q as QK^T's A operand from registers (16 of them): less shared-memory traffic
-        q_op = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q_op = q_s
+    row_offs = gl.arange(0, HALF_M, layout=row_layout) * qt.q_stride
+    col_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) * qt.k_stride
+    # Q as QK^T's A operand from registers at head_dim 64 (16 of them): less shared-memory
+    # traffic, and Q's stage is free as soon as it is read.
+    Q_IN_REGS: gl.constexpr = HEAD_DIM == 64
+    n_items = qt.n_m * qt.n_h * qt.n_b
+    k = gl.program_id(0) * 0
+    ring = k
+    mbarrier.wait(rings.q_bar.index(w), 0)
+    item = published_item(rings, k)
+    while item < n_items:
+        pid_m, h, b = tile_of_item(qt, item)
+        p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_item(
+            qt, rings, pid_m, h, b, k, ring, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT
+        )
+        if w == 0:
+            mk = mk0
+        else:
+            mk = mk1
+        alibi2 = 0.0
+        if HAS_ALIBI:  # log2(e): logits in the log2 domain
+            alibi2 = gl.load(ALIBI + b * qt.n_h + p.q_head) * 1.4426950408889634
+        q_s = p.q_smem.index(p.q_slot + w)
+        if Q_IN_REGS:
+            q_op = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
+        else:
+            q_op = q_s
 
-    o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
-    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-    if p.n_tiles > 0:
-        o, m_i, l_i = _attend(
-            p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M, BLOCK_N, HEAD_DIM,
-        )  # fmt: skip
+        o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+        if p.n_tiles > 0:
+            o, m_i, l_i = _attend(
+                p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w, not Q_IN_REGS,
+                HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M, BLOCK_N, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            if not Q_IN_REGS:
+                mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
 
-    # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
-    l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
-    out = o / l_o[:, None]
-    store_rows(O, o_off, stride_os, out, p, w, rows_left, False)
-    # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-    gl.store(LSE + lse_off + rows, lse, mask=rows < rows_left)
+        # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
+        h64 = p.q_head.to(gl.int64)
+        o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + q_tile_row.to(gl.int64) * stride_os
+        l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        store_rows(O, o_off, stride_os, o / l_o[:, None], p, w, rows_left, False)
+        # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_tile_row
+        gl.store(LSE + lse_off + rows, lse, mask=rows < rows_left)
+        k += 1
+        ring += p.n_tiles
+        mbarrier.wait(rings.q_bar.index((k % rings.q_stages) * 2 + w), (k // rings.q_stages) & 1)
+        item = published_item(rings, k)
 
 
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
@@ -239,77 +324,40 @@ def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE, CU_Q, CU_K,
     seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows, v_batch_rows,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
-    ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
-    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
+    TILE_COUNTER, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, Q_STAGES: gl.constexpr,
 ):  # fmt: skip
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_program(
+    qt = query_tiles(
         q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
-        v_batch_rows,
-        q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right,
-        GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT,
+        v_batch_rows, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
     )  # fmt: skip
-    h64 = p.q_head.to(gl.int64)
-    o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + q_tile_row.to(gl.int64) * stride_os
-    lse_off = ob.to(gl.int64) * stride_lb + h64 * stride_lh + q_tile_row
-    alibi_ptr = ALIBI + b * gl.num_programs(1) + p.q_head  # slopes (batch, heads_q)
+    rings = allocate_rings(q_desc, k_desc, v_desc, BLOCK_M // 2, BLOCK_N, HEAD_DIM, Q_STAGES)
+    # fmt: off
     gl.warp_specialize(
         [
             (
                 _compute_partition,
-                (
-                    p,
-                    mk0,
-                    O,
-                    LSE,
-                    o_off,
-                    stride_os,
-                    lse_off,
-                    rows_left,
-                    qk_scale,
-                    tanh_scale,
-                    alibi_ptr,
-                    0,
-                    BLOCK_N,
-                    HALF_M,
-                    HEAD_DIM,
-                    HAS_LEFT,
-                    HAS_RIGHT,
-                    SOFTCAP,
-                    HAS_ALIBI,
-                ),
+                (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+                 tanh_scale, ALIBI, 0, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT,
+                 HAS_RIGHT, SOFTCAP, HAS_ALIBI),
             ),
             (
                 _compute_partition,
-                (
-                    p,
-                    mk1,
-                    O,
-                    LSE,
-                    o_off,
-                    stride_os,
-                    lse_off,
-                    rows_left,
-                    qk_scale,
-                    tanh_scale,
-                    alibi_ptr,
-                    1,
-                    BLOCK_N,
-                    HALF_M,
-                    HEAD_DIM,
-                    HAS_LEFT,
-                    HAS_RIGHT,
-                    SOFTCAP,
-                    HAS_ALIBI,
-                ),
+                (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+                 tanh_scale, ALIBI, 1, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT,
+                 HAS_RIGHT, SOFTCAP, HAS_ALIBI),
             ),
-            (_load_partition, (p, HALF_M, BLOCK_N)),
+            (
+                _load_partition,
+                (qt, rings, TILE_COUNTER, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT),
+            ),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
     )
+    # fmt: on
 
 
 def fused_forward(
@@ -331,10 +379,16 @@ def fused_forward(
     scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions.
     A head_dim between two builds runs the next larger one, its tiles zero-filled past the
     tensors' head_dim by TMA (``tma.rows_descriptor``)."""
-    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[run_head_dim(problem.head_dim, HEAD_DIMS)])
+    build = run_head_dim(problem.head_dim, HEAD_DIMS)
+    launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[build])
+    programs = persistent_programs(launch.grid, q.device)
+    if programs == 0:  # no query rows
+        return
     o4 = out.unsqueeze(0) if problem.varlen else out
-    _fused_fwd_kernel[launch.grid](
+    _fused_fwd_kernel[(programs,)](
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
-        launch.slopes, *problem.position_args(), *launch.window, **launch.constexprs,
+        launch.slopes, *problem.position_args(), *launch.window, *launch.grid,
+        torch.zeros(1, dtype=torch.int32, device=q.device), Q_STAGES=Q_STAGES[build],
+        **launch.constexprs,
     )  # fmt: skip
