@@ -51,9 +51,9 @@ HEAD_DIMS = tuple(BLOCK_N)
 def _load_partition(p: Shared, do_desc, do_smem, do_row, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
     tile_bytes: gl.constexpr = p.q_desc.block_type.nbytes + do_desc.block_type.nbytes
     for w in gl.static_range(2):
-        bar = p.q_bar.index(p.q_slot + w)
+        bar = p.rings.q_bar.index(p.q_slot + w)
         mbarrier.expect(bar, tile_bytes)
-        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(p.q_slot + w))
+        load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.rings.q_smem.index(p.q_slot + w))
         load_tile(do_desc, do_row + w * HALF_M, p.q_head, bar, do_smem.index(w))
     load_key_tiles(p, BLOCK_N)
 
@@ -70,10 +70,10 @@ def _tile_step(
     j = p.ring0 + i
     st = j % 2
     phase = (j // 2) & 1
-    mbarrier.wait(p.k_ready.index(st), phase)
-    mbarrier.wait(p.v_ready.index(st), phase)
-    s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_s, p.v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(p.rings.k_ready.index(st), phase)
+    mbarrier.wait(p.rings.v_ready.index(st), phase)
+    s = warpgroup_mma(q_s, p.rings.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_s, p.rings.v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
     if SOFTCAP:
         s = tanh_approx(s * tanh_scale)
@@ -91,11 +91,11 @@ def _tile_step(
     else:
         pr = pr * softmax_scale
     dp = warpgroup_mma_wait(0, deps=(dp,))
-    mbarrier.arrive(p.v_empty.index(st), count=1)
+    mbarrier.arrive(p.rings.v_empty.index(st), count=1)
     ds = (pr * (dp - delta[:, None])).to(dtype)
-    dq = warpgroup_mma(gl.convert_layout(ds, ds_layout), p.k_smem.index(st), dq, is_async=True)
+    dq = warpgroup_mma(gl.convert_layout(ds, ds_layout), p.rings.k_smem.index(st), dq, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
-    mbarrier.arrive(p.k_empty.index(st), count=1)
+    mbarrier.arrive(p.rings.k_empty.index(st), count=1)
     return dq
 
 
@@ -127,11 +127,11 @@ def _compute_partition(
     alibi2 = 0.0
     if HAS_ALIBI:
         alibi2 = gl.load(alibi_ptr) * 1.4426950408889634  # log2(e): logits in the log2 domain
-    q_s = p.q_smem.index(p.q_slot + w)
+    q_s = p.rings.q_smem.index(p.q_slot + w)
     do_s = do_smem.index(w)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
-    mbarrier.wait(p.q_bar.index(p.q_slot + w), p.q_phase)
+    mbarrier.wait(p.rings.q_bar.index(p.q_slot + w), p.q_phase)
 
     # Walk step i visits key tile t_last - i: tiles at or above t_full_hi come first (masked),
     # then the full ones down to t_full_lo, then the masked rest (as the forward's _attend).

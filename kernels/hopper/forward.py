@@ -125,12 +125,12 @@ def _load_partition(
             qt, rings, pid_m, h, b, k, ring, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT
         )
         for w in gl.static_range(2):
-            mbarrier.wait(p.q_empty.index(p.q_slot + w), p.q_phase ^ 1)
+            mbarrier.wait(p.rings.q_empty.index(p.q_slot + w), p.q_phase ^ 1)
         publish_item(rings, k, item)
         for w in gl.static_range(2):
-            bar = p.q_bar.index(p.q_slot + w)
+            bar = p.rings.q_bar.index(p.q_slot + w)
             mbarrier.expect(bar, p.q_desc.block_type.nbytes)
-            load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.q_smem.index(p.q_slot + w))
+            load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.rings.q_smem.index(p.q_slot + w))
         load_key_tiles(p, BLOCK_N)
         k += 1
         ring += p.n_tiles
@@ -155,19 +155,19 @@ def _tile_step(
     j = p.ring0 + i
     st = j % 2
     prev = 1 - st
-    mbarrier.wait(p.k_ready.index(st), (j // 2) & 1)
-    mbarrier.wait(p.v_ready.index(prev), ((j - 1) // 2) & 1)
-    s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(prev), o, is_async=True)
+    mbarrier.wait(p.rings.k_ready.index(st), (j // 2) & 1)
+    mbarrier.wait(p.rings.v_ready.index(prev), ((j - 1) // 2) & 1)
+    s = warpgroup_mma(q_s, p.rings.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.rings.v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
-    mbarrier.arrive(p.k_empty.index(st), count=1)
+    mbarrier.arrive(p.rings.k_empty.index(st), count=1)
     s = logits(
         s, p.t_last - i, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
         MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
     )  # fmt: skip
     pr, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, MASKED, HAS_ALIBI)
     o = warpgroup_mma_wait(0, deps=(o,))
-    mbarrier.arrive(p.v_empty.index(prev), count=1)
+    mbarrier.arrive(p.rings.v_empty.index(prev), count=1)
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return pr, m_i, l_i, o
 
@@ -195,10 +195,10 @@ def _attend(
 
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     st = p.ring0 % 2
-    mbarrier.wait(p.k_ready.index(st), (p.ring0 // 2) & 1)
-    s = warpgroup_mma(q_s, p.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(p.rings.k_ready.index(st), (p.ring0 // 2) & 1)
+    s = warpgroup_mma(q_s, p.rings.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(p.k_empty.index(st), count=1)
+    mbarrier.arrive(p.rings.k_empty.index(st), count=1)
     s = logits(
         s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
         False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
@@ -231,13 +231,13 @@ def _attend(
         )  # fmt: skip
 
     if RELEASE_Q:  # every QK^T of the tile is done: the loader may fetch the next tile's Q
-        mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
+        mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
     last = p.ring0 + p.n_tiles - 1
     st = last % 2
-    mbarrier.wait(p.v_ready.index(st), (last // 2) & 1)
-    o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.v_smem.index(st), o, is_async=True)
+    mbarrier.wait(p.rings.v_ready.index(st), (last // 2) & 1)
+    o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.rings.v_smem.index(st), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
-    mbarrier.arrive(p.v_empty.index(st), count=1)
+    mbarrier.arrive(p.rings.v_empty.index(st), count=1)
     return o, m_i, l_i
 
 
@@ -283,10 +283,10 @@ def _compute_partition(
         alibi2 = 0.0
         if HAS_ALIBI:  # log2(e): logits in the log2 domain
             alibi2 = gl.load(ALIBI + b * qt.n_h + p.q_head) * 1.4426950408889634
-        q_s = p.q_smem.index(p.q_slot + w)
+        q_s = p.rings.q_smem.index(p.q_slot + w)
         if Q_IN_REGS:
             q_op = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-            mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
+            mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
         else:
             q_op = q_s
 
@@ -300,7 +300,7 @@ def _compute_partition(
             )  # fmt: skip
         else:
             if not Q_IN_REGS:
-                mbarrier.arrive(p.q_empty.index(p.q_slot + w), count=1)
+                mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
 
         # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
         h64 = p.q_head.to(gl.int64)

@@ -203,8 +203,8 @@ def query_tiles(
 
 @aggregate
 class Shared:
-    """What the partitions share about the query tile they walk: descriptors, ``Rings``' tiles and
-    mbarriers, this tile's Q stage (halves at ``q_slot``, ``q_slot + 1``; its mbarriers' phase
+    """What the partitions share about the query tile they walk: descriptors, the program's
+    ``Rings``, this tile's Q stage (halves at ``q_slot``, ``q_slot + 1``; its mbarriers' phase
     ``q_phase``) and the K/V rings' position at its first key tile (``ring0``: walk step i uses
     ring step ring0 + i); the tile's rows/columns in the descriptors' (rows, heads * head_dim)
     views: the query tile's first row ``q_row``, the sequence's first key row ``k_row0``/
@@ -215,15 +215,7 @@ class Shared:
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
-    q_smem: gl.shared_memory_descriptor
-    k_smem: gl.shared_memory_descriptor
-    v_smem: gl.shared_memory_descriptor
-    q_bar: gl.shared_memory_descriptor
-    q_empty: gl.shared_memory_descriptor
-    k_ready: gl.shared_memory_descriptor
-    k_empty: gl.shared_memory_descriptor
-    v_ready: gl.shared_memory_descriptor
-    v_empty: gl.shared_memory_descriptor
+    rings: Rings
     q_slot: gl.tensor
     q_phase: gl.tensor
     ring0: gl.tensor
@@ -244,15 +236,7 @@ class Shared:
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
-        self.q_smem = rings.q_smem
-        self.k_smem = rings.k_smem
-        self.v_smem = rings.v_smem
-        self.q_bar = rings.q_bar
-        self.q_empty = rings.q_empty
-        self.k_ready = rings.k_ready
-        self.k_empty = rings.k_empty
-        self.v_ready = rings.v_ready
-        self.v_empty = rings.v_empty
+        self.rings = rings
         self.q_slot = q_slot
         self.q_phase = q_phase
         self.ring0 = ring0
@@ -276,14 +260,14 @@ def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr):
         s = j % 2
         n0 = (p.t_last - i) * BLOCK_N  # last key tile first
         # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
-        mbarrier.wait(p.k_empty.index(s), ((j // 2) & 1) ^ 1)
-        bar = p.k_ready.index(s)
+        mbarrier.wait(p.rings.k_empty.index(s), ((j // 2) & 1) ^ 1)
+        bar = p.rings.k_ready.index(s)
         mbarrier.expect(bar, tile_bytes)
-        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.k_smem.index(s))
-        mbarrier.wait(p.v_empty.index(s), ((j // 2) & 1) ^ 1)
-        bar = p.v_ready.index(s)
+        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.rings.k_smem.index(s))
+        mbarrier.wait(p.rings.v_empty.index(s), ((j // 2) & 1) ^ 1)
+        bar = p.rings.v_ready.index(s)
         mbarrier.expect(bar, tile_bytes)
-        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.v_smem.index(s))
+        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.rings.v_smem.index(s))
 
 
 @gluon.jit
