@@ -53,10 +53,11 @@ from .query_tiles import (
     Rings,
     Shared,
     allocate_rings,
+    await_item,
     load_key_tiles,
     persistent_programs,
     publish_item,
-    published_item,
+    q_stage,
     query_tile_item,
     query_tile_launch,
     query_tiles,
@@ -135,9 +136,9 @@ def _load_partition(
         k += 1
         ring += p.n_tiles
         item = next_item
-    slot = (k % rings.q_stages) * 2
+    slot, phase = q_stage(rings, k)
     for w in gl.static_range(2):
-        mbarrier.wait(rings.q_empty.index(slot + w), ((k // rings.q_stages) & 1) ^ 1)
+        mbarrier.wait(rings.q_empty.index(slot + w), phase ^ 1)
     publish_item(rings, k, n_items)
     for w in gl.static_range(2):
         mbarrier.arrive(rings.q_bar.index(slot + w), count=1)
@@ -269,8 +270,7 @@ def _compute_partition(
     n_items = qt.n_m * qt.n_h * qt.n_b
     k = gl.program_id(0) * 0
     ring = k
-    mbarrier.wait(rings.q_bar.index(w), 0)
-    item = published_item(rings, k)
+    item = await_item(rings, k, w)
     while item < n_items:
         pid_m, h, b = tile_of_item(qt, item)
         p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_item(
@@ -314,8 +314,7 @@ def _compute_partition(
         gl.store(LSE + lse_off + rows, lse, mask=rows < rows_left)
         k += 1
         ring += p.n_tiles
-        mbarrier.wait(rings.q_bar.index((k % rings.q_stages) * 2 + w), (k // rings.q_stages) & 1)
-        item = published_item(rings, k)
+        item = await_item(rings, k, w)
 
 
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.

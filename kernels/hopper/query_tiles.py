@@ -111,6 +111,13 @@ def allocate_rings(
 
 
 @gluon.jit
+def q_stage(rings: Rings, k):
+    """(index of the first half, mbarrier phase) of the Q stage that holds a program's k-th
+    query tile: the stages in turn, the phase flipping at each round over them."""
+    return (k % rings.q_stages) * 2, (k // rings.q_stages) & 1
+
+
+@gluon.jit
 def publish_item(rings: Rings, k, item):
     """The loader's record that Q stage k mod q_stages holds work item ``item``, before the
     stage's mbarriers are armed (their completion orders it for the compute warpgroups)."""
@@ -119,9 +126,11 @@ def publish_item(rings: Rings, k, item):
 
 
 @gluon.jit
-def published_item(rings: Rings, k):
-    """The work item of Q stage k mod q_stages (``publish_item``), read once the stage's Q has
-    landed."""
+def await_item(rings: Rings, k, w: gl.constexpr):
+    """Compute warpgroup w's wait for its half of the program's k-th query tile, then that
+    tile's work item as ``publish_item`` recorded it (past the last item: the end)."""
+    slot, phase = q_stage(rings, k)
+    mbarrier.wait(rings.q_bar.index(slot + w), phase)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     return gl.max(rings.items.index(k % rings.q_stages).load(layout), 0)
 
@@ -346,9 +355,10 @@ def query_tile_item(
         q_pos0, q_hi, k_start, qt.k_stride, len_k, qt.left, qt.right, HAS_LEFT, HAS_RIGHT, BLOCK_N
     )
     n_tiles = gl.where(rows_left > 0, t_hi - t_lo, 0)
+    q_slot, q_phase = q_stage(rings, k)
     p = Shared(
-        qt.q_desc, qt.k_desc, qt.v_desc, rings, (k % rings.q_stages) * 2, (k // rings.q_stages) & 1, ring0,
-        q_row0 + m0, k_row0, v_row0, h, h // GROUP, t_hi - 1, n_tiles, TENSOR_DIM,
+        qt.q_desc, qt.k_desc, qt.v_desc, rings, q_slot, q_phase, ring0, q_row0 + m0, k_row0, v_row0, h,
+        h // GROUP, t_hi - 1, n_tiles, TENSOR_DIM,
     )  # fmt: skip
     mk0 = Mask(q_pos0, qt.q_stride, k_start, qt.k_stride, qt.left, qt.right, len_k, t_full_lo, t_full_hi)
     mk1 = Mask(
