@@ -32,9 +32,10 @@ Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update an
 sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
 pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
 and the backward runs it in reverse (``kernels/infini/delta.py``). On one device it runs inside
-``_GatedMemory`` as the linear rule does (the backward rebuilds the memories; z stays); under a
-group B_s, A_s and the recurrence are separate autograd Functions (``_MemoryUpdates``, ``_Gram``,
-``_DeltaScan``, which keeps the memories), so that the relay below waits for the recurrence only.
+``_GatedMemory`` as the linear rule does (the memories kept or rebuilt by the same rule, A_s
+rebuilt by the backward; z stays); under a group B_s, A_s and the recurrence are separate
+autograd Functions (``_MemoryUpdates``, ``_Gram``, ``_DeltaScan``, which keeps the memories), so
+that the relay below waits for the recurrence only.
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
@@ -212,9 +213,10 @@ def _delta_relay(
     return (out, final) if return_memory else out
 
 
-# The linear rule's forward keeps the memories before each segment (in the products' operand
-# dtype) for the backward, which then makes no second pass over k and v, when they take at most
-# this share of the bytes of q, k, v and out; above it the backward rebuilds them.
+# The forward keeps the memories before each segment (in the products' operand dtype) for the
+# backward, which then makes no second update pass over k and v (nor, under the delta rule, a
+# second recurrence), when they take at most this share of the bytes of q, k, v and out; above it
+# the backward rebuilds them.
 KEPT_MEMORIES_SHARE = 0.01
 
 
@@ -223,21 +225,21 @@ def infini_memory_bytes(
     sequence_parallel: bool = False, heads: int | None = None, dtype: torch.dtype = torch.bfloat16,
 ) -> int:  # fmt: skip
     """Bytes of memory state that the forward keeps for the backward: z before each segment
-    (float32, batch x segments x kv_heads x head_dim x 4); with the linear rule also M before
-    each segment (bf16 for bf16 inputs, else float32) when that is at most KEPT_MEMORIES_SHARE
-    of the bytes of q, k, v and out (``heads`` query heads, default kv_heads, in ``dtype``),
-    else the backward rebuilds M from k and v; under the delta rule with ``sequence_parallel``
-    (a group of more than one rank) M and A before each segment (float32, x (2 head_dim + 1)),
-    which the recurrence's own autograd Function keeps."""
+    (float32, batch x segments x kv_heads x head_dim x 4), and M before each segment (bf16 for
+    bf16 inputs, else float32) when that is at most KEPT_MEMORIES_SHARE of the bytes of q, k, v
+    and out (``heads`` query heads, default kv_heads, in ``dtype``), else the backward rebuilds
+    M from k and v; under the delta rule with ``sequence_parallel`` (a group of more than one
+    rank) M and A before each segment instead (float32, x (2 head_dim + 1)), which the
+    recurrence's own autograd Function keeps."""
     z_bytes = 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim
-    if update == "delta":
-        return z_bytes * (2 * head_dim + 1) if sequence_parallel else z_bytes
+    if update == "delta" and sequence_parallel:
+        return z_bytes * (2 * head_dim + 1)
     heads = heads or kv_heads
     return z_bytes + _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
 
 
 def _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
-    """Bytes of the linear rule's memories before each segment if the forward keeps them, else 0."""
+    """Bytes of the memories before each segment if the forward keeps them, else 0."""
     n_seg = -(-seqlen // segment_len)
     matrices = batch * n_seg * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
     activations = 2 * batch * seqlen * (heads + kv_heads) * head_dim * dtype.itemsize
@@ -378,8 +380,8 @@ class _GatedMemory(torch.autograd.Function):
     ``rule`` "linear" or "delta" (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and
     (B, Hk, D)): the memories before the segments come from k and v by that rule (the linear
     rule's per-segment updates ``updates`` if given, detached), and the outputs are (out, M after
-    the call, z after it); the z's stay for the backward, and the linear rule's M's too when
-    they are small (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
+    the call, z after it); the z's stay for the backward, and the M's too when they are small
+    (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
     ``rule`` "given" (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D) and
     (B, n_seg, Hk, D), the delta rule under a group): the output is out, and m, z get their
     gradients.
@@ -408,8 +410,9 @@ class _GatedMemory(torch.autograd.Function):
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
         b, s, heads, d = q.shape
         kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
-        ctx.kept = rule == "linear" and kept_bytes > 0
-        ctx.save_for_backward(q, k, v, local, lse, gate, m_before if ctx.kept else m, z_before)
+        ctx.kept = kept_bytes > 0
+        kept = m_before.to(operand_dtype(q.dtype)) if ctx.kept else m
+        ctx.save_for_backward(q, k, v, local, lse, gate, kept, z_before)
         out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
         return out, m_final, z_final
 
@@ -425,7 +428,7 @@ class _GatedMemory(torch.autograd.Function):
             m_before = m if ctx.kept else memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
         elif ctx.rule == "delta":
             gram = memory_gram(k, z_before, seg)
-            m_before = delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
+            m_before = m if ctx.kept else delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
         else:
             m_before = m
         delta = torch.empty_like(lse) if ctx.fused_local else None

@@ -144,24 +144,26 @@ def test_saturated_gates(device, head_dim):
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])  # memories rebuilt by the backward, or kept
-def test_linear_memories_kept_or_rebuilt(monkeypatch, device, share):
-    """The linear rule's forward keeps the memories before each segment when they are at most
-    KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass."""
+@pytest.mark.parametrize("rule", ["linear", "delta"])
+def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share):
+    """The forward keeps the memories before each segment when they are at most
+    KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass (the
+    linear rule's forward makes its update pass here, the delta rule's in its own module)."""
     monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", share)
     calls = []
     updates = infini.memory_updates
     monkeypatch.setattr(infini, "memory_updates", lambda *a: calls.append(1) or updates(*a))
     q, k, v, beta, dout = _inputs(1, 40, 2, 1, 16, torch.float32, seed=13)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
-    ringflash.infini_attention(q, k, v, beta, 16).backward(dout)
-    assert len(calls) == (1 if share else 2)
+    ringflash.infini_attention(q, k, v, beta, 16, update=rule).backward(dout)
+    assert len(calls) == (rule == "linear") + (0 if share else 1)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
-    ref_out, _ = infini_reference(*ref, 16, "linear")
+    ref_out, _ = infini_reference(*ref, 16, rule)
     ref_out.backward(dout.double().cpu())
     for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
     z_bytes = 4 * 3 * 16  # float32 z before each of 3 segments, one kv head
-    kept = infini.infini_memory_bytes(1, 1, 16, 40, 16, heads=2, dtype=torch.float32)
+    kept = infini.infini_memory_bytes(1, 1, 16, 40, 16, rule, heads=2, dtype=torch.float32)
     assert kept == z_bytes + (3 * 16 * 16 * 4 if share else 0)
 
 
@@ -274,17 +276,20 @@ def test_infini_kernels_compile_for_sm90(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("whole_segments", [False, True])
 @pytest.mark.parametrize("update", ["linear", "delta"])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments, head_dim):
+def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, whole_segments, head_dim, kept):
     """bf16 inputs take the memory kernels' tensor-core path (bf16 operands, float32
     accumulation), which the interpreter cannot run: head_dim 128 and 256 (the delta
     recurrence's state in registers, or through global memory), segments of several token
     blocks (one program per row block, or with ``whole_segments`` per segment), GQA and a
-    shorter last segment, against the float64 loop."""
+    shorter last segment, the memories before each segment kept in bf16 for the backward or
+    rebuilt by it, against the float64 loop."""
     if whole_segments:
         monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
+    monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", 1.0 if kept else 0.0)
     q, k, v, beta, dout = _inputs(2, 700, 4, 2, head_dim, torch.bfloat16, seed=7)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)

@@ -214,11 +214,13 @@ def delta_scan_backward(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (updates, gram, initial) of ``delta_scan`` given those of its two outputs (None:
-    zero) and its output m_before: the scan reversed with gram transposed, and dA_s = -X_s M_s^T
-    (X_s: the gradient of the memory after segment s), float32."""
-    grad_m_before = torch.zeros_like(m_before) if grad_m_before is None else grad_m_before
+    zero) and its output m_before (float32, or kept in the products' operand dtype): the scan
+    reversed with gram transposed, and dA_s = -X_s M_s^T (X_s: the gradient of the memory after
+    segment s), float32."""
+    if grad_m_before is None:
+        grad_m_before = torch.zeros(m_before.shape, device=m_before.device, dtype=torch.float32)
     grad_updates, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, dtype, transpose=True)
-    grad_gram = torch.matmul(grad_updates, m_before.transpose(-1, -2)).neg_()
+    grad_gram = torch.matmul(grad_updates, m_before.transpose(-1, -2).float()).neg_()
     return grad_updates, grad_gram, grad_m_in
 
 
