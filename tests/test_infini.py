@@ -148,19 +148,27 @@ def test_saturated_gates(device, head_dim):
 def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share):
     """The forward keeps the memories before each segment when they are at most
     KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass (the
-    linear rule's forward makes its update pass here, the delta rule's in its own module)."""
+    linear rule's forward makes its update pass here, the delta rule's in its own module). From
+    a given memory, with a gradient on the final one: the entering memory's gradient too."""
     monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", share)
     calls = []
     updates = infini.memory_updates
     monkeypatch.setattr(infini, "memory_updates", lambda *a: calls.append(1) or updates(*a))
     q, k, v, beta, dout = _inputs(1, 40, 2, 1, 16, torch.float32, seed=13)
-    q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
-    ringflash.infini_attention(q, k, v, beta, 16, update=rule).backward(dout)
+    g = torch.Generator().manual_seed(14)
+    memory = (torch.randn(1, 1, 16, 16, generator=g) * 0.1, torch.rand(1, 1, 16, generator=g) * 10)
+    grad_final = torch.randn(1, 1, 16, 16, generator=g)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v, beta, *memory)]
+    out, final = ringflash.infini_attention(
+        *leaves[:4], 16, update=rule, memory=tuple(leaves[4:]), return_memory=True
+    )
+    ((out * dout.to(device)).sum() + (final.matrix * grad_final.to(device)).sum()).backward()
     assert len(calls) == (rule == "linear") + (0 if share else 1)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
-    ref_out, _ = infini_reference(*ref, 16, rule)
-    ref_out.backward(dout.double().cpu())
-    for name, got, want in zip(("dq", "dk", "dv", "dbeta"), (q, k, v, beta), ref):
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out, ref_memory = infini_reference(*ref[:4], 16, rule, memory=ref[4:])
+    ((ref_out * dout.double()).sum() + (ref_memory[0] * grad_final.double()).sum()).backward()
+    names = ("dq", "dk", "dv", "dbeta", "d memory matrix", "d memory normalizer")
+    for name, got, want in zip(names, leaves, ref):
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
     z_bytes = 4 * 3 * 16  # float32 z before each of 3 segments, one kv head
     kept = infini.infini_memory_bytes(1, 1, 16, 40, 16, rule, heads=2, dtype=torch.float32)
