@@ -271,6 +271,23 @@ def compile_fused_dq(
     return _compile_gluon(hdq._dq_kernel, descs, consts, pointers, options, target)
 
 
+def compile_infini_retrieval_backward(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
+    """Build hopper/infini_retrieval.py's Gluon kernel for ``target`` as a launch makes it (bf16,
+    head_dim 128; one build for every group of query heads)."""
+    import torch
+
+    from .hopper import infini_retrieval as hir
+
+    q = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
+    m = torch.empty(1, 8, 1, 128, 128, dtype=torch.bfloat16)
+    descs = dict(zip(("q_desc", "do_desc", "m_desc"), hir.descriptors(q, q, m)))
+    pointers = {name: "*fp32" for name in ("DQ", "Z", "GATE", "GGATE", "DELTA", "GM", "GZ")}
+    pointers["LOCAL"] = "*bf16"
+    options = {"num_warps": 4, "maxnreg": hir.MAX_REGISTERS}
+    consts = dict(LOCAL_DELTA=True)
+    return _compile_gluon(hir.retrieval_backward_kernel, descs, consts, pointers, options, target)
+
+
 def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> str:
     """The SASS that the bundled ptxas and nvdisasm make of the kernel's PTX."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,9 @@ Linear update: each segment's contribution (sigma(K_s)^T V_s, sum of sigma(K_s))
 all segments at once by one kernel, and the memory before each segment is an exclusive scan over
 segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
 the gate for every token (``kernels/infini/memory.py``, ``kernels/infini/retrieval.py``: bf16
-inputs run the head_dim x head_dim products on tensor cores with float32 accumulation). What
+inputs run the head_dim x head_dim products on tensor cores with float32 accumulation; on an
+H100/H200 the retrieval's backward at head_dim 128 is a Gluon kernel,
+``kernels/hopper/infini_retrieval.py``). What
 stays for the backward is the inputs, the local attention's output and LSE, z before each
 segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
 v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward

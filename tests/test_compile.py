@@ -231,15 +231,33 @@ print("forward ok")
 """
 
 
+# What a warp-specialized build of the Gluon kernels must show (prepended to the scripts below):
+# its wgmma count, the compute (240) and loader (24) register budgets, no serialized wgmma, at most
+# so many spill stores and loads in its loops, shared memory within the chip's.
+_WARP_SPECIALIZED = r"""
+import re
+from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT, disassemble, loop_spills, serialized_wgmma
+
+
+def check_build(k, wgmma, max_stores, max_loads, what):
+    ptx = k.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == wgmma, (what, ptx.count("wgmma.mma_async"))
+    regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {24, 240} <= regs, (what, regs)
+    sass = disassemble(k)
+    assert not serialized_wgmma(sass), what
+    stores, loads = loop_spills(sass)
+    assert stores <= max_stores and loads <= max_loads, (what, stores, loads)
+    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], (what, k.metadata.shared)
+    return ptx
+"""
+
 # The dQ kernel of the head_dim-256 build (kernels/hopper/dq.py): the forward's programs with Q
 # and dO resident and 32-row K/V tiles; per tile S, dP (16 k-steps each) and dQ (2), in the
 # forward's three span loops of both compute warpgroups (204 wgmma), none serialized, within
 # shared memory, few reloads (2026-11-25: 0-4 loads per tile, 11 with softcap and ALiBi).
-_DQ = r"""
-import re
-from ringflash.kernels.offline_compile import (
-    SHARED_MEMORY_LIMIT, compile_fused_dq, disassemble, loop_spills, serialized_wgmma,
-)
+_DQ = _WARP_SPECIALIZED + r"""
+from ringflash.kernels.offline_compile import compile_fused_dq
 
 for kw in (
     dict(causal=False),
@@ -247,19 +265,23 @@ for kw in (
     dict(causal=True, softcap=True, alibi=True),
     dict(causal=True, tensor_dim=192),
 ):
-    k = compile_fused_dq(**kw)
-    ptx = k.asm["ptx"]
+    ptx = check_build(compile_fused_dq(**kw), 204, 8, 16, kw)
     assert ("tanh.approx.f32" in ptx) == kw.get("softcap", False)
     assert ("cp.async.bulk.tensor.3d" in ptx) == ("tensor_dim" in kw), kw
-    assert ptx.count("wgmma.mma_async") == 204 and "atom.global" not in ptx, kw
-    regs = set(int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx))
-    assert {24, 240} <= regs, regs
-    sass = disassemble(k)
-    assert not serialized_wgmma(sass), kw
-    stores, loads = loop_spills(sass)
-    assert stores <= 8 and loads <= 16, (kw, stores, loads)
-    assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared
+    assert "atom.global" not in ptx, kw
 print("dq ok")
+"""
+
+# Infini-attention's retrieval backward (hopper/infini_retrieval.py): per step and warpgroup six
+# products, dout M^T in two halves (2 x 8 wgmma, K = 128), the memory's and z's gradients over two
+# token halves (2 x 4 each, K = 64), none serialized, within shared memory; the compute
+# warpgroups' 240 registers spill (2026-11-26: 131 stores and 118 loads in the loops). The group
+# of query heads is a runtime loop: one build.
+_INFINI = _WARP_SPECIALIZED + r"""
+from ringflash.kernels.offline_compile import compile_infini_retrieval_backward
+
+check_build(compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 160, 160, "infini")
+print("infini ok")
 """
 
 
@@ -330,3 +352,8 @@ def test_tile_config_parse():
     for bad in ("64,64,8", "64,64,8,2,3", "a,64,8,2", "48,64,8,2", "64,8,4,2", "64,64,6,2", "64,64,8,0"):
         with pytest.raises(ValueError):
             TileConfig.parse(bad)
+
+
+@GLUON
+def test_infini_retrieval_backward_compiles_for_sm90(tmp_path):
+    assert _compile_in_subprocess(_INFINI, tmp_path).strip().endswith("infini ok")

@@ -312,6 +312,56 @@ def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, wh
         _check(name, got.grad, want.grad, tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batch", "seqlen", "heads", "kv_heads", "segment_len", "whole_segments"),
+    [
+        (2, 1000, 4, 2, 300, False),  # GQA; segments and chunks that are not whole 128-row steps
+        (1, 4096, 8, 8, 2048, True),  # whole segments of 16 steps per program
+        (1, 700, 4, 1, 256, True),  # MQA, a shorter last segment
+    ],
+)
+def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, heads, kv_heads, segment_len,
+                                                  whole_segments):  # fmt: skip
+    """The retrieval's backward on the Hopper kernel (kernels/hopper/infini_retrieval.py) gives
+    the Triton kernel's dq, gate, memory and delta gradients, from memories of random keys and
+    values, a random output gradient and gates that bite."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90")
+    from ringflash.kernels.hopper import infini_retrieval
+    from ringflash.kernels.infini import retrieval
+
+    if whole_segments:
+        monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    q, local, dout = (
+        torch.randn(batch, seqlen, heads, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    k, v = (
+        torch.randn(batch, seqlen, kv_heads, 128, device="cuda", generator=g).bfloat16() for _ in range(2)
+    )
+    dm, dz = infini_memory.memory_updates(k, v, segment_len)
+    m_before = infini_memory.memory_scan(dm, None, torch.bfloat16)[0]
+    z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
+    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    calls = []
+    hopper = infini_retrieval.retrieval_backward
+    monkeypatch.setattr(infini_retrieval, "retrieval_backward", lambda *a: calls.append(1) or hopper(*a))
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        delta = torch.full((heads, batch * seqlen), float("nan"), device="cuda")
+        dq, dlocal, *grads = retrieval.memory_retrieval_backward(
+            q, local, gate, m_before, z_before, segment_len, dout, delta, torch.float32
+        )
+        assert dlocal is None
+        results.append((dq, *grads, delta))
+    assert calls == [1]  # the first run took the Hopper kernel, the second Triton's
+    for name, got, want in zip(("dq", "dgate", "d memory", "d normalizer", "delta"), *results):
+        assert torch.isfinite(got).all(), name
+        _check(name, got, want, 1e-2)
+
+
 @pytest.mark.parametrize("update", ["linear", "delta"])
 def test_two_calls_carrying_the_memory_equal_one_call(device, update):
     q, k, v, beta, dout = (t.to(device) for t in _inputs(1, 20, 2, 1, 16, torch.float32, seed=5))

@@ -1,4 +1,5 @@
-"""When the Hopper Gluon kernels (forward.py, backward.py) run instead of Triton's.
+"""When the Hopper Gluon kernels (forward.py, backward.py; infini_retrieval.py for
+Infini-attention's retrieval backward) run instead of Triton's.
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
@@ -150,3 +151,17 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     if module.computes_dq(problem):
         return not (torch.are_deterministic_algorithms_enabled() or problem.deterministic)
     return hopper_module("dq") is not None
+
+
+def uses_infini_retrieval_backward(q: torch.Tensor, dout: torch.Tensor) -> bool:
+    """Whether Infini-attention's retrieval backward (``infini.retrieval.memory_retrieval_backward``
+    with a local delta and float32 dq) runs the Hopper kernel (infini_retrieval.py): an sm_90 GPU,
+    q and dout (batch, seqlen, heads, 128) bf16 and contiguous, and ``RINGFLASH_HOPPER_INFINI`` not
+    0 in the environment. Deterministic, as the Triton kernel."""
+    if INTERPRET or not q.is_cuda or not enabled("RINGFLASH_HOPPER_INFINI"):
+        return False
+    if q.dtype != torch.bfloat16 or dout.dtype != q.dtype or q.shape[-1] != 128 or dout.shape != q.shape:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, dout)) or not _is_sm90(q.device):
+        return False
+    return hopper_module("infini_retrieval") is not None

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hopper.dispatch import hopper_module, uses_infini_retrieval_backward
 from .memory import (
     _dot,
     _inverse,
@@ -256,11 +257,19 @@ def memory_retrieval_backward(
     dout is not written (None is returned) and local_delta receives rowsum(dout * local) instead.
     An attention backward run on dout itself, with that delta and its LSE shifted by
     -log(1 - gate) per head, gives the local attention's gradients for dlocal: the shift scales
-    its probabilities, and with them every gradient, by 1 - gate."""
+    its probabilities, and with them every gradient, by 1 - gate.
+
+    With ``local_delta`` and float32 dq, bf16 at head_dim 128 on an sm_90 GPU runs the Hopper
+    kernel (``hopper/infini_retrieval.py``, ``dispatch.uses_infini_retrieval_backward``)."""
     q, local, dout = (last_dim_contiguous(t) for t in (q, local, dout))
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     z_before, gate = z_before.float().contiguous(), gate.float().contiguous()
+    if local_delta is not None and dq_dtype == torch.float32 and uses_infini_retrieval_backward(q, dout):
+        chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 128)
+        return hopper_module("infini_retrieval").retrieval_backward(
+            q, local, gate, m_before, z_before, segment_len, dout, local_delta, chunk, chunks
+        )
     dq = torch.empty(q.shape, device=q.device, dtype=dq_dtype or q.dtype)
     dlocal = None if local_delta is not None else torch.empty_like(local)
     t = tiles(d, q.dtype, column_tile(d), 32, "retrieval_backward")

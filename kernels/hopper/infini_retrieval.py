@@ -1,0 +1,303 @@
+"""The backward of Infini-attention's retrieval (``infini/retrieval.py``) for Hopper (sm_90) in
+Gluon: bf16, head_dim 128, with the local attention's delta and float32 dq (the single-device
+path of ``ringflash.infini``).
+
+The Triton kernel holds the memory's gradient (128 x 128 float32) beside a row block's tiles in
+255 registers, one program per SM, and moves its bytes at 30% of an H200's bandwidth. Here a
+loader warp streams 128-row steps of q and dout by TMA through a two-stage ring while two
+compute warpgroups take 64 rows each; the memory's gradient is split by rows between them (64 x
+128 each). 2.1 TB/s on an H200, 1.5x Triton's kernel (docs/experiments.md §41).
+
+Per step and warpgroup (its 64 tokens t, sigma = ELU + 1, den = sigma(q_t) z, g the head's gate):
+
+    sigma(q_t)  written over q_t in shared memory (bf16), read back per 64-column half
+    wq_t  = g sigma(q_t) / den                          (bf16, to shared memory)
+    dproj = dout_t M^T                                  (two 64-column wgmmas)
+    a_t   = rowsum(dout_t * A_t) = rowsum(sigma(q_t) * dproj) / den
+    dq_t  = (g dproj / den - g a_t / den z^T) sigma'(q_t)
+    then, over the step's 128 tokens (both warpgroups' wq, after a named barrier):
+    dM[its 64 rows] += wq^T dout,   dz[its 64 rows] -= wq^T a   (a as column 0 of an 8-column tile)
+
+and rowsum(dout_t * local_t), the local attention backward's delta, from a plain load of local.
+The outputs are those of ``retrieval._retrieval_backward_kernel`` with STATE and LOCAL_DELTA.
+
+No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import named_barriers
+
+HEAD_DIM = gl.constexpr(128)
+HALF = gl.constexpr(64)  # rows per compute warpgroup; columns per half of a q tile
+BLOCK_M = gl.constexpr(128)  # rows per step
+STAGES = gl.constexpr(2)
+COMPUTE_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
+WQ_FREE = named_barriers.FIRST_ID  # both warpgroups done with the last step's wq
+WQ_READY = named_barriers.FIRST_ID + 1  # both halves of this step's wq written
+
+
+@gluon.jit
+def _sigma(x):
+    return gl.where(x > 0, x + 1.0, gl.exp(x))
+
+
+@gluon.jit
+def _sigma_tile(tile, ok, layout: gl.constexpr):
+    """sigma of a shared 64 x 64 tile of q in float32, 0 in rows past the chunk (sigma(0) is 1)."""
+    return gl.where(ok[:, None], _sigma(tile.load(layout).to(gl.float32)), 0.0)
+
+
+@gluon.jit
+def _loader(
+    q_desc, do_desc, m_desc, q_smem, do_smem, m_smem, ready, empty, m_bar, row0, m_row0, kvh, n_tiles, group,
+):  # fmt: skip
+    """M once, then per (query head of the group, 128-row step) the step's q (four 64 x 64
+    tiles) and dout (two 64 x 128) into ring stage j % STAGES."""
+    mbarrier.expect(m_bar, 2 * m_desc.block_type.nbytes)
+    for r in gl.static_range(2):
+        tma.async_copy_global_to_shared(m_desc, [m_row0 + r * HALF, 0], m_bar, m_smem.index(r))
+    step_bytes: gl.constexpr = 4 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes
+    for g in range(group):
+        col = (kvh * group + g) * HEAD_DIM
+        for i in range(n_tiles):
+            j = g * n_tiles + i
+            s = j % STAGES
+            # mbarriers start in phase 1 complete: the first wait on each empty stage passes.
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, step_bytes)
+            row = row0 + i * BLOCK_M
+            for t in gl.static_range(2):
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [row + t * HALF, col + c * HALF], bar, q_smem.index((s * 2 + t) * 2 + c)
+                    )
+                tma.async_copy_global_to_shared(do_desc, [row + t * HALF, col], bar, do_smem.index(s * 2 + t))
+
+
+@gluon.jit
+def _compute(
+    q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar, LOCAL, DQ, Z, GATE, GGATE, DELTA, GM, GZ,
+    b, lo, hi, n_tiles, kvh, state, n_states, pid_c, n_c, pid_bs, seqlen, heads, batch,
+    stride_lb, stride_ls, stride_lh, stride_dqb, stride_dqs, stride_dqh,
+    group, w: gl.constexpr, LOCAL_DELTA: gl.constexpr,
+):  # fmt: skip
+    """Compute warpgroup w: rows w * 64 of every step; rows d1 in [w * 64, w * 64 + 64) of dM."""
+    dtype: gl.constexpr = q_smem.dtype
+    half_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    full_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads of local
+    rows_l: gl.constexpr = gl.SliceLayout(1, half_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, half_l)
+    # z's gradient, sum over tokens of sigma(q) d den = -wq^T rowsum(dout * A), as a product
+    # beside the memory's: rowsum(dout * A) goes to shared memory as column 0 of an 8-column
+    # tile. Summed over rows in registers it took a cross-warp reduction and barrier per step.
+    da_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]
+    )
+    da_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, da_l))
+    gz = gl.zeros([HALF, 8], gl.float32, da_l)
+    # A column vector in the products' layout takes 16 registers per thread: z is loaded where
+    # it is used (from L1).
+    cols = gl.arange(0, HALF, layout=cols_l)
+    gm = gl.zeros([HALF, HEAD_DIM], gl.float32, full_l)
+    t_rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, tile_l))
+    t_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile_l))
+    mbarrier.wait(m_bar, 0)
+    for g in range(group):
+        h = kvh * group + g
+        gate = gl.load(GATE + h)
+        # the gate's gradient: the sum of rowsum(dout * A) minus that of rowsum(dout * local)
+        dout_a_sum = gl.zeros([HALF], gl.float32, rows_l)
+        dout_local_sum = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, tile_l))
+        for i in range(n_tiles):
+            j = g * n_tiles + i
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            r0 = lo + i * BLOCK_M + w * HALF
+            do_s = do_smem.index(s * 2 + w)
+            # rowsum(dout * local), the local attention backward's delta
+            t_ok = (r0 + t_rows) < hi
+            l_rows = (r0 + t_rows).to(gl.int64)[:, None] * stride_ls
+            l_off = b.to(gl.int64) * stride_lb + h * stride_lh + l_rows + t_cols[None, :]
+            local = gl.load(LOCAL + l_off, mask=t_ok[:, None], other=0.0)
+            dout_local = gl.sum(do_s.load(tile_l).to(gl.float32) * local.to(gl.float32), 1)
+            dout_local = gl.where(t_ok, dout_local, 0.0)
+            dout_local_sum += dout_local
+            if LOCAL_DELTA:
+                gl.store(DELTA + h * (batch * seqlen) + b * seqlen + r0 + t_rows, dout_local, mask=t_ok)
+            # sigma(q) replaces q in the warpgroup's own tiles (in dtype, each thread rewriting
+            # what it read), read back per 64-column half where it is needed: the memory's
+            # gradient (64 registers) stays live across the step, and held halves spilled.
+            rows = r0 + gl.arange(0, HALF, layout=rows_l)
+            ok = rows < hi
+            q_s0 = q_smem.index((s * 2 + w) * 2)
+            q_s1 = q_smem.index((s * 2 + w) * 2 + 1)
+            q0 = _sigma_tile(q_s0, ok, half_l)
+            den = gl.sum(q0 * gl.load(Z + state * HEAD_DIM + cols)[None, :], 1)
+            q_s0.store(q0.to(dtype))
+            q1 = _sigma_tile(q_s1, ok, half_l)
+            den += gl.sum(q1 * gl.load(Z + state * HEAD_DIM + HALF + cols)[None, :], 1)
+            q_s1.store(q1.to(dtype))
+            inv = gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
+            scale = gate * inv
+            named_barriers.sync(WQ_FREE, 256)
+            wq_smem.index(w * 2 + 1).store((q1 * scale[:, None]).to(dtype))
+            wq_smem.index(w * 2).store((q_s0.load(half_l).to(gl.float32) * scale[:, None]).to(dtype))
+            fence_async_shared()
+            zero = gl.zeros([HALF, HALF], gl.float32, half_l)
+            dp0 = warpgroup_mma(do_s, m_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp1 = warpgroup_mma(do_s, m_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))
+            dout_a = gl.sum(q_s0.load(half_l).to(gl.float32) * dp0, 1)
+            q1 = q_s1.load(half_l).to(gl.float32)
+            dout_a = (dout_a + gl.sum(q1 * dp1, 1)) * inv  # rowsum(dout * A)
+            gden = -gate * dout_a * inv
+            dq_rows = rows.to(gl.int64)[:, None] * stride_dqs
+            dq_off = b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows + cols[None, :]
+            z1 = gl.load(Z + state * HEAD_DIM + HALF + cols)
+            dq1 = (dp1 * scale[:, None] + gden[:, None] * z1[None, :]) * gl.where(q1 > 1.0, 1.0, q1)
+            gl.store(DQ + dq_off + HALF, dq1, mask=ok[:, None])
+            q0 = q_s0.load(half_l).to(gl.float32)
+            z0 = gl.load(Z + state * HEAD_DIM + cols)
+            dq0 = (dp0 * scale[:, None] + gden[:, None] * z0[None, :]) * gl.where(q0 > 1.0, 1.0, q0)
+            gl.store(DQ + dq_off, dq0, mask=ok[:, None])
+            da = gl.convert_layout(dout_a, gl.SliceLayout(1, da_l))
+            da_smem.index(w).store(gl.where(da_cols[None, :] == 0, da[:, None], 0.0).to(dtype))
+            fence_async_shared()
+            dout_a_sum += gl.where(ok, dout_a, 0.0)
+            named_barriers.sync(WQ_READY, 256)
+            for t in gl.static_range(2):  # token half t: wq tile (t, d half w), dout tile t
+                wq_t = wq_smem.index(t * 2 + w).permute((1, 0))
+                gm = warpgroup_mma(wq_t, do_smem.index(s * 2 + t), gm, is_async=True)
+                gz = warpgroup_mma(wq_t, da_smem.index(t), gz, is_async=True)
+            gm, gz = warpgroup_mma_wait(0, deps=(gm, gz))
+            mbarrier.arrive(empty.index(s), count=1)
+        gate_grad = gl.sum(dout_a_sum, 0) - gl.sum(dout_local_sum, 0)
+        gl.store(GGATE + ((pid_bs * heads + h) * n_c + pid_c) * 2 + w, gate_grad)
+    g_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, full_l))
+    g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, full_l))
+    part = pid_c * n_states + state
+    gl.store(GM + (part * HEAD_DIM + g_rows.to(gl.int64)[:, None]) * HEAD_DIM + g_cols[None, :], gm)
+    gz_off = (pid_c * n_states + state) * HEAD_DIM
+    gz = -gl.sum(gl.where(da_cols[None, :] == 0, gz, 0.0), 1)
+    gl.store(GZ + gz_off + w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, da_l)), gz)
+
+
+@gluon.jit
+def retrieval_backward_kernel(
+    q_desc, do_desc, m_desc, LOCAL, DQ, Z, GATE, GGATE, DELTA, GM, GZ,
+    seqlen, n_seg, segment_len, chunk, heads, kv_heads, batch_rows,
+    stride_lb, stride_ls, stride_lh, stride_dqb, stride_dqs, stride_dqh,
+    LOCAL_DELTA: gl.constexpr,
+):  # fmt: skip
+    """One (row chunk, segment, kv head), as the Triton kernel's grid. The query heads of a kv
+    head are a runtime loop: with a constant group of 1 the build gave the second warpgroup
+    wrong dq (docs/experiments.md §41), builds with a loop gave the Triton kernel's results."""
+    pid_c = gl.program_id(0)
+    pid_bs = gl.program_id(1)
+    kvh = gl.program_id(2)
+    b = pid_bs // n_seg
+    start = (pid_bs % n_seg) * segment_len
+    lo = start + pid_c * chunk
+    hi = gl.minimum(gl.minimum(lo + chunk, start + segment_len), seqlen)
+    n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_M), 0)
+    n_states = gl.num_programs(1) * kv_heads
+    state = pid_bs * kv_heads + kvh
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES * 4, HALF, HALF], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, HALF, HEAD_DIM], do_desc.layout)
+    m_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], m_desc.layout)
+    wq_smem = gl.allocate_shared_memory(dtype, [4, HALF, HALF], q_desc.layout)
+    da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, 8], dtype)
+    da_smem = gl.allocate_shared_memory(dtype, [2, HALF, 8], da_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    m_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both compute warpgroups release a stage
+    mbarrier.init(m_bar.index(0), count=1)
+    batch = gl.num_programs(1) // n_seg
+    group = heads // kv_heads
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_compute, (q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar.index(0), LOCAL, DQ, Z,
+                        GATE, GGATE, DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c,
+                        gl.num_programs(0), pid_bs, seqlen, heads, batch, stride_lb, stride_ls, stride_lh,
+                        stride_dqb, stride_dqs, stride_dqh, group, 0, LOCAL_DELTA)),
+            (_compute, (q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar.index(0), LOCAL, DQ, Z,
+                        GATE, GGATE, DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c,
+                        gl.num_programs(0), pid_bs, seqlen, heads, batch, stride_lb, stride_ls, stride_lh,
+                        stride_dqb, stride_dqs, stride_dqh, group, 1, LOCAL_DELTA)),
+            (_loader, (q_desc, do_desc, m_desc, q_smem, do_smem, m_smem, ready, empty, m_bar.index(0),
+                       b * batch_rows + lo, state * HEAD_DIM, kvh, n_tiles, group)),
+        ],
+        [4, 1],
+        [COMPUTE_REGS, LOADER_REGS],
+    )
+    # fmt: on
+
+
+def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor) -> tuple:
+    """TMA descriptors of q, dout (batch, seqlen, heads, 128) bf16, contiguous, as (rows, heads *
+    128) with 64 x 64 and 64 x 128 blocks, and of the bf16 memories (..., 128, 128) as rows of 128."""
+    b, s, heads, d = q.shape
+    q_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, HALF.value], gl.bfloat16)
+    row_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, d], gl.bfloat16)
+    rows = b * s
+    qd = TensorDescriptor(q, [rows, heads * d], [heads * d, 1], [HALF.value, HALF.value], q_layout)
+    dd = TensorDescriptor(dout, [rows, heads * d], [heads * d, 1], [HALF.value, d], row_layout)
+    md = TensorDescriptor(m_before, [m_before.numel() // d, d], [d, 1], [HALF.value, d], row_layout)
+    return qd, dd, md
+
+
+def retrieval_backward(
+    q: torch.Tensor,
+    local: torch.Tensor,
+    gate: torch.Tensor,
+    m_before: torch.Tensor,
+    z_before: torch.Tensor,
+    segment_len: int,
+    dout: torch.Tensor,
+    local_delta: torch.Tensor,
+    chunk: int,
+    chunks: int,
+) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``retrieval.memory_retrieval_backward`` with ``local_delta`` and float32 dq, on this
+    kernel: q, dout (batch, seqlen, heads, 128) bf16, contiguous; local's last dim contiguous;
+    gate (heads,) and z_before float32, contiguous; ``chunk`` rows per program (a multiple of
+    128), ``chunks`` per segment. Returns (dq float32, None, dgate, d m_before, d z_before)."""
+    b, s, heads, d = q.shape
+    n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
+    m = m_before.to(torch.bfloat16).contiguous()
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    ggate = torch.empty(b * n_seg, heads, chunks, 2, device=q.device, dtype=torch.float32)
+    gm = torch.empty(chunks, *m_before.shape, device=q.device, dtype=torch.float32)
+    gz = torch.empty(chunks, *z_before.shape, device=q.device, dtype=torch.float32)
+    retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
+        *descriptors(q, dout, m), local, dq, z_before, gate, ggate, local_delta, gm, gz, s, n_seg,
+        segment_len, chunk, heads, kv_heads, s, *local.stride()[:3], *dq.stride()[:3],
+        LOCAL_DELTA=True, num_warps=4, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    gm = gm[0] if chunks == 1 else gm.sum(0)
+    gz = gz[0] if chunks == 1 else gz.sum(0)
+    return dq, None, ggate.sum((0, 2, 3)), gm, gz
