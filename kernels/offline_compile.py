@@ -280,9 +280,8 @@ def compile_infini_retrieval_backward(target: GPUTarget = HOPPER) -> triton.comp
 
     q = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
     m = torch.empty(1, 8, 1, 128, 128, dtype=torch.bfloat16)
-    descs = dict(zip(("q_desc", "do_desc", "m_desc"), hir.descriptors(q, q, m)))
+    descs = dict(zip(("q_desc", "do_desc", "m_desc", "lo_desc"), hir.descriptors(q, q, m, q)))
     pointers = {name: "*fp32" for name in ("DQ", "Z", "GATE", "GGATE", "DELTA", "GM", "GZ")}
-    pointers["LOCAL"] = "*bf16"
     options = {"num_warps": 4, "maxnreg": hir.MAX_REGISTERS}
     consts = dict(LOCAL_DELTA=True)
     return _compile_gluon(hir.retrieval_backward_kernel, descs, consts, pointers, options, target)

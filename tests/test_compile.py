@@ -275,7 +275,7 @@ print("dq ok")
 # Infini-attention's retrieval backward (hopper/infini_retrieval.py): per step and warpgroup six
 # products, dout M^T in two halves (2 x 8 wgmma, K = 128), the memory's and z's gradients over two
 # token halves (2 x 4 each, K = 64), none serialized, within shared memory; the compute
-# warpgroups' 240 registers spill (2026-11-26: 131 stores and 118 loads in the loops). The group
+# warpgroups' 240 registers spill (2026-11-26: 108 stores and 98 loads in the loops). The group
 # of query heads is a runtime loop: one build.
 _INFINI = _WARP_SPECIALIZED + r"""
 from ringflash.kernels.offline_compile import compile_infini_retrieval_backward

@@ -4,21 +4,22 @@ path of ``ringflash.infini``).
 
 The Triton kernel holds the memory's gradient (128 x 128 float32) beside a row block's tiles in
 255 registers, one program per SM, and moves its bytes at 30% of an H200's bandwidth. Here a
-loader warp streams 128-row steps of q and dout by TMA through a two-stage ring while two
-compute warpgroups take 64 rows each; the memory's gradient is split by rows between them (64 x
-128 each). 2.1 TB/s on an H200, 1.5x Triton's kernel (docs/experiments.md §41).
+loader warp streams 128-row steps of q and dout by TMA through a two-stage ring, and local a
+step ahead through a buffer of its own, while two compute warpgroups take 64 rows each; the
+memory's gradient is split by rows between them (64 x 128 each). 2.5 TB/s on an H200, 1.8x
+Triton's kernel (docs/experiments.md §41).
 
 Per step and warpgroup (its 64 tokens t, sigma = ELU + 1, den = sigma(q_t) z, g the head's gate):
 
-    sigma(q_t)  written over q_t in shared memory (bf16), read back per 64-column half
-    wq_t  = g sigma(q_t) / den                          (bf16, to shared memory)
+    wq_t  = g sigma(q_t) / den                          (bf16, written over q_t in shared memory)
     dproj = dout_t M^T                                  (two 64-column wgmmas)
     a_t   = rowsum(dout_t * A_t) = rowsum(sigma(q_t) * dproj) / den
     dq_t  = (g dproj / den - g a_t / den z^T) sigma'(q_t)
     then, over the step's 128 tokens (both warpgroups' wq, after a named barrier):
     dM[its 64 rows] += wq^T dout,   dz[its 64 rows] -= wq^T a   (a as column 0 of an 8-column tile)
 
-and rowsum(dout_t * local_t), the local attention backward's delta, from a plain load of local.
+with sigma(q_t) = wq_t / (g / den) read back per 64-column half where it is needed, and
+rowsum(dout_t * local_t), the local attention backward's delta.
 The outputs are those of ``retrieval._retrieval_backward_kernel`` with STATE and LOCAL_DELTA.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
@@ -45,8 +46,7 @@ STAGES = gl.constexpr(2)
 COMPUTE_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
 MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
-WQ_FREE = named_barriers.FIRST_ID  # both warpgroups done with the last step's wq
-WQ_READY = named_barriers.FIRST_ID + 1  # both halves of this step's wq written
+WQ_READY = named_barriers.FIRST_ID  # both halves of this step's wq written
 
 
 @gluon.jit
@@ -62,10 +62,12 @@ def _sigma_tile(tile, ok, layout: gl.constexpr):
 
 @gluon.jit
 def _loader(
-    q_desc, do_desc, m_desc, q_smem, do_smem, m_smem, ready, empty, m_bar, row0, m_row0, kvh, n_tiles, group,
+    q_desc, do_desc, m_desc, lo_desc, q_smem, do_smem, m_smem, lo_smem, ready, empty, lo_ready, lo_empty,
+    m_bar, row0, m_row0, kvh, n_tiles, group,
 ):  # fmt: skip
     """M once, then per (query head of the group, 128-row step) the step's q (four 64 x 64
-    tiles) and dout (two 64 x 128) into ring stage j % STAGES."""
+    tiles) and dout (two 64 x 128) into ring stage j % STAGES, and its local (two 64 x 128) into
+    the one local buffer once the last step's is read (a step ahead of the compute)."""
     mbarrier.expect(m_bar, 2 * m_desc.block_type.nbytes)
     for r in gl.static_range(2):
         tma.async_copy_global_to_shared(m_desc, [m_row0 + r * HALF, 0], m_bar, m_smem.index(r))
@@ -86,13 +88,17 @@ def _loader(
                         q_desc, [row + t * HALF, col + c * HALF], bar, q_smem.index((s * 2 + t) * 2 + c)
                     )
                 tma.async_copy_global_to_shared(do_desc, [row + t * HALF, col], bar, do_smem.index(s * 2 + t))
+            mbarrier.wait(lo_empty, (j & 1) ^ 1)
+            mbarrier.expect(lo_ready, 2 * lo_desc.block_type.nbytes)
+            for t in gl.static_range(2):
+                tma.async_copy_global_to_shared(lo_desc, [row + t * HALF, col], lo_ready, lo_smem.index(t))
 
 
 @gluon.jit
 def _compute(
-    q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar, LOCAL, DQ, Z, GATE, GGATE, DELTA, GM, GZ,
-    b, lo, hi, n_tiles, kvh, state, n_states, pid_c, n_c, pid_bs, seqlen, heads, batch,
-    stride_lb, stride_ls, stride_lh, stride_dqb, stride_dqs, stride_dqh,
+    q_smem, do_smem, m_smem, da_smem, lo_smem, ready, empty, lo_ready, lo_empty, m_bar, DQ, Z, GATE, GGATE,
+    DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c, n_c, pid_bs, seqlen, heads, batch,
+    stride_dqb, stride_dqs, stride_dqh,
     group, w: gl.constexpr, LOCAL_DELTA: gl.constexpr,
 ):  # fmt: skip
     """Compute warpgroup w: rows w * 64 of every step; rows d1 in [w * 64, w * 64 + 64) of dM."""
@@ -119,7 +125,6 @@ def _compute(
     cols = gl.arange(0, HALF, layout=cols_l)
     gm = gl.zeros([HALF, HEAD_DIM], gl.float32, full_l)
     t_rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, tile_l))
-    t_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile_l))
     mbarrier.wait(m_bar, 0)
     for g in range(group):
         h = kvh * group + g
@@ -135,17 +140,18 @@ def _compute(
             do_s = do_smem.index(s * 2 + w)
             # rowsum(dout * local), the local attention backward's delta
             t_ok = (r0 + t_rows) < hi
-            l_rows = (r0 + t_rows).to(gl.int64)[:, None] * stride_ls
-            l_off = b.to(gl.int64) * stride_lb + h * stride_lh + l_rows + t_cols[None, :]
-            local = gl.load(LOCAL + l_off, mask=t_ok[:, None], other=0.0)
+            mbarrier.wait(lo_ready, j & 1)
+            local = lo_smem.index(w).load(tile_l)
             dout_local = gl.sum(do_s.load(tile_l).to(gl.float32) * local.to(gl.float32), 1)
+            mbarrier.arrive(lo_empty, count=1)
             dout_local = gl.where(t_ok, dout_local, 0.0)
             dout_local_sum += dout_local
             if LOCAL_DELTA:
                 gl.store(DELTA + h * (batch * seqlen) + b * seqlen + r0 + t_rows, dout_local, mask=t_ok)
-            # sigma(q) replaces q in the warpgroup's own tiles (in dtype, each thread rewriting
-            # what it read), read back per 64-column half where it is needed: the memory's
-            # gradient (64 registers) stays live across the step, and held halves spilled.
+            # wq replaces q in the warpgroup's own tiles of the stage (in dtype, each thread
+            # rewriting what it read; sigma(q) = wq / scale where it is needed): the memory's
+            # gradient (64 registers) stays live across the step, and held halves spilled. The
+            # stage is not reloaded before both warpgroups' products over it retire.
             rows = r0 + gl.arange(0, HALF, layout=rows_l)
             ok = rows < hi
             q_s0 = q_smem.index((s * 2 + w) * 2)
@@ -158,24 +164,26 @@ def _compute(
             q_s1.store(q1.to(dtype))
             inv = gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
             scale = gate * inv
-            named_barriers.sync(WQ_FREE, 256)
-            wq_smem.index(w * 2 + 1).store((q1 * scale[:, None]).to(dtype))
-            wq_smem.index(w * 2).store((q_s0.load(half_l).to(gl.float32) * scale[:, None]).to(dtype))
+            # 0 where scale is: there dq and the memory's gradients are 0 whatever sigma(q) is
+            rscale = gl.where(scale > 0, 1.0 / gl.where(scale > 0, scale, 1.0), 0.0)
+            q_s1.store((q1 * scale[:, None]).to(dtype))
+            q_s0.store((q_s0.load(half_l).to(gl.float32) * scale[:, None]).to(dtype))
             fence_async_shared()
             zero = gl.zeros([HALF, HALF], gl.float32, half_l)
             dp0 = warpgroup_mma(do_s, m_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
             dp1 = warpgroup_mma(do_s, m_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
             dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))
             dout_a = gl.sum(q_s0.load(half_l).to(gl.float32) * dp0, 1)
-            q1 = q_s1.load(half_l).to(gl.float32)
-            dout_a = (dout_a + gl.sum(q1 * dp1, 1)) * inv  # rowsum(dout * A)
+            q1 = q_s1.load(half_l).to(gl.float32) * rscale[:, None]
+            dout_a = dout_a * rscale + gl.sum(q1 * dp1, 1)
+            dout_a = dout_a * inv  # rowsum(dout * A)
             gden = -gate * dout_a * inv
             dq_rows = rows.to(gl.int64)[:, None] * stride_dqs
             dq_off = b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows + cols[None, :]
             z1 = gl.load(Z + state * HEAD_DIM + HALF + cols)
             dq1 = (dp1 * scale[:, None] + gden[:, None] * z1[None, :]) * gl.where(q1 > 1.0, 1.0, q1)
             gl.store(DQ + dq_off + HALF, dq1, mask=ok[:, None])
-            q0 = q_s0.load(half_l).to(gl.float32)
+            q0 = q_s0.load(half_l).to(gl.float32) * rscale[:, None]
             z0 = gl.load(Z + state * HEAD_DIM + cols)
             dq0 = (dp0 * scale[:, None] + gden[:, None] * z0[None, :]) * gl.where(q0 > 1.0, 1.0, q0)
             gl.store(DQ + dq_off, dq0, mask=ok[:, None])
@@ -185,7 +193,7 @@ def _compute(
             dout_a_sum += gl.where(ok, dout_a, 0.0)
             named_barriers.sync(WQ_READY, 256)
             for t in gl.static_range(2):  # token half t: wq tile (t, d half w), dout tile t
-                wq_t = wq_smem.index(t * 2 + w).permute((1, 0))
+                wq_t = q_smem.index((s * 2 + t) * 2 + w).permute((1, 0))
                 gm = warpgroup_mma(wq_t, do_smem.index(s * 2 + t), gm, is_async=True)
                 gz = warpgroup_mma(wq_t, da_smem.index(t), gz, is_async=True)
             gm, gz = warpgroup_mma_wait(0, deps=(gm, gz))
@@ -203,9 +211,8 @@ def _compute(
 
 @gluon.jit
 def retrieval_backward_kernel(
-    q_desc, do_desc, m_desc, LOCAL, DQ, Z, GATE, GGATE, DELTA, GM, GZ,
-    seqlen, n_seg, segment_len, chunk, heads, kv_heads, batch_rows,
-    stride_lb, stride_ls, stride_lh, stride_dqb, stride_dqs, stride_dqh,
+    q_desc, do_desc, m_desc, lo_desc, DQ, Z, GATE, GGATE, DELTA, GM, GZ,
+    seqlen, n_seg, segment_len, chunk, heads, kv_heads, batch_rows, stride_dqb, stride_dqs, stride_dqh,
     LOCAL_DELTA: gl.constexpr,
 ):  # fmt: skip
     """One (row chunk, segment, kv head), as the Triton kernel's grid. The query heads of a kv
@@ -225,31 +232,35 @@ def retrieval_backward_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [STAGES * 4, HALF, HALF], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, HALF, HEAD_DIM], do_desc.layout)
     m_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], m_desc.layout)
-    wq_smem = gl.allocate_shared_memory(dtype, [4, HALF, HALF], q_desc.layout)
     da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, 8], dtype)
     da_smem = gl.allocate_shared_memory(dtype, [2, HALF, 8], da_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     m_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    lo_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], lo_desc.layout)
+    lo_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ready, empty
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both compute warpgroups release a stage
     mbarrier.init(m_bar.index(0), count=1)
+    mbarrier.init(lo_bars.index(0), count=1)
+    mbarrier.init(lo_bars.index(1), count=2)  # both compute warpgroups read their half
     batch = gl.num_programs(1) // n_seg
     group = heads // kv_heads
     # fmt: off
     gl.warp_specialize(
         [
-            (_compute, (q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar.index(0), LOCAL, DQ, Z,
-                        GATE, GGATE, DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c,
-                        gl.num_programs(0), pid_bs, seqlen, heads, batch, stride_lb, stride_ls, stride_lh,
-                        stride_dqb, stride_dqs, stride_dqh, group, 0, LOCAL_DELTA)),
-            (_compute, (q_smem, do_smem, m_smem, wq_smem, da_smem, ready, empty, m_bar.index(0), LOCAL, DQ, Z,
-                        GATE, GGATE, DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c,
-                        gl.num_programs(0), pid_bs, seqlen, heads, batch, stride_lb, stride_ls, stride_lh,
-                        stride_dqb, stride_dqs, stride_dqh, group, 1, LOCAL_DELTA)),
-            (_loader, (q_desc, do_desc, m_desc, q_smem, do_smem, m_smem, ready, empty, m_bar.index(0),
-                       b * batch_rows + lo, state * HEAD_DIM, kvh, n_tiles, group)),
+            (_compute, (q_smem, do_smem, m_smem, da_smem, lo_smem, ready, empty, lo_bars.index(0),
+                        lo_bars.index(1), m_bar.index(0), DQ, Z, GATE, GGATE, DELTA, GM, GZ, b, lo, hi,
+                        n_tiles, kvh, state, n_states, pid_c, gl.num_programs(0), pid_bs, seqlen, heads,
+                        batch, stride_dqb, stride_dqs, stride_dqh, group, 0, LOCAL_DELTA)),
+            (_compute, (q_smem, do_smem, m_smem, da_smem, lo_smem, ready, empty, lo_bars.index(0),
+                        lo_bars.index(1), m_bar.index(0), DQ, Z, GATE, GGATE, DELTA, GM, GZ, b, lo, hi,
+                        n_tiles, kvh, state, n_states, pid_c, gl.num_programs(0), pid_bs, seqlen, heads,
+                        batch, stride_dqb, stride_dqs, stride_dqh, group, 1, LOCAL_DELTA)),
+            (_loader, (q_desc, do_desc, m_desc, lo_desc, q_smem, do_smem, m_smem, lo_smem, ready, empty,
+                       lo_bars.index(0), lo_bars.index(1), m_bar.index(0), b * batch_rows + lo,
+                       state * HEAD_DIM, kvh, n_tiles, group)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -257,9 +268,10 @@ def retrieval_backward_kernel(
     # fmt: on
 
 
-def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor) -> tuple:
-    """TMA descriptors of q, dout (batch, seqlen, heads, 128) bf16, contiguous, as (rows, heads *
-    128) with 64 x 64 and 64 x 128 blocks, and of the bf16 memories (..., 128, 128) as rows of 128."""
+def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor, local: torch.Tensor) -> tuple:
+    """TMA descriptors of q, dout, local (batch, seqlen, heads, 128) bf16, contiguous, as (rows,
+    heads * 128) with 64 x 64 (q) and 64 x 128 blocks, and of the bf16 memories (..., 128, 128) as
+    rows of 128."""
     b, s, heads, d = q.shape
     q_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, HALF.value], gl.bfloat16)
     row_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, d], gl.bfloat16)
@@ -267,7 +279,8 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor) -> 
     qd = TensorDescriptor(q, [rows, heads * d], [heads * d, 1], [HALF.value, HALF.value], q_layout)
     dd = TensorDescriptor(dout, [rows, heads * d], [heads * d, 1], [HALF.value, d], row_layout)
     md = TensorDescriptor(m_before, [m_before.numel() // d, d], [d, 1], [HALF.value, d], row_layout)
-    return qd, dd, md
+    ld = TensorDescriptor(local, [rows, heads * d], [heads * d, 1], [HALF.value, d], row_layout)
+    return qd, dd, md, ld
 
 
 def retrieval_backward(
@@ -289,13 +302,14 @@ def retrieval_backward(
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     m = m_before.to(torch.bfloat16).contiguous()
+    local = local.to(torch.bfloat16).contiguous()
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     ggate = torch.empty(b * n_seg, heads, chunks, 2, device=q.device, dtype=torch.float32)
     gm = torch.empty(chunks, *m_before.shape, device=q.device, dtype=torch.float32)
     gz = torch.empty(chunks, *z_before.shape, device=q.device, dtype=torch.float32)
     retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
-        *descriptors(q, dout, m), local, dq, z_before, gate, ggate, local_delta, gm, gz, s, n_seg,
-        segment_len, chunk, heads, kv_heads, s, *local.stride()[:3], *dq.stride()[:3],
+        *descriptors(q, dout, m, local), dq, z_before, gate, ggate, local_delta, gm, gz, s, n_seg,
+        segment_len, chunk, heads, kv_heads, s, *dq.stride()[:3],
         LOCAL_DELTA=True, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     gm = gm[0] if chunks == 1 else gm.sum(0)
