@@ -345,8 +345,13 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
     z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
     gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
     calls = []
-    hopper = infini_retrieval.retrieval_backward
-    monkeypatch.setattr(infini_retrieval, "retrieval_backward", lambda *a: calls.append(1) or hopper(*a))
+    launch = infini_retrieval.launch_retrieval_backward
+
+    def counted(*args):
+        calls.append(1)
+        return launch(*args)
+
+    monkeypatch.setattr(infini_retrieval, "launch_retrieval_backward", counted)
     results = []
     for flag in ("1", "0"):
         monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)

@@ -283,35 +283,31 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor, loc
     return qd, dd, md, ld
 
 
-def retrieval_backward(
+def launch_retrieval_backward(
     q: torch.Tensor,
     local: torch.Tensor,
-    gate: torch.Tensor,
+    dout: torch.Tensor,
     m_before: torch.Tensor,
     z_before: torch.Tensor,
-    segment_len: int,
-    dout: torch.Tensor,
+    gate: torch.Tensor,
     local_delta: torch.Tensor,
+    dq: torch.Tensor,
+    ggate: torch.Tensor,
+    gm: torch.Tensor,
+    gz: torch.Tensor,
+    segment_len: int,
     chunk: int,
-    chunks: int,
-) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``retrieval.memory_retrieval_backward`` with ``local_delta`` and float32 dq, on this
-    kernel: q, dout (batch, seqlen, heads, 128) bf16, contiguous; local's last dim contiguous;
-    gate (heads,) and z_before float32, contiguous; ``chunk`` rows per program (a multiple of
-    128), ``chunks`` per segment. Returns (dq float32, None, dgate, d m_before, d z_before)."""
+) -> None:
+    """Run the kernel for ``retrieval.memory_retrieval_backward``, which allocates and sums the
+    outputs: q, dout (batch, seqlen, heads, 128) bf16, contiguous (``dispatch``); local of q's
+    shape; m_before bf16 and z_before, gate float32, contiguous; dq float32 (q's shape);
+    ggate (batch * segments, heads, chunks, 2), one part per compute warpgroup; gm, gz (chunks,
+    m_before's and z_before's shapes) float32; ``chunk`` rows per program, a multiple of 128."""
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
-    m = m_before.to(torch.bfloat16).contiguous()
     local = local.to(torch.bfloat16).contiguous()
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    ggate = torch.empty(b * n_seg, heads, chunks, 2, device=q.device, dtype=torch.float32)
-    gm = torch.empty(chunks, *m_before.shape, device=q.device, dtype=torch.float32)
-    gz = torch.empty(chunks, *z_before.shape, device=q.device, dtype=torch.float32)
-    retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
-        *descriptors(q, dout, m, local), dq, z_before, gate, ggate, local_delta, gm, gz, s, n_seg,
+    retrieval_backward_kernel[(gm.shape[0], b * n_seg, kv_heads)](
+        *descriptors(q, dout, m_before, local), dq, z_before, gate, ggate, local_delta, gm, gz, s, n_seg,
         segment_len, chunk, heads, kv_heads, s, *dq.stride()[:3],
         LOCAL_DELTA=True, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    gm = gm[0] if chunks == 1 else gm.sum(0)
-    gz = gz[0] if chunks == 1 else gz.sum(0)
-    return dq, None, ggate.sum((0, 2, 3)), gm, gz

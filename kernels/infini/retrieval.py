@@ -265,19 +265,17 @@ def memory_retrieval_backward(
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     z_before, gate = z_before.float().contiguous(), gate.float().contiguous()
-    if local_delta is not None and dq_dtype == torch.float32 and uses_infini_retrieval_backward(q, dout):
-        chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 128)
-        return hopper_module("infini_retrieval").retrieval_backward(
-            q, local, gate, m_before, z_before, segment_len, dout, local_delta, chunk, chunks
-        )
+    m = m_before.to(operand_dtype(q.dtype)).contiguous()
+    hopper = local_delta is not None and dq_dtype == torch.float32 and uses_infini_retrieval_backward(q, dout)
     dq = torch.empty(q.shape, device=q.device, dtype=dq_dtype or q.dtype)
     dlocal = None if local_delta is not None else torch.empty_like(local)
     t = tiles(d, q.dtype, column_tile(d), 32, "retrieval_backward")
     # All columns in one block: the memory's gradient is summed in the same pass (q and dout
-    # read once); wider heads have a separate pass over them.
-    one_pass = t["BLOCK_N"] == t["BLOCK_D"]
-    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, t["BLOCK_M"])
-    ggate = torch.empty(b * n_seg, heads, chunks, device=q.device, dtype=torch.float32)
+    # read once); wider heads have a separate pass over them. The Hopper kernel takes 128-row
+    # steps and sums the gate's gradient per compute warpgroup (two parts).
+    one_pass = hopper or t["BLOCK_N"] == t["BLOCK_D"]
+    chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 128 if hopper else t["BLOCK_M"])
+    ggate = torch.empty(b * n_seg, heads, chunks, 2 if hopper else 1, device=q.device, dtype=torch.float32)
     state_rows = (chunks,) if one_pass else ()
     gm = torch.empty(*state_rows, *m_before.shape, device=q.device, dtype=torch.float32)
     gz = torch.empty(*state_rows, *z_before.shape, device=q.device, dtype=torch.float32)
@@ -286,13 +284,18 @@ def memory_retrieval_backward(
         inv = torch.empty(b, heads, s, device=q.device, dtype=torch.float32)
         gden = torch.empty_like(inv)
     dl = local if dlocal is None else dlocal
-    _retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
-        q, local, dout, dq, dl, m_before.to(operand_dtype(q.dtype)).contiguous(), z_before, gate, inv,
-        gden, ggate, inv if local_delta is None else local_delta, gm, gz, s, n_seg, segment_len, chunk, heads,
-        kv_heads,
-        *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dl.stride()[:3],
-        GROUP=heads // kv_heads, LOCAL_DELTA=local_delta is not None, STATE=one_pass, **t,
-    )  # fmt: skip
+    if hopper:
+        hopper_module("infini_retrieval").launch_retrieval_backward(
+            q, local, dout, m, z_before, gate, local_delta, dq, ggate, gm, gz, segment_len, chunk
+        )
+    else:
+        _retrieval_backward_kernel[(chunks, b * n_seg, kv_heads)](
+            q, local, dout, dq, dl, m, z_before, gate, inv, gden, ggate,
+            inv if local_delta is None else local_delta, gm, gz, s, n_seg, segment_len, chunk, heads,
+            kv_heads,
+            *q.stride()[:3], *local.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *dl.stride()[:3],
+            GROUP=heads // kv_heads, LOCAL_DELTA=local_delta is not None, STATE=one_pass, **t,
+        )  # fmt: skip
     if one_pass:
         gm, gz = (x[0] if chunks == 1 else x.sum(0) for x in (gm, gz))
     else:
@@ -300,4 +303,4 @@ def memory_retrieval_backward(
             q, dout, inv, gden, gate, gm, gz, s, n_seg, segment_len, heads, kv_heads,
             *q.stride()[:3], *dout.stride()[:3], GROUP=heads // kv_heads, **t,
         )  # fmt: skip
-    return dq, dlocal, ggate.sum((0, 2)), gm, gz
+    return dq, dlocal, ggate.sum((0, 2, 3)), gm, gz
