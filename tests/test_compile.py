@@ -272,15 +272,20 @@ for kw in (
 print("dq ok")
 """
 
-# Infini-attention's retrieval backward (hopper/infini_retrieval.py): per step and warpgroup six
-# products, dout M^T in two halves (2 x 8 wgmma, K = 128), the memory's and z's gradients over two
-# token halves (2 x 4 each, K = 64), none serialized, within shared memory; the compute
-# warpgroups' 240 registers spill (2026-11-26: 108 stores and 98 loads in the loops). The group
-# of query heads is a runtime loop: one build.
+# Infini-attention's Hopper kernels. The retrieval backward (hopper/infini_retrieval.py): per step
+# and warpgroup six products, dout M^T in two halves (2 x 8 wgmma, K = 128), the memory's and z's
+# gradients over two token halves (2 x 4 each, K = 64), none serialized, within shared memory;
+# the compute warpgroups' 240 registers spill (2026-11-26: 108 stores and 98 loads in the loops).
+# The group of query heads is a runtime loop: one build. The memory updates
+# (hopper/infini_updates.py): per 64-token block and warpgroup sigma(K)^T V and sigma(K)^T 1 (4
+# wgmma each, K = 64), no spills; their backward: sigma(K) gdM and V gdM^T (8 wgmma each, K =
+# 128), 22 spill stores and 31 loads in the loops (2026-11-26).
 _INFINI = _WARP_SPECIALIZED + r"""
-from ringflash.kernels.offline_compile import compile_infini_retrieval_backward
+from ringflash.kernels import offline_compile as oc
 
-check_build(compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 160, 160, "infini")
+check_build(oc.compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 160, 160, "retrieval")
+check_build(oc.compile_infini_updates(), 2 * (4 + 4), 0, 0, "updates")
+check_build(oc.compile_infini_updates_backward(), 2 * (8 + 8), 40, 40, "updates backward")
 print("infini ok")
 """
 
@@ -355,5 +360,5 @@ def test_tile_config_parse():
 
 
 @GLUON
-def test_infini_retrieval_backward_compiles_for_sm90(tmp_path):
+def test_infini_hopper_kernels_compile_for_sm90(tmp_path):
     assert _compile_in_subprocess(_INFINI, tmp_path).strip().endswith("infini ok")

@@ -367,6 +367,88 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
         _check(name, got, want, 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, seqlen, kv_heads, segment_len, packed_kv",
+    [
+        (2, 1000, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
+        (1, 40000, 8, 256, False),  # more (segment, head) items than SMs: programs walk several
+        (2, 4096, 2, 2048, True),  # k and v strided views of one (batch, seqlen, 2 * heads, 128)
+    ],
+)
+def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed_kv):
+    """The per-segment memory updates and their backward on the Hopper kernels
+    (kernels/hopper/infini_updates.py) against float64 sums over each segment, and against the
+    Triton kernels, from random keys, values and gradients."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90")
+    from ringflash.kernels.hopper import infini_updates
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kv = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
+    if packed_kv:
+        k, v = kv[:, :, :kv_heads], kv[:, :, kv_heads:]
+    else:
+        k, v = kv[:, :, :kv_heads].contiguous(), kv[:, :, kv_heads:].contiguous()
+    n_seg = -(-seqlen // segment_len)
+    grad_dm = (torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g) / 100).bfloat16()
+    grad_dz = torch.randn(batch, n_seg, kv_heads, 128, device="cuda", generator=g) / 100
+    kd, vd = k.double().requires_grad_(), v.double().requires_grad_()
+    pad = n_seg * segment_len - seqlen
+    sk_s, v_s = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1)) for t in (F.elu(kd) + 1, vd))
+    want = (torch.einsum("bstkd,bstke->bskde", sk_s, v_s), sk_s.sum(2))  # padding: sigma rows of 0
+    want_grads = torch.autograd.grad(want, (kd, vd), (grad_dm.double(), grad_dz.double()))
+    calls = []
+    launches = {name: getattr(infini_updates, name) for name in ("launch_updates", "launch_updates_backward")}
+
+    def poisoned(name):  # every output must be written
+        def launch(*args):
+            calls.append(name)
+            outputs = args[2:4] if name == "launch_updates" else args[4:6]
+            for t in outputs:
+                t.fill_(float("nan"))
+            return launches[name](*args)
+
+        return launch
+
+    for name in launches:
+        monkeypatch.setattr(infini_updates, name, poisoned(name))
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        results.append(
+            infini_memory.memory_updates(k, v, segment_len)
+            + infini_memory.memory_updates_backward(k, v, segment_len, grad_dm, grad_dz)
+        )
+    assert calls == list(launches)  # the first run took the Hopper kernels, the second Triton's
+    for name, hopper, triton_, ref in zip(("dM", "dz", "dk", "dv"), *results, want + want_grads):
+        assert torch.isfinite(hopper).all(), name
+        _check(name, hopper, ref, 1e-2)  # bf16 operands
+        _check(name + " (Triton)", hopper, triton_, 1e-2 if name == "dk" else 1e-3)
+
+
+# A process's first backward, where the linear rule's first launch is the Hopper updates kernel.
+_FIRST_BACKWARD = """
+import torch, ringflash
+q, k, v, dout = (torch.randn(1, 1024, 2, 128, device="cuda").bfloat16() for _ in range(4))
+leaves = [t.requires_grad_() for t in (q, k, v, torch.zeros(2, device="cuda"))]
+ringflash.infini_attention(*leaves, 256).backward(dout)
+assert all(torch.isfinite(t.grad).all() for t in leaves)
+print("backward ok")
+"""
+
+
+@pytest.mark.gpu
+def test_hopper_kernel_first_in_a_backward():
+    """Autograd runs the backward on a thread of its own, where no CUDA context was current
+    before its first launch; the Hopper kernels' TMA descriptors need one (this failed with
+    "invalid device context" before ``tma.make_context_current``)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90")
+    run = subprocess.run([sys.executable, "-c", _FIRST_BACKWARD], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "backward ok" in run.stdout, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("update", ["linear", "delta"])
 def test_two_calls_carrying_the_memory_equal_one_call(device, update):
     q, k, v, beta, dout = (t.to(device) for t in _inputs(1, 20, 2, 1, 16, torch.float32, seed=5))

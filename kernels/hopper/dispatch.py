@@ -1,5 +1,6 @@
-"""When the Hopper Gluon kernels (forward.py, backward.py; infini_retrieval.py for
-Infini-attention's retrieval backward) run instead of Triton's.
+"""When the Hopper Gluon kernels (forward.py, backward.py; infini_retrieval.py and
+infini_updates.py for Infini-attention's retrieval backward and memory updates) run instead of
+Triton's.
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
@@ -153,15 +154,34 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     return hopper_module("dq") is not None
 
 
+def _infini_ok(*tensors: torch.Tensor) -> bool:
+    """What the Infini-attention Hopper kernels need: an sm_90 GPU, bf16 (batch, seqlen, heads,
+    128) tensors, and ``RINGFLASH_HOPPER_INFINI`` not 0 in the environment."""
+    t0 = tensors[0]
+    if INTERPRET or not t0.is_cuda or not enabled("RINGFLASH_HOPPER_INFINI"):
+        return False
+    shapes_ok = all(t.dtype == torch.bfloat16 and t.dim() == 4 and t.shape[-1] == 128 for t in tensors)
+    return shapes_ok and _is_sm90(t0.device)
+
+
 def uses_infini_retrieval_backward(q: torch.Tensor, dout: torch.Tensor) -> bool:
     """Whether Infini-attention's retrieval backward (``infini.retrieval.memory_retrieval_backward``
-    with a local delta and float32 dq) runs the Hopper kernel (infini_retrieval.py): an sm_90 GPU,
-    q and dout (batch, seqlen, heads, 128) bf16 and contiguous, and ``RINGFLASH_HOPPER_INFINI`` not
-    0 in the environment. Deterministic, as the Triton kernel."""
-    if INTERPRET or not q.is_cuda or not enabled("RINGFLASH_HOPPER_INFINI"):
+    with a local delta and float32 dq) runs the Hopper kernel (infini_retrieval.py): q and dout
+    contiguous, of one shape, besides ``_infini_ok``. Deterministic, as the Triton kernel."""
+    if not _infini_ok(q, dout) or dout.shape != q.shape:
         return False
-    if q.dtype != torch.bfloat16 or dout.dtype != q.dtype or q.shape[-1] != 128 or dout.shape != q.shape:
-        return False
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, dout)) or not _is_sm90(q.device):
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, dout)):
         return False
     return hopper_module("infini_retrieval") is not None
+
+
+def uses_infini_updates(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether Infini-attention's per-segment memory updates (``infini.memory.memory_updates``)
+    run the Hopper kernel (infini_updates.py): k and v in layouts TMA reads
+    (``tma.tma_layout_ok``), besides ``_infini_ok``. Deterministic, as the Triton kernel."""
+    if not _infini_ok(k, v):
+        return False
+    tma = hopper_module("tma")
+    if tma is None or not (tma.tma_layout_ok(k) and tma.tma_layout_ok(v)):
+        return False
+    return hopper_module("infini_updates") is not None

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
+from .tma import make_context_current
 
 HEAD_DIM = gl.constexpr(128)
 HALF = gl.constexpr(64)  # rows per compute warpgroup; columns per half of a q tile
@@ -272,6 +273,7 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor, loc
     """TMA descriptors of q, dout, local (batch, seqlen, heads, 128) bf16, contiguous, as (rows,
     heads * 128) with 64 x 64 (q) and 64 x 128 blocks, and of the bf16 memories (..., 128, 128) as
     rows of 128."""
+    make_context_current(q.device)
     b, s, heads, d = q.shape
     q_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, HALF.value], gl.bfloat16)
     row_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, d], gl.bfloat16)

@@ -12,6 +12,9 @@ build on the tensors as they are, with no zero-padded copies. A zero column adds
 score and gives zero columns of the output and gradients, which the kernels do not store.
 """
 
+import ctypes
+import functools
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -25,6 +28,30 @@ def gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def make_context_current(device: torch.device) -> None:
+    """Make ``device``'s primary CUDA context current on this thread where none is. A launch
+    encodes its TMA descriptors through the driver, which needs a current context; autograd runs
+    a backward on a thread of its own, where none is until a runtime call or a Triton launch
+    makes one current (a Hopper kernel first in a backward failed with "invalid device
+    context")."""
+    if device.type != "cuda":  # offline builds describe CPU tensors
+        return
+    lib = _libcuda()
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or ctx.value:
+        return
+    dev = ctypes.c_int()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if lib.cuDeviceGet(ctypes.byref(dev), index) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+        raise RuntimeError(f"no CUDA context for {device}")
+    lib.cuCtxSetCurrent(ctx)
+
+
 def rows_descriptor(
     t: torch.Tensor, block_rows: int, build_dim: int | None = None
 ) -> tuple[TensorDescriptor, int]:
@@ -32,6 +59,7 @@ def rows_descriptor(
     with (block_rows, head_dim) blocks, or with ``build_dim`` > head_dim as (rows, heads, head_dim)
     with (block_rows, 1, build_dim) blocks (columns past head_dim read as zeros); returns it and
     batch_rows."""
+    make_context_current(t.device)
     batch, seqlen, heads, head_dim = t.shape
     batch_rows = t.stride(0) // t.stride(1)
     rows = (batch - 1) * batch_rows + seqlen

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..configs import block_d
+from ..hopper.dispatch import hopper_module, uses_infini_updates
 
 
 @triton.jit
@@ -340,6 +341,9 @@ def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch
     n_seg = _n_seg(s, segment_len)
     dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
     dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
+    if not gram and uses_infini_updates(k, v):
+        hopper_module("infini_updates").launch_updates(k, v, dm, dz, segment_len)
+        return dm, dz
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
     t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if gram else "updates")
     grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
@@ -353,7 +357,8 @@ def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch
 def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What each segment adds to the memory: k, v (batch, seqlen, kv_heads, head_dim) ->
     (sigma(K_s)^T V_s (batch, segments, kv_heads, head_dim, head_dim), sum of sigma(K_s)
-    (batch, segments, kv_heads, head_dim)), float32."""
+    (batch, segments, kv_heads, head_dim)), float32. On an H100/H200 with bf16 inputs of head_dim
+    128, the Hopper kernel (``hopper/infini_updates.py``, ``dispatch.uses_infini_updates``)."""
     return _launch_updates(k, v, None, segment_len, gram=False)
 
 
@@ -386,6 +391,11 @@ def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den
         grad_dm = grad_dm.to(matrix_dtype).contiguous()
         grad_dz = grad_dz.float().contiguous()
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if gram_grad is None and uses_infini_updates(k, v):
+            chunk = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 64)[0]
+            launch = hopper_module("infini_updates").launch_updates_backward
+            launch(k, v, grad_dm, grad_dz, dk, dv, segment_len, chunk)
+            return dk, dv
     _update_backward_kernel[(chunks, b * n_seg, kv_heads)](
         k, v, grad_dm, grad_dz, dk, dv, s_grad, z_before, gz_part, s, n_seg, segment_len, chunk, kv_heads,
         *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -406,7 +416,8 @@ def memory_updates_backward(
     read as ``operand_dtype``: pass it in that dtype to skip a conversion). ``gram_grad`` (S,
     z_before) adds the gradient of ``memory_gram`` through sigma(K) given S = dA + dA^T (batch,
     segments, kv_heads, head_dim, head_dim); its gradient through z_before is
-    ``memory_gram_den_backward``'s, which grad_dz must already include."""
+    ``memory_gram_den_backward``'s, which grad_dz must already include. Without ``gram_grad``,
+    the Hopper kernel runs where ``memory_updates``' does."""
     return _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den_only=False)
 
 

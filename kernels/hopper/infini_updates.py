@@ -1,0 +1,365 @@
+"""Infini-attention's per-segment memory updates (``infini/memory.py``'s ``memory_updates``) and
+their backward (``memory_updates_backward`` without the delta rule's terms) for Hopper (sm_90)
+in Gluon: bf16, head_dim 128. For segment s of a batch row and kv head:
+
+    dM_s = sigma(K_s)^T V_s  (128 x 128, float32),   dz_s = sum over the tokens of sigma(K_s)
+    dV = sigma(K) gdM_s,   dK = (V gdM_s^T + gdz_s) sigma'(K)   (gdM_s bf16, gdz_s float32)
+
+The Triton kernel moves its bytes at 45% of an H200's bandwidth, a third of its stalls on
+sigma(K)'s round trip through shared memory on its way to the product (docs/experiments.md §41).
+Here persistent programs walk the (segment, kv head) items; a loader warp streams 64-token
+blocks of k (two 64 x 64 tiles) and v (64 x 128) by TMA through a ring of STAGES blocks, across
+item boundaries, so the ring stays full while the compute stores an item's results. Two compute
+warpgroups own 64 rows of dM each, the rows of k's columns w * 64: a warpgroup writes sigma of
+its k tile over the tile, and that tile, transposed by its shared-memory descriptor, is the
+product's operand; dz is the same operand times a tile of ones.
+
+The backward walks (row chunk, segment, kv head) items the same way, gdM_s loaded once per item
+into one of two buffers; its warpgroups take alternate 64-token blocks (each writes dV and dK
+of its own tokens, M = 64): sigma(K) goes over the block's k tile as dV's operand, and sigma'(K)
+is read back from it (1 above 1, sigma below: bf16's rounding, as the outputs').
+
+No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .tma import make_context_current
+
+HEAD_DIM = gl.constexpr(128)
+HALF = gl.constexpr(64)  # rows of dM per compute warpgroup; columns per k tile
+BLOCK_T = gl.constexpr(64)  # tokens per ring stage
+STAGES = gl.constexpr(4)
+ONES = gl.constexpr(8)  # columns of the ones tile (the narrowest wgmma)
+COMPUTE_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
+
+
+@gluon.jit
+def _item(item, seqlen, n_seg, segment_len, kv_heads):
+    """(batch row, kv head, first token, end token) of item = (b * n_seg + s) * kv_heads + h."""
+    pid_bs = item // kv_heads
+    start = (pid_bs % n_seg) * segment_len
+    return pid_bs // n_seg, item % kv_heads, start, gl.minimum(start + segment_len, seqlen)
+
+
+@gluon.jit
+def _loader(
+    k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads, k_batch_rows,
+    v_batch_rows, n_items,
+):  # fmt: skip
+    """Block j of the program (counted over its items) into ring stage j % STAGES: k as two
+    64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile."""
+    block_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
+        for t in range(start, end, BLOCK_T):
+            s = j % STAGES
+            # mbarriers start in phase 1 complete: the first wait on each empty stage passes.
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, block_bytes)
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(
+                    k_desc, [b * k_batch_rows + t, h * HEAD_DIM + c * HALF], bar, k_smem.index(s * 2 + c)
+                )
+            v_coord = [b * v_batch_rows + t, h * HEAD_DIM]
+            tma.async_copy_global_to_shared(v_desc, v_coord, bar, v_smem.index(s))
+            j += 1
+
+
+@gluon.jit
+def _compute(
+    k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len, kv_heads, n_items,
+    w: gl.constexpr,
+):  # fmt: skip
+    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz."""
+    dtype: gl.constexpr = k_smem.dtype
+    tile_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dz_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ONES, 16]
+    )
+    ones = ones_smem.index(w)
+    ones.store(gl.full([BLOCK_T, ONES], 1.0, dtype, dz_l))
+    fence_async_shared()
+    tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, tile_l))
+    out_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_l))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
+    dz_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, dz_l))
+    dz_cols = gl.arange(0, ONES, layout=gl.SliceLayout(0, dz_l))
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_l)
+        dz = gl.zeros([HALF, ONES], gl.float32, dz_l)
+        for t in range(start, end, BLOCK_T):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            k_tile = k_smem.index(s * 2 + w)
+            x = k_tile.load(tile_l).to(gl.float32)
+            # sigma(0) is 1: tokens past the segment (the next segment's, or TMA's zero fill
+            # past the tensor) must add nothing.
+            x = gl.where(((t + tokens) < end)[:, None], gl.where(x > 0, x + 1.0, gl.exp(x)), 0.0)
+            k_tile.store(x.to(dtype))  # each thread rewrites what it read
+            fence_async_shared()
+            operand = k_tile.permute((1, 0))  # sigma(K)^T: (64 of head_dim, 64 tokens)
+            acc = warpgroup_mma(operand, v_smem.index(s), acc, is_async=True)
+            dz = warpgroup_mma(operand, ones, dz, is_async=True)
+            acc, dz = warpgroup_mma_wait(0, deps=(acc, dz))
+            mbarrier.arrive(empty.index(s), count=1)
+            j += 1
+        state = item.to(gl.int64)  # items are numbered as dm and dz lay out their states
+        gl.store(DM + (state * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
+        gl.store(DZ + state * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
+
+
+@gluon.jit
+def updates_kernel(
+    k_desc, v_desc, DM, DZ, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
+):  # fmt: skip
+    dtype: gl.constexpr = k_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_T, HALF], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], v_desc.layout)
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, ONES], dtype)
+    ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, ONES], ones_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both compute warpgroups release a stage
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_compute, (k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len,
+                        kv_heads, n_items, 0)),
+            (_compute, (k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len,
+                        kv_heads, n_items, 1)),
+            (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads,
+                       k_batch_rows, v_batch_rows, n_items)),
+        ],
+        [4, 1],
+        [COMPUTE_REGS, LOADER_REGS],
+    )
+    # fmt: on
+
+
+@gluon.jit
+def _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
+    """(state, batch row, kv head, first token, end token) of item = state * n_chunks + chunk
+    index, state = (b * n_seg + s) * kv_heads + h: the chunks of a state side by side (its gdM
+    read from L2 after the first)."""
+    state = item // n_chunks
+    b, h, start, end = _item(state, seqlen, n_seg, segment_len, kv_heads)
+    lo = start + (item % n_chunks) * chunk
+    return state, b, h, lo, gl.minimum(lo + chunk, end)
+
+
+@gluon.jit
+def _bwd_loader(
+    k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty, seqlen, n_seg,
+    segment_len, kv_heads, chunk, n_chunks, k_batch_rows, v_batch_rows, n_items,
+):  # fmt: skip
+    """Per item gdM into buffer i % 2, then its blocks' k and v (64 x 128 each) into ring stage
+    j % STAGES."""
+    block_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    i = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        state, b, h, lo, hi = _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        buf = i % 2
+        mbarrier.wait(g_empty.index(buf), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(g_ready.index(buf), g_desc.block_type.nbytes)
+        g_bar = g_ready.index(buf)
+        tma.async_copy_global_to_shared(g_desc, [state * HEAD_DIM, 0], g_bar, g_smem.index(buf))
+        for t in range(lo, hi, BLOCK_T):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, block_bytes)
+            col = h * HEAD_DIM
+            tma.async_copy_global_to_shared(k_desc, [b * k_batch_rows + t, col], bar, k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [b * v_batch_rows + t, col], bar, v_smem.index(s))
+            j += 1
+        i += 1
+
+
+@gluon.jit
+def _store_rows(ptr, b, h, rows, ok, cols, stride_b, stride_s, stride_h, value):
+    offs = b.to(gl.int64) * stride_b + h * stride_h + rows * stride_s + cols[None, :]
+    gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _bwd_compute(
+    k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty, dk_desc, dv_desc, GZ, DK, DV, seqlen, n_seg,
+    segment_len, kv_heads, chunk, n_chunks, n_items, dk_batch_rows, dv_batch_rows, stride_dkb, stride_dks,
+    stride_dkh, stride_dvb, stride_dvs, stride_dvh, w: gl.constexpr,
+):  # fmt: skip
+    """Compute warpgroup w: the blocks j of the program with j % 2 == w. A whole block's dV and
+    dK go back through its stage's k and v tiles by TMA, a partial one (the chunk ends inside
+    it) by masked stores."""
+    dtype: gl.constexpr = k_smem.dtype
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
+    zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
+    i = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        state, b, h, lo, hi = _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        buf = i % 2
+        # Waited by both warpgroups, blocks or not: an arrival on g_empty before the item's
+        # gdM arrived could release the buffer while the other warpgroup still reads it.
+        mbarrier.wait(g_ready.index(buf), (i // 2) & 1)
+        gm = g_smem.index(buf)
+        for t in range(lo, hi, BLOCK_T):
+            if j % 2 == w:
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                k_tile = k_smem.index(s)
+                v_tile = v_smem.index(s)
+                x = k_tile.load(acc_l).to(gl.float32)
+                sig = gl.where(x > 0, x + 1.0, gl.exp(x))
+                grad = gl.where(x > 0, 1.0, sig).to(dtype)  # sigma'(K), held across the products
+                k_tile.store(sig.to(dtype))  # each thread rewrites what it read
+                fence_async_shared()
+                dv = warpgroup_mma(k_tile, gm, zero, use_acc=False, is_async=True)
+                dk = warpgroup_mma(v_tile, gm.permute((1, 0)), zero, use_acc=False, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
+                dk = (dk + gz[None, :]) * grad.to(gl.float32)
+                if t + BLOCK_T <= hi:
+                    k_tile.store(dv.to(dtype))
+                    v_tile.store(dk.to(dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(dv_desc, [b * dv_batch_rows + t, h * HEAD_DIM], k_tile)
+                    tma.async_copy_shared_to_global(dk_desc, [b * dk_batch_rows + t, h * HEAD_DIM], v_tile)
+                    tma.store_wait(0)  # the tiles read: the stage can be reloaded
+                else:
+                    rows = (t + tokens).to(gl.int64)[:, None]
+                    ok = ((t + tokens) < hi)[:, None]
+                    _store_rows(DV, b, h, rows, ok, cols, stride_dvb, stride_dvs, stride_dvh, dv)
+                    _store_rows(DK, b, h, rows, ok, cols, stride_dkb, stride_dks, stride_dkh, dk)
+                mbarrier.arrive(empty.index(s), count=1)
+            j += 1
+        mbarrier.arrive(g_empty.index(buf), count=1)
+        i += 1
+
+
+@gluon.jit
+def updates_backward_kernel(
+    k_desc, v_desc, g_desc, dk_desc, dv_desc, GZ, DK, DV, seqlen, n_seg, segment_len, kv_heads, chunk,
+    n_chunks, k_batch_rows, v_batch_rows, dk_batch_rows, dv_batch_rows, n_items, stride_dkb, stride_dks,
+    stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+):  # fmt: skip
+    dtype: gl.constexpr = k_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], v_desc.layout)
+    g_smem = gl.allocate_shared_memory(dtype, [2, HEAD_DIM, HEAD_DIM], g_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    g_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    g_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)  # a block is one warpgroup's
+    for i in gl.static_range(2):
+        mbarrier.init(g_ready.index(i), count=1)
+        mbarrier.init(g_empty.index(i), count=2)  # both warpgroups finish the item
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_bwd_compute, (k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty, dk_desc, dv_desc, GZ, DK,
+                            DV, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks, n_items, dk_batch_rows,
+                            dv_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                            stride_dvh, 0)),
+            (_bwd_compute, (k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty, dk_desc, dv_desc, GZ, DK,
+                            DV, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks, n_items, dk_batch_rows,
+                            dv_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                            stride_dvh, 1)),
+            (_bwd_loader, (k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty,
+                           seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks, k_batch_rows, v_batch_rows,
+                           n_items)),
+        ],
+        [4, 1],
+        [COMPUTE_REGS, LOADER_REGS],
+    )
+    # fmt: on
+
+
+def _descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor, int]:
+    """t (batch, seqlen, kv_heads, 128) as (rows, kv_heads * 128) with (64, block_cols) blocks,
+    and its rows per batch row (``tma.tma_layout_ok`` layouts)."""
+    make_context_current(t.device)
+    b, s, heads, d = t.shape
+    batch_rows = t.stride(0) // t.stride(1)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T.value, block_cols], gl.bfloat16)
+    rows = (b - 1) * batch_rows + s
+    block = [BLOCK_T.value, block_cols]
+    return TensorDescriptor(t, [rows, heads * d], [t.stride(1), 1], block, layout), batch_rows
+
+
+def launch_updates(
+    k: torch.Tensor, v: torch.Tensor, dm: torch.Tensor, dz: torch.Tensor, segment_len: int
+) -> None:
+    """Write ``memory.memory_updates``'s outputs: k, v (batch, seqlen, kv_heads, 128) bf16 in
+    layouts ``dispatch.uses_infini_updates`` accepts; dm (batch, segments, kv_heads, 128, 128)
+    and dz (batch, segments, kv_heads, 128), float32, contiguous."""
+    b, s, kv_heads, _ = k.shape
+    n_seg = dm.shape[1]
+    n_items = b * n_seg * kv_heads
+    (kd, k_rows), (vd, v_rows) = _descriptor(k, HALF.value), _descriptor(v, HEAD_DIM.value)
+    programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
+    updates_kernel[(programs,)](
+        kd, vd, dm, dz, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
+        num_warps=4, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+def launch_updates_backward(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_dm: torch.Tensor,
+    grad_dz: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    segment_len: int,
+    chunk: int,
+) -> None:
+    """Write ``memory.memory_updates_backward``'s dk, dv (k's and v's shapes, layouts
+    ``dispatch.uses_infini_updates`` accepts): k, v as ``launch_updates`` takes them; grad_dm
+    (batch, segments, kv_heads, 128, 128) bf16 and grad_dz (batch, segments, kv_heads, 128)
+    float32, contiguous; ``chunk`` rows per item, a multiple of 64."""
+    b, s, kv_heads, d = k.shape
+    n_seg = grad_dm.shape[1]
+    n_chunks = -(-min(segment_len, s) // chunk)
+    n_items = b * n_seg * kv_heads * n_chunks
+    (kd, k_rows), (vd, v_rows) = _descriptor(k, d), _descriptor(v, d)
+    (dkd, dk_rows), (dvd, dv_rows) = _descriptor(dk, d), _descriptor(dv, d)
+    g_layout = gl.NVMMASharedLayout.get_default_for([d, d], gl.bfloat16)
+    gd = TensorDescriptor(grad_dm, [grad_dm.numel() // d, d], [d, 1], [d, d], g_layout)
+    programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
+    updates_backward_kernel[(programs,)](
+        kd, vd, gd, dkd, dvd, grad_dz, dk, dv, s, n_seg, segment_len, kv_heads, chunk, n_chunks, k_rows,
+        v_rows, dk_rows, dv_rows, n_items, *dk.stride()[:3], *dv.stride()[:3], num_warps=4,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
