@@ -287,6 +287,23 @@ def compile_infini_retrieval_backward(target: GPUTarget = HOPPER) -> triton.comp
     return _compile_gluon(hir.retrieval_backward_kernel, descs, consts, pointers, options, target)
 
 
+def compile_infini_retrieval(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
+    """Build hopper/infini_retrieval.py's forward kernel for ``target`` as a launch makes it
+    (bf16, head_dim 128; one build for every group of query heads)."""
+    import torch
+
+    from .hopper import infini_retrieval as hir
+    from .hopper.infini_updates import token_descriptor
+
+    q = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
+    m = torch.empty(1, 8, 1, 128, 128, dtype=torch.bfloat16)
+    descs = {name: token_descriptor(q, 128)[0] for name in ("q_desc", "lo_desc", "out_desc")}
+    descs["m_desc"] = hir.matrix_descriptor(m)
+    pointers = {"OUT": "*bf16", "Z": "*fp32", "GATE": "*fp32"}
+    options = {"num_warps": 4, "maxnreg": hir.MAX_REGISTERS}
+    return _compile_gluon(hir.retrieval_kernel, descs, {}, pointers, options, target)
+
+
 def compile_infini_updates(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
     """Build hopper/infini_updates.py's Gluon kernel for ``target`` as a launch makes it (bf16,
     head_dim 128)."""
@@ -295,7 +312,7 @@ def compile_infini_updates(target: GPUTarget = HOPPER) -> triton.compiler.Compil
     from .hopper import infini_updates as hiu
 
     k = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
-    descs = {"k_desc": hiu._descriptor(k, 64)[0], "v_desc": hiu._descriptor(k, 128)[0]}
+    descs = {"k_desc": hiu.token_descriptor(k, 64)[0], "v_desc": hiu.token_descriptor(k, 128)[0]}
     pointers = {"DM": "*fp32", "DZ": "*fp32"}
     options = {"num_warps": 4, "maxnreg": hiu.MAX_REGISTERS}
     return _compile_gluon(hiu.updates_kernel, descs, {}, pointers, options, target)
@@ -313,7 +330,7 @@ def compile_infini_updates_backward(target: GPUTarget = HOPPER) -> triton.compil
     g = torch.empty(1024, 128, dtype=torch.bfloat16)
     g_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
     descs = {
-        **{name: hiu._descriptor(k, 128)[0] for name in ("k_desc", "v_desc", "dk_desc", "dv_desc")},
+        **{name: hiu.token_descriptor(k, 128)[0] for name in ("k_desc", "v_desc", "dk_desc", "dv_desc")},
         "g_desc": TensorDescriptor(g, [1024, 128], [128, 1], [128, 128], g_layout),
     }  # fmt: skip
     pointers = {"GZ": "*fp32", "DK": "*bf16", "DV": "*bf16"}

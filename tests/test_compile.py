@@ -272,7 +272,8 @@ for kw in (
 print("dq ok")
 """
 
-# Infini-attention's Hopper kernels. The retrieval backward (hopper/infini_retrieval.py): per step
+# Infini-attention's Hopper kernels. The retrieval (hopper/infini_retrieval.py): per 64-token
+# block and warpgroup sigma(q) M (8 wgmma, K = 128), no spills. Its backward: per step
 # and warpgroup six products, dout M^T in two halves (2 x 8 wgmma, K = 128), the memory's and z's
 # gradients over two token halves (2 x 4 each, K = 64), none serialized, within shared memory;
 # the compute warpgroups' 240 registers spill (2026-11-26: 108 stores and 98 loads in the loops).
@@ -283,7 +284,8 @@ print("dq ok")
 _INFINI = _WARP_SPECIALIZED + r"""
 from ringflash.kernels import offline_compile as oc
 
-check_build(oc.compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 160, 160, "retrieval")
+check_build(oc.compile_infini_retrieval(), 2 * 8, 0, 0, "retrieval")
+check_build(oc.compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 160, 160, "backward")
 check_build(oc.compile_infini_updates(), 2 * (4 + 4), 0, 0, "updates")
 check_build(oc.compile_infini_updates_backward(), 2 * (8 + 8), 40, 40, "updates backward")
 print("infini ok")

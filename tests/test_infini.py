@@ -427,6 +427,60 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
         _check(name + " (Triton)", hopper, triton_, 1e-2 if name == "dk" else 1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, seqlen, heads, kv_heads, segment_len, packed_qkv",
+    [
+        (2, 1000, 3, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
+        (1, 40000, 8, 2, 256, False),  # GQA, more (segment, head) items than SMs
+        (2, 4096, 4, 1, 2048, True),  # MQA; q a strided view of one (batch, seqlen, 3 * heads, 128)
+    ],
+)
+def test_hopper_retrieval_matches_float64(monkeypatch, batch, seqlen, heads, kv_heads, segment_len,
+                                          packed_qkv):  # fmt: skip
+    """The retrieval on the Hopper kernel (kernels/hopper/infini_retrieval.py) against float64
+    and against the Triton kernel: memories of random matrices, normalizers that are 0 before
+    the first segment (an empty memory retrieves 0), gates that bite."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90")
+    from ringflash.kernels.hopper import infini_retrieval
+    from ringflash.kernels.infini import retrieval
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(batch, seqlen, 3 * heads, 128, device="cuda", generator=g).bfloat16()
+    q = qkv[:, :, :heads] if packed_qkv else qkv[:, :, :heads].contiguous()
+    local = qkv[:, :, heads : 2 * heads].contiguous()
+    n_seg = -(-seqlen // segment_len)
+    m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g).bfloat16()
+    z = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 10
+    z[:, 0] = 0
+    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    pad = n_seg * segment_len - seqlen
+    sq = F.pad(F.elu(q.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, segment_len))
+    m_h, z_h = (x.double().repeat_interleave(heads // kv_heads, 2) for x in (m, z))  # per query head
+    den = torch.einsum("bnthd,bnhd->bnth", sq, z_h)
+    inv = torch.where(den > 0, 1 / den, 0.0)  # an empty memory retrieves 0
+    a_mem = (torch.einsum("bnthd,bnhde->bnthe", sq, m_h) * inv[..., None]).flatten(1, 2)[:, :seqlen]
+    want = gate.double()[:, None] * a_mem + (1 - gate.double())[:, None] * local.double()
+    calls = []
+    launch = infini_retrieval.launch_retrieval
+
+    def poisoned(q, local, out, *args):  # every output row must be written
+        calls.append(1)
+        out.fill_(float("nan"))
+        return launch(q, local, out, *args)
+
+    monkeypatch.setattr(infini_retrieval, "launch_retrieval", poisoned)
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        results.append(retrieval.memory_retrieval(q, local, gate, m, z, segment_len))
+    assert calls == [1]  # the first run took the Hopper kernel, the second Triton's
+    assert torch.isfinite(results[0]).all()
+    _check("out", results[0], want, 1e-2)  # bf16 operands and output
+    _check("out (Triton)", results[0], results[1], 1e-3)
+
+
 # A process's first backward, where the linear rule's first launch is the Hopper updates kernel.
 _FIRST_BACKWARD = """
 import torch, ringflash

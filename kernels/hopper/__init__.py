@@ -10,8 +10,8 @@
 - ``tma``: the TMA descriptors and tile copies both use (head dims between their builds read
   as the next build's tiles, zero-filled);
 - ``named_barriers``: hand-overs between warp-specialized partitions by named barriers;
-- ``infini_retrieval``, ``infini_updates``: Infini-attention's retrieval backward and its
-  memory updates (forward and backward), bf16 at head_dim 128.
+- ``infini_retrieval``, ``infini_updates``: Infini-attention's retrieval and its memory
+  updates, forward and backward, bf16 at head_dim 128.
 
 Only ``dispatch`` imports without Gluon; the kernel modules are imported on first
 use (``dispatch.hopper_module``), never under the interpreter.

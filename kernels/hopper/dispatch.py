@@ -1,6 +1,6 @@
 """When the Hopper Gluon kernels (forward.py, backward.py; infini_retrieval.py and
-infini_updates.py for Infini-attention's retrieval backward and memory updates) run instead of
-Triton's.
+infini_updates.py for Infini-attention's retrieval, its backward and the memory updates) run
+instead of Triton's.
 
 On an H100/H200 both take every mask the library accepts (any lengths, packed documents,
 windows, a ring step's positions): the forward and the fused backward at head_dim 64, 128
@@ -171,6 +171,20 @@ def uses_infini_retrieval_backward(q: torch.Tensor, dout: torch.Tensor) -> bool:
     if not _infini_ok(q, dout) or dout.shape != q.shape:
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, dout)):
+        return False
+    return hopper_module("infini_retrieval") is not None
+
+
+def uses_infini_retrieval(q: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether Infini-attention's retrieval (``infini.retrieval.memory_retrieval``) runs the
+    Hopper kernel (infini_retrieval.py): q and local of one shape, in layouts TMA reads
+    (``tma.tma_layout_ok``) with the same rows per batch row, besides ``_infini_ok``."""
+    if not _infini_ok(q, local) or local.shape != q.shape:
+        return False
+    tma = hopper_module("tma")
+    if tma is None or not (tma.tma_layout_ok(q) and tma.tma_layout_ok(local)):
+        return False
+    if q.shape[0] > 1 and q.stride(0) // q.stride(1) != local.stride(0) // local.stride(1):
         return False
     return hopper_module("infini_retrieval") is not None
 

@@ -1,6 +1,14 @@
-"""The backward of Infini-attention's retrieval (``infini/retrieval.py``) for Hopper (sm_90) in
-Gluon: bf16, head_dim 128, with the local attention's delta and float32 dq (the single-device
-path of ``ringflash.infini``).
+"""Infini-attention's retrieval (``infini/retrieval.py``) and its backward for Hopper (sm_90) in
+Gluon: bf16, head_dim 128; the backward with the local attention's delta and float32 dq (the
+single-device path of ``ringflash.infini``).
+
+The retrieval, out = g sigma(q) M / (sigma(q) z) + (1 - g) local, walks (row chunk, segment, kv
+head) items as the memory updates' backward does (infini_updates.py): M once per item into one
+of two buffers, 64-token blocks of q and local (every query head of the group) through a ring,
+the two compute warpgroups on alternate blocks; sigma(q) goes over the q tile as the product's
+operand, and a whole block's output over it again, stored by TMA.
+
+The backward:
 
 The Triton kernel holds the memory's gradient (128 x 128 float32) beside a row block's tiles in
 255 registers, one program per SM, and moves its bytes at 30% of an H200's bandwidth. Here a
@@ -38,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
+from .infini_updates import BLOCK_T, chunk_item, token_descriptor
 from .tma import make_context_current
 
 HEAD_DIM = gl.constexpr(128)
@@ -59,6 +68,166 @@ def _sigma(x):
 def _sigma_tile(tile, ok, layout: gl.constexpr):
     """sigma of a shared 64 x 64 tile of q in float32, 0 in rows past the chunk (sigma(0) is 1)."""
     return gl.where(ok[:, None], _sigma(tile.load(layout).to(gl.float32)), 0.0)
+
+
+FWD_STAGES = gl.constexpr(4)
+
+
+@gluon.jit
+def _fwd_loader(
+    q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, seqlen, n_seg,
+    segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
+):  # fmt: skip
+    """Per item M into buffer i % 2, then per query head of the group and 64-token block the
+    block's q and local into ring stage j % FWD_STAGES."""
+    block_bytes: gl.constexpr = q_desc.block_type.nbytes + lo_desc.block_type.nbytes
+    i = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        state, b, kvh, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        buf = i % 2
+        mbarrier.wait(m_empty.index(buf), ((i // 2) & 1) ^ 1)
+        m_bar = m_ready.index(buf)
+        mbarrier.expect(m_bar, m_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(m_desc, [state * HEAD_DIM, 0], m_bar, m_smem.index(buf))
+        for g in range(group):
+            col = (kvh * group + g) * HEAD_DIM
+            for t in range(lo, hi, BLOCK_T):
+                s = j % FWD_STAGES
+                mbarrier.wait(empty.index(s), ((j // FWD_STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, block_bytes)
+                tma.async_copy_global_to_shared(q_desc, [b * batch_rows + t, col], bar, q_smem.index(s))
+                tma.async_copy_global_to_shared(lo_desc, [b * batch_rows + t, col], bar, lo_smem.index(s))
+                j += 1
+        i += 1
+
+
+@gluon.jit
+def _fwd_compute(
+    q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE, seqlen, n_seg,
+    segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items, stride_ob, stride_os, stride_oh,
+    w: gl.constexpr,
+):  # fmt: skip
+    """Compute warpgroup w: the blocks j of the program with j % 2 == w."""
+    dtype: gl.constexpr = q_smem.dtype
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
+    zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
+    i = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        state, b, kvh, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        buf = i % 2
+        # Waited by both warpgroups, blocks or not (as in infini_updates.py's backward).
+        mbarrier.wait(m_ready.index(buf), (i // 2) & 1)
+        m = m_smem.index(buf)
+        for g in range(group):
+            h = kvh * group + g
+            gate = gl.load(GATE + h)
+            for t in range(lo, hi, BLOCK_T):
+                if j % 2 == w:
+                    s = j % FWD_STAGES
+                    mbarrier.wait(ready.index(s), (j // FWD_STAGES) & 1)
+                    q_tile = q_smem.index(s)
+                    x = q_tile.load(acc_l).to(gl.float32)
+                    x = gl.where(x > 0, x + 1.0, gl.exp(x))
+                    den = gl.sum(x * gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)[None, :], 1)
+                    q_tile.store(x.to(dtype))  # each thread rewrites what it read
+                    fence_async_shared()
+                    num = warpgroup_mma(q_tile, m, zero, use_acc=False, is_async=True)
+                    num = warpgroup_mma_wait(0, deps=(num,))
+                    scale = gate * gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
+                    local = lo_smem.index(s).load(acc_l).to(gl.float32)
+                    out = num * scale[:, None] + (1.0 - gate) * local
+                    if t + BLOCK_T <= hi:
+                        q_tile.store(out.to(dtype))
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(out_desc, [b * batch_rows + t, h * HEAD_DIM], q_tile)
+                        tma.store_wait(0)  # the tile read: the stage can be reloaded
+                    else:  # the chunk ends inside the block: TMA would write the next chunk's rows
+                        rows = (t + tokens).to(gl.int64)[:, None]
+                        offs = b.to(gl.int64) * stride_ob + h * stride_oh + rows * stride_os + cols[None, :]
+                        gl.store(OUT + offs, out.to(dtype), mask=((t + tokens) < hi)[:, None])
+                    mbarrier.arrive(empty.index(s), count=1)
+                j += 1
+        mbarrier.arrive(m_empty.index(buf), count=1)
+        i += 1
+
+
+@gluon.jit
+def retrieval_kernel(
+    q_desc, lo_desc, out_desc, m_desc, OUT, Z, GATE, seqlen, n_seg, segment_len, kv_heads, group, chunk,
+    n_chunks, batch_rows, n_items, stride_ob, stride_os, stride_oh,
+):  # fmt: skip
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [FWD_STAGES, BLOCK_T, HEAD_DIM], q_desc.layout)
+    lo_smem = gl.allocate_shared_memory(dtype, [FWD_STAGES, BLOCK_T, HEAD_DIM], lo_desc.layout)
+    m_smem = gl.allocate_shared_memory(dtype, [2, HEAD_DIM, HEAD_DIM], m_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [FWD_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [FWD_STAGES, 1], mbarrier.MBarrierLayout())
+    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    m_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(FWD_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)  # a block is one warpgroup's
+    for i in gl.static_range(2):
+        mbarrier.init(m_ready.index(i), count=1)
+        mbarrier.init(m_empty.index(i), count=2)  # both warpgroups finish the item
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_fwd_compute, (q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE,
+                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
+                            stride_ob, stride_os, stride_oh, 0)),
+            (_fwd_compute, (q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE,
+                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
+                            stride_ob, stride_os, stride_oh, 1)),
+            (_fwd_loader, (q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty,
+                           seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows,
+                           n_items)),
+        ],
+        [4, 1],
+        [COMPUTE_REGS, LOADER_REGS],
+    )
+    # fmt: on
+
+
+def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor of bf16 (..., 128, 128) matrices, contiguous, one matrix per block."""
+    make_context_current(m.device)
+    d = m.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl.bfloat16)
+    return TensorDescriptor(m, [m.numel() // d, d], [d, 1], [d, d], layout)
+
+
+def launch_retrieval(
+    q: torch.Tensor,
+    local: torch.Tensor,
+    out: torch.Tensor,
+    m_before: torch.Tensor,
+    z_before: torch.Tensor,
+    gate: torch.Tensor,
+    segment_len: int,
+    chunk: int,
+) -> None:
+    """Write ``retrieval.memory_retrieval``'s out: q, local, out (batch, seqlen, heads, 128) bf16
+    in layouts ``dispatch.uses_infini_retrieval`` accepts, one batch stride; m_before bf16 and
+    z_before, gate float32, contiguous; ``chunk`` rows per item, a multiple of 64."""
+    b, s, heads, _ = q.shape
+    n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
+    n_chunks = -(-min(segment_len, s) // chunk)
+    n_items = b * n_seg * kv_heads * n_chunks
+    (qd, rows), (ld, _), (od, _) = (token_descriptor(t, HEAD_DIM.value) for t in (q, local, out))
+    programs = min(n_items, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    retrieval_kernel[(programs,)](
+        qd, ld, od, matrix_descriptor(m_before), out, z_before, gate, s, n_seg, segment_len, kv_heads,
+        heads // kv_heads, chunk, n_chunks, rows, n_items, *out.stride()[:3], num_warps=4,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
 
 
 @gluon.jit

@@ -161,10 +161,11 @@ def updates_kernel(
 
 
 @gluon.jit
-def _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
+def chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
     """(state, batch row, kv head, first token, end token) of item = state * n_chunks + chunk
-    index, state = (b * n_seg + s) * kv_heads + h: the chunks of a state side by side (its gdM
-    read from L2 after the first)."""
+    index, state = (b * n_seg + s) * kv_heads + h: the chunks of a state side by side (its
+    head_dim x head_dim matrix read from L2 after the first). The backward's and the
+    retrieval's items (infini_retrieval.py)."""
     state = item // n_chunks
     b, h, start, end = _item(state, seqlen, n_seg, segment_len, kv_heads)
     lo = start + (item % n_chunks) * chunk
@@ -182,7 +183,7 @@ def _bwd_loader(
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, h, lo, hi = _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
         buf = i % 2
         mbarrier.wait(g_empty.index(buf), ((i // 2) & 1) ^ 1)
         mbarrier.expect(g_ready.index(buf), g_desc.block_type.nbytes)
@@ -225,7 +226,7 @@ def _bwd_compute(
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, h, lo, hi = _bwd_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
         buf = i % 2
         # Waited by both warpgroups, blocks or not: an arrival on g_empty before the item's
         # gdM arrived could release the buffer while the other warpgroup still reads it.
@@ -306,7 +307,7 @@ def updates_backward_kernel(
     # fmt: on
 
 
-def _descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor, int]:
+def token_descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor, int]:
     """t (batch, seqlen, kv_heads, 128) as (rows, kv_heads * 128) with (64, block_cols) blocks,
     and its rows per batch row (``tma.tma_layout_ok`` layouts)."""
     make_context_current(t.device)
@@ -327,7 +328,7 @@ def launch_updates(
     b, s, kv_heads, _ = k.shape
     n_seg = dm.shape[1]
     n_items = b * n_seg * kv_heads
-    (kd, k_rows), (vd, v_rows) = _descriptor(k, HALF.value), _descriptor(v, HEAD_DIM.value)
+    (kd, k_rows), (vd, v_rows) = token_descriptor(k, HALF.value), token_descriptor(v, HEAD_DIM.value)
     programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
     updates_kernel[(programs,)](
         kd, vd, dm, dz, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
@@ -353,8 +354,8 @@ def launch_updates_backward(
     n_seg = grad_dm.shape[1]
     n_chunks = -(-min(segment_len, s) // chunk)
     n_items = b * n_seg * kv_heads * n_chunks
-    (kd, k_rows), (vd, v_rows) = _descriptor(k, d), _descriptor(v, d)
-    (dkd, dk_rows), (dvd, dv_rows) = _descriptor(dk, d), _descriptor(dv, d)
+    (kd, k_rows), (vd, v_rows) = token_descriptor(k, d), token_descriptor(v, d)
+    (dkd, dk_rows), (dvd, dv_rows) = token_descriptor(dk, d), token_descriptor(dv, d)
     g_layout = gl.NVMMASharedLayout.get_default_for([d, d], gl.bfloat16)
     gd = TensorDescriptor(grad_dm, [grad_dm.numel() // d, d], [d, 1], [d, d], g_layout)
     programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hopper.dispatch import hopper_module, uses_infini_retrieval_backward
+from ..hopper.dispatch import hopper_module, uses_infini_retrieval, uses_infini_retrieval_backward
 from .memory import (
     _dot,
     _inverse,
@@ -224,11 +224,21 @@ def memory_retrieval(
     segment_len: int,
 ) -> torch.Tensor:
     """gate * sigma(Q) M / (sigma(Q) z) + (1 - gate) * local per segment (module docstring):
-    q, local (batch, seqlen, heads, head_dim) -> out, same shape, in q's dtype."""
+    q, local (batch, seqlen, heads, head_dim) -> out, same shape, in q's dtype. On an H100/H200
+    with bf16 inputs of head_dim 128, the Hopper kernel (``hopper/infini_retrieval.py``,
+    ``dispatch.uses_infini_retrieval``)."""
     q, local = last_dim_contiguous(q), last_dim_contiguous(local)
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     out = torch.empty_like(q)
+    if uses_infini_retrieval(q, local):
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # its batch stride: local's
+        chunk = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 64)[0]
+        hopper_module("infini_retrieval").launch_retrieval(
+            q, local, out, m_before.to(torch.bfloat16).contiguous(), z_before.float().contiguous(),
+            gate.float().contiguous(), segment_len, chunk,
+        )  # fmt: skip
+        return out
     t = tiles(d, q.dtype, column_tile(d), row_tile(d), "retrieval")
     chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * heads, t["BLOCK_M"])
     _retrieval_kernel[(chunks, b * n_seg, heads)](
