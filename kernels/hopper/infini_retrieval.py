@@ -46,16 +46,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
-from .infini_updates import BLOCK_T, chunk_item, token_descriptor
+from .infini_updates import (  # the shapes and register budgets of every Infini kernel
+    BLOCK_T,
+    COMPUTE_REGS,
+    HALF,
+    HEAD_DIM,
+    LOADER_REGS,
+    MAX_REGISTERS,
+    allocate_stream,
+    block_layout,
+    chunk_item,
+    stream_loader,
+    token_descriptor,
+)
+from .infini_updates import STAGES as FWD_STAGES
 from .tma import make_context_current
 
-HEAD_DIM = gl.constexpr(128)
-HALF = gl.constexpr(64)  # rows per compute warpgroup; columns per half of a q tile
-BLOCK_M = gl.constexpr(128)  # rows per step
-STAGES = gl.constexpr(2)
-COMPUTE_REGS = gl.constexpr(240)
-LOADER_REGS = gl.constexpr(24)
-MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
+BLOCK_M = gl.constexpr(128)  # rows per step of the backward
+STAGES = gl.constexpr(2)  # the backward's ring
 WQ_READY = named_barriers.FIRST_ID  # both halves of this step's wq written
 
 
@@ -70,39 +78,6 @@ def _sigma_tile(tile, ok, layout: gl.constexpr):
     return gl.where(ok[:, None], _sigma(tile.load(layout).to(gl.float32)), 0.0)
 
 
-FWD_STAGES = gl.constexpr(4)
-
-
-@gluon.jit
-def _fwd_loader(
-    q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, seqlen, n_seg,
-    segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
-):  # fmt: skip
-    """Per item M into buffer i % 2, then per query head of the group and 64-token block the
-    block's q and local into ring stage j % FWD_STAGES."""
-    block_bytes: gl.constexpr = q_desc.block_type.nbytes + lo_desc.block_type.nbytes
-    i = 0
-    j = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, kvh, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
-        buf = i % 2
-        mbarrier.wait(m_empty.index(buf), ((i // 2) & 1) ^ 1)
-        m_bar = m_ready.index(buf)
-        mbarrier.expect(m_bar, m_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(m_desc, [state * HEAD_DIM, 0], m_bar, m_smem.index(buf))
-        for g in range(group):
-            col = (kvh * group + g) * HEAD_DIM
-            for t in range(lo, hi, BLOCK_T):
-                s = j % FWD_STAGES
-                mbarrier.wait(empty.index(s), ((j // FWD_STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, block_bytes)
-                tma.async_copy_global_to_shared(q_desc, [b * batch_rows + t, col], bar, q_smem.index(s))
-                tma.async_copy_global_to_shared(lo_desc, [b * batch_rows + t, col], bar, lo_smem.index(s))
-                j += 1
-        i += 1
-
-
 @gluon.jit
 def _fwd_compute(
     q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE, seqlen, n_seg,
@@ -111,9 +86,7 @@ def _fwd_compute(
 ):  # fmt: skip
     """Compute warpgroup w: the blocks j of the program with j % 2 == w."""
     dtype: gl.constexpr = q_smem.dtype
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    acc_l: gl.constexpr = block_layout(HEAD_DIM)
     tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
     zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
@@ -163,20 +136,7 @@ def retrieval_kernel(
     q_desc, lo_desc, out_desc, m_desc, OUT, Z, GATE, seqlen, n_seg, segment_len, kv_heads, group, chunk,
     n_chunks, batch_rows, n_items, stride_ob, stride_os, stride_oh,
 ):  # fmt: skip
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [FWD_STAGES, BLOCK_T, HEAD_DIM], q_desc.layout)
-    lo_smem = gl.allocate_shared_memory(dtype, [FWD_STAGES, BLOCK_T, HEAD_DIM], lo_desc.layout)
-    m_smem = gl.allocate_shared_memory(dtype, [2, HEAD_DIM, HEAD_DIM], m_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [FWD_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [FWD_STAGES, 1], mbarrier.MBarrierLayout())
-    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    m_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(FWD_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)  # a block is one warpgroup's
-    for i in gl.static_range(2):
-        mbarrier.init(m_ready.index(i), count=1)
-        mbarrier.init(m_empty.index(i), count=2)  # both warpgroups finish the item
+    q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty = allocate_stream(q_desc, lo_desc, m_desc)
     # fmt: off
     gl.warp_specialize(
         [
@@ -186,9 +146,9 @@ def retrieval_kernel(
             (_fwd_compute, (q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE,
                             seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
                             stride_ob, stride_os, stride_oh, 1)),
-            (_fwd_loader, (q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty,
-                           seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows,
-                           n_items)),
+            (stream_loader, (q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty,
+                             seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows,
+                             batch_rows, n_items)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -273,21 +233,15 @@ def _compute(
 ):  # fmt: skip
     """Compute warpgroup w: rows w * 64 of every step; rows d1 in [w * 64, w * 64 + 64) of dM."""
     dtype: gl.constexpr = q_smem.dtype
-    half_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
-    full_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    half_l: gl.constexpr = block_layout(HALF)
+    full_l: gl.constexpr = block_layout(HEAD_DIM)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads of local
     rows_l: gl.constexpr = gl.SliceLayout(1, half_l)
     cols_l: gl.constexpr = gl.SliceLayout(0, half_l)
     # z's gradient, sum over tokens of sigma(q) d den = -wq^T rowsum(dout * A), as a product
     # beside the memory's: rowsum(dout * A) goes to shared memory as column 0 of an 8-column
     # tile. Summed over rows in registers it took a cross-warp reduction and barrier per step.
-    da_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]
-    )
+    da_l: gl.constexpr = block_layout(8)
     da_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, da_l))
     gz = gl.zeros([HALF, 8], gl.float32, da_l)
     # A column vector in the products' layout takes 16 registers per thread: z is loaded where

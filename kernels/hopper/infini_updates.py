@@ -46,6 +46,12 @@ LOADER_REGS = gl.constexpr(24)
 MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
 
 
+@gluon.constexpr_function
+def block_layout(cols=128):
+    """The registers of a 64-row block's (64, cols) product, one compute warpgroup's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _item(item, seqlen, n_seg, segment_len, kv_heads):
     """(batch row, kv head, first token, end token) of item = (b * n_seg + s) * kv_heads + h."""
@@ -87,15 +93,9 @@ def _compute(
 ):  # fmt: skip
     """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz."""
     dtype: gl.constexpr = k_smem.dtype
-    tile_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    dz_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ONES, 16]
-    )
+    tile_l: gl.constexpr = block_layout(HALF)
+    acc_l: gl.constexpr = block_layout(HEAD_DIM)
+    dz_l: gl.constexpr = block_layout(ONES)
     ones = ones_smem.index(w)
     ones.store(gl.full([BLOCK_T, ONES], 1.0, dtype, dz_l))
     fence_async_shared()
@@ -173,31 +173,57 @@ def chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
 
 
 @gluon.jit
-def _bwd_loader(
-    k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty, seqlen, n_seg,
-    segment_len, kv_heads, chunk, n_chunks, k_batch_rows, v_batch_rows, n_items,
+def allocate_stream(a_desc, b_desc, m_desc):
+    """Shared memory of an item stream (``stream_loader``), its mbarriers initialized: a ring of
+    STAGES blocks of two 64 x 128 tiles (ready, empty: one warpgroup's each) and two buffers of
+    a 128 x 128 matrix (m_ready, m_empty: both warpgroups finish an item)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], b_desc.layout)
+    m_smem = gl.allocate_shared_memory(dtype, [2, HEAD_DIM, HEAD_DIM], m_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    m_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(m_ready.index(i), count=1)
+        mbarrier.init(m_empty.index(i), count=2)
+    return a_smem, b_smem, m_smem, ready, empty, m_ready, m_empty
+
+
+@gluon.jit
+def stream_loader(
+    a_desc, b_desc, m_desc, a_smem, b_smem, m_smem, ready, empty, m_ready, m_empty, seqlen, n_seg,
+    segment_len, kv_heads, group, chunk, n_chunks, a_batch_rows, b_batch_rows, n_items,
 ):  # fmt: skip
-    """Per item gdM into buffer i % 2, then its blocks' k and v (64 x 128 each) into ring stage
-    j % STAGES."""
-    block_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    """The loader of an item stream (``chunk_item``'s items): per item the state's 128 x 128
+    matrix into buffer i % 2, then per head of the group (the kv head's query heads in a, b;
+    group 1: the kv head's own) and 64-token block the block's a and b tiles into ring stage
+    j % STAGES. The memory updates' backward streams k, v and gdM; the retrieval q, local and
+    M (infini_retrieval.py)."""
+    block_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, kvh, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
         buf = i % 2
-        mbarrier.wait(g_empty.index(buf), ((i // 2) & 1) ^ 1)
-        mbarrier.expect(g_ready.index(buf), g_desc.block_type.nbytes)
-        g_bar = g_ready.index(buf)
-        tma.async_copy_global_to_shared(g_desc, [state * HEAD_DIM, 0], g_bar, g_smem.index(buf))
-        for t in range(lo, hi, BLOCK_T):
-            s = j % STAGES
-            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, block_bytes)
-            col = h * HEAD_DIM
-            tma.async_copy_global_to_shared(k_desc, [b * k_batch_rows + t, col], bar, k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [b * v_batch_rows + t, col], bar, v_smem.index(s))
-            j += 1
+        mbarrier.wait(m_empty.index(buf), ((i // 2) & 1) ^ 1)
+        m_bar = m_ready.index(buf)
+        mbarrier.expect(m_bar, m_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(m_desc, [state * HEAD_DIM, 0], m_bar, m_smem.index(buf))
+        for g in range(group):
+            col = (kvh * group + g) * HEAD_DIM
+            for t in range(lo, hi, BLOCK_T):
+                s = j % STAGES
+                mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, block_bytes)
+                tma.async_copy_global_to_shared(a_desc, [b * a_batch_rows + t, col], bar, a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [b * b_batch_rows + t, col], bar, b_smem.index(s))
+                j += 1
         i += 1
 
 
@@ -217,9 +243,7 @@ def _bwd_compute(
     dK go back through its stage's k and v tiles by TMA, a partial one (the chunk ends inside
     it) by masked stores."""
     dtype: gl.constexpr = k_smem.dtype
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    acc_l: gl.constexpr = block_layout(HEAD_DIM)
     tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
     zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
@@ -272,20 +296,7 @@ def updates_backward_kernel(
     n_chunks, k_batch_rows, v_batch_rows, dk_batch_rows, dv_batch_rows, n_items, stride_dkb, stride_dks,
     stride_dkh, stride_dvb, stride_dvs, stride_dvh,
 ):  # fmt: skip
-    dtype: gl.constexpr = k_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], v_desc.layout)
-    g_smem = gl.allocate_shared_memory(dtype, [2, HEAD_DIM, HEAD_DIM], g_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    g_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    g_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)  # a block is one warpgroup's
-    for i in gl.static_range(2):
-        mbarrier.init(g_ready.index(i), count=1)
-        mbarrier.init(g_empty.index(i), count=2)  # both warpgroups finish the item
+    k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty = allocate_stream(k_desc, v_desc, g_desc)
     # fmt: off
     gl.warp_specialize(
         [
@@ -297,9 +308,9 @@ def updates_backward_kernel(
                             DV, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks, n_items, dk_batch_rows,
                             dv_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                             stride_dvh, 1)),
-            (_bwd_loader, (k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty,
-                           seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks, k_batch_rows, v_batch_rows,
-                           n_items)),
+            (stream_loader, (k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty,
+                             seqlen, n_seg, segment_len, kv_heads, 1, chunk, n_chunks, k_batch_rows,
+                             v_batch_rows, n_items)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
