@@ -20,7 +20,23 @@ if INTERPRET:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# The longest tests on the CPU (a -n 2 run, 2026-11-26: 45-130 s each, subprocesses) start
+# first, in this order: xdist hands tests out in collection order, and one of them started near
+# the end would run on alone after the other worker has finished.
+LONG_FIRST = (
+    "test_train.py::test_train_saves_resumes_and_summarizes",
+    "test_compile.py::test_fused_forward_compiles_for_sm90",
+    "test_infini.py::test_infini_kernels_compile_for_sm90",
+    "test_compile.py::test_fused_backward_compiles_for_sm90[masked]",
+)
+
+
+def _long_first(item) -> int:
+    return next((i for i, name in enumerate(LONG_FIRST) if item.nodeid.endswith(name)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_long_first)  # stable: the rest keep their order
     n_gpus = torch.cuda.device_count()
     for item in items:
         if "gpu" in item.keywords and n_gpus < 1:

@@ -669,16 +669,27 @@ def test_ring_style_merge_of_stripes(device, dtype):
 
 
 @triton.jit
-def _tiles_probe(P, OUT, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+def _tiles_probe(
+    P, OUT, n, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    # ROWS 1: one parameter set per program, scalars as the kernels call visible_tiles. Otherwise
+    # ROWS sets per program as vectors: visible_tiles is elementwise, so each set gets the same
+    # operations, and the interpreter, which runs programs one at a time (~23 ms each here), runs
+    # the whole batch in one.
+    if ROWS == 1:
+        i = tl.program_id(0)
+    else:
+        i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = i < n
     start, full_start, full_end, end = visible_tiles(
-        tl.load(P + i * 7), tl.load(P + i * 7 + 1), tl.load(P + i * 7 + 2), tl.load(P + i * 7 + 3),
-        tl.load(P + i * 7 + 4), tl.load(P + i * 7 + 5), tl.load(P + i * 7 + 6), HAS_LO, HAS_HI, BLOCK,
+        tl.load(P + i * 7, mask=ok), tl.load(P + i * 7 + 1, mask=ok), tl.load(P + i * 7 + 2, mask=ok),
+        tl.load(P + i * 7 + 3, mask=ok, other=1), tl.load(P + i * 7 + 4, mask=ok),
+        tl.load(P + i * 7 + 5, mask=ok), tl.load(P + i * 7 + 6, mask=ok), HAS_LO, HAS_HI, BLOCK,
     )  # fmt: skip
-    tl.store(OUT + i * 4, start)
-    tl.store(OUT + i * 4 + 1, full_start)
-    tl.store(OUT + i * 4 + 2, full_end)
-    tl.store(OUT + i * 4 + 3, end)
+    tl.store(OUT + i * 4, start, mask=ok)
+    tl.store(OUT + i * 4 + 1, full_start, mask=ok)
+    tl.store(OUT + i * 4 + 2, full_end, mask=ok)
+    tl.store(OUT + i * 4 + 3, end, mask=ok)
 
 
 @pytest.mark.parametrize("block", [16, 32])
@@ -695,7 +706,11 @@ def test_visible_tiles_brute_force(device, has_lo, has_hi, block):
                        rng.randint(0, 70), rng.randint(0, 20), rng.randint(0, 20)])  # fmt: skip
     p = torch.tensor(params, dtype=torch.int32, device=device)
     out = torch.full((len(params), 4), -99, dtype=torch.int32, device=device)
-    _tiles_probe[(len(params),)](p, out, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK=block)
+    _tiles_probe[(1,)](p, out, len(params), HAS_LO=has_lo, HAS_HI=has_hi, BLOCK=block, ROWS=512)
+    # The kernels' scalar form on a few of them gives the same spans.
+    scalar = torch.full((8, 4), -99, dtype=torch.int32, device=device)
+    _tiles_probe[(8,)](p, scalar, 8, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK=block, ROWS=1)
+    assert torch.equal(scalar, out[:8]), (scalar, out[:8])
     for (row_lo, row_hi, base, stride, n, lo_off, hi_off), spans in zip(params, out.tolist()):
         start, full_start, full_end, end = spans
         rows = range(row_lo, row_hi + 1)
