@@ -1,4 +1,4 @@
-"""A pool of N ranks, spawned once and reused by every multi-process test.
+"""A pool of N ranks, started once (forked from a forkserver) and reused by every multi-process test.
 
 With at least N GPUs the ranks use NCCL, one GPU each; otherwise gloo on the CPU, where the
 kernels run under the Triton interpreter (a GPU machine without enough GPUs skips the test).
