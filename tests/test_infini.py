@@ -433,7 +433,7 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
     [
         (2, 1000, 3, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
         (1, 40000, 8, 2, 256, False),  # GQA, more (segment, head) items than SMs
-        (2, 4096, 4, 1, 2048, True),  # MQA; q a strided view of one (batch, seqlen, 3 * heads, 128)
+        (2, 4096, 4, 1, 2048, True),  # MQA; q a view of a longer (batch, seqlen + 64, 3 * heads, 128)
     ],
 )
 def test_hopper_retrieval_matches_float64(monkeypatch, batch, seqlen, heads, kv_heads, segment_len,
@@ -447,8 +447,8 @@ def test_hopper_retrieval_matches_float64(monkeypatch, batch, seqlen, heads, kv_
     from ringflash.kernels.infini import retrieval
 
     g = torch.Generator(device="cuda").manual_seed(11)
-    qkv = torch.randn(batch, seqlen, 3 * heads, 128, device="cuda", generator=g).bfloat16()
-    q = qkv[:, :, :heads] if packed_qkv else qkv[:, :, :heads].contiguous()
+    qkv = torch.randn(batch, seqlen + 64, 3 * heads, 128, device="cuda", generator=g).bfloat16()[:, :seqlen]
+    q = qkv[:, :, :heads] if packed_qkv else qkv[:, :, :heads].contiguous()  # view: rows and batches apart
     local = qkv[:, :, heads : 2 * heads].contiguous()
     n_seg = -(-seqlen // segment_len)
     m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g).bfloat16()

@@ -178,13 +178,11 @@ def uses_infini_retrieval_backward(q: torch.Tensor, dout: torch.Tensor) -> bool:
 def uses_infini_retrieval(q: torch.Tensor, local: torch.Tensor) -> bool:
     """Whether Infini-attention's retrieval (``infini.retrieval.memory_retrieval``) runs the
     Hopper kernel (infini_retrieval.py): q and local of one shape, in layouts TMA reads
-    (``tma.tma_layout_ok``) with the same rows per batch row, besides ``_infini_ok``."""
+    (``tma.tma_layout_ok``), besides ``_infini_ok``."""
     if not _infini_ok(q, local) or local.shape != q.shape:
         return False
     tma = hopper_module("tma")
     if tma is None or not (tma.tma_layout_ok(q) and tma.tma_layout_ok(local)):
-        return False
-    if q.shape[0] > 1 and q.stride(0) // q.stride(1) != local.stride(0) // local.stride(1):
         return False
     return hopper_module("infini_retrieval") is not None
 

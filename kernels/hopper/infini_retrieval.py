@@ -81,7 +81,7 @@ def _sigma_tile(tile, ok, layout: gl.constexpr):
 @gluon.jit
 def _fwd_compute(
     q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE, seqlen, n_seg,
-    segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items, stride_ob, stride_os, stride_oh,
+    segment_len, kv_heads, group, chunk, n_chunks, out_batch_rows, n_items, stride_ob, stride_os, stride_oh,
     w: gl.constexpr,
 ):  # fmt: skip
     """Compute warpgroup w: the blocks j of the program with j % 2 == w."""
@@ -119,7 +119,8 @@ def _fwd_compute(
                     if t + BLOCK_T <= hi:
                         q_tile.store(out.to(dtype))
                         fence_async_shared()
-                        tma.async_copy_shared_to_global(out_desc, [b * batch_rows + t, h * HEAD_DIM], q_tile)
+                        out_row = b * out_batch_rows + t
+                        tma.async_copy_shared_to_global(out_desc, [out_row, h * HEAD_DIM], q_tile)
                         tma.store_wait(0)  # the tile read: the stage can be reloaded
                     else:  # the chunk ends inside the block: TMA would write the next chunk's rows
                         rows = (t + tokens).to(gl.int64)[:, None]
@@ -134,21 +135,21 @@ def _fwd_compute(
 @gluon.jit
 def retrieval_kernel(
     q_desc, lo_desc, out_desc, m_desc, OUT, Z, GATE, seqlen, n_seg, segment_len, kv_heads, group, chunk,
-    n_chunks, batch_rows, n_items, stride_ob, stride_os, stride_oh,
+    n_chunks, q_batch_rows, lo_batch_rows, out_batch_rows, n_items, stride_ob, stride_os, stride_oh,
 ):  # fmt: skip
     q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty = allocate_stream(q_desc, lo_desc, m_desc)
     # fmt: off
     gl.warp_specialize(
         [
             (_fwd_compute, (q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE,
-                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
-                            stride_ob, stride_os, stride_oh, 0)),
+                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, out_batch_rows,
+                            n_items, stride_ob, stride_os, stride_oh, 0)),
             (_fwd_compute, (q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty, out_desc, OUT, Z, GATE,
-                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows, n_items,
-                            stride_ob, stride_os, stride_oh, 1)),
+                            seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, out_batch_rows,
+                            n_items, stride_ob, stride_os, stride_oh, 1)),
             (stream_loader, (q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty,
-                             seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, batch_rows,
-                             batch_rows, n_items)),
+                             seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, q_batch_rows,
+                             lo_batch_rows, n_items)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -175,18 +176,18 @@ def launch_retrieval(
     chunk: int,
 ) -> None:
     """Write ``retrieval.memory_retrieval``'s out: q, local, out (batch, seqlen, heads, 128) bf16
-    in layouts ``dispatch.uses_infini_retrieval`` accepts, one batch stride; m_before bf16 and
+    in layouts ``dispatch.uses_infini_retrieval`` accepts; m_before bf16 and
     z_before, gate float32, contiguous; ``chunk`` rows per item, a multiple of 64."""
     b, s, heads, _ = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     n_chunks = -(-min(segment_len, s) // chunk)
     n_items = b * n_seg * kv_heads * n_chunks
-    (qd, rows), (ld, _), (od, _) = (token_descriptor(t, HEAD_DIM.value) for t in (q, local, out))
+    (qd, q_rows), (ld, lo_rows), (od, out_rows) = (token_descriptor(t, 128) for t in (q, local, out))
     programs = min(n_items, torch.cuda.get_device_properties(q.device).multi_processor_count)
     retrieval_kernel[(programs,)](
         qd, ld, od, matrix_descriptor(m_before), out, z_before, gate, s, n_seg, segment_len, kv_heads,
-        heads // kv_heads, chunk, n_chunks, rows, n_items, *out.stride()[:3], num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        heads // kv_heads, chunk, n_chunks, q_rows, lo_rows, out_rows, n_items, *out.stride()[:3],
+        num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 

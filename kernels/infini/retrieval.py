@@ -232,7 +232,7 @@ def memory_retrieval(
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
     out = torch.empty_like(q)
     if uses_infini_retrieval(q, local):
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # its batch stride: local's
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         chunk = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 64)[0]
         hopper_module("infini_retrieval").launch_retrieval(
             q, local, out, m_before.to(torch.bfloat16).contiguous(), z_before.float().contiguous(),
