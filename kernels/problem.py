@@ -218,15 +218,18 @@ def cu_seqlens_host(cu: torch.Tensor) -> tuple[int, ...]:
     return values
 
 
-def cu_seqlens_tensor(bounds: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """int32 cu_seqlens on ``device`` from the host's ``bounds`` (0, l0, l0 + l1, ..., total),
-    remembered so that validating it reads nothing back (``cu_seqlens_host``). The copy goes
-    from pinned memory: from pageable memory it would wait for every kernel queued before it
-    (Infini-attention's backward builds its segments' cu_seqlens between its kernels)."""
+def cu_seqlens_tensor(bounds: Sequence[int], device: torch.device | str | None) -> torch.Tensor:
+    """int32 cu_seqlens on ``device`` (None: torch's default) from the host's ``bounds`` (0, l0,
+    l0 + l1, ..., total), remembered so that validating it reads nothing back
+    (``cu_seqlens_host``). A GPU's copy goes from pinned memory: from pageable memory it would
+    wait for every kernel queued before it (Infini-attention's backward builds its segments'
+    cu_seqlens between its kernels)."""
     values = tuple(int(b) for b in bounds)
-    device = torch.device(device)
-    host = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
-    cu = host.to(device, non_blocking=True)
+    if device is not None and torch.device(device).type == "cuda":
+        host = torch.tensor(values, dtype=torch.int32, device="cpu", pin_memory=True)
+        cu = host.to(device, non_blocking=True)
+    else:
+        cu = torch.tensor(values, dtype=torch.int32, device=device)
     _remember(cu, values)
     return cu
 
