@@ -230,7 +230,6 @@ def memory_retrieval(
     q, local = last_dim_contiguous(q), last_dim_contiguous(local)
     b, s, heads, d = q.shape
     n_seg, kv_heads = m_before.shape[1], m_before.shape[2]
-    out = torch.empty_like(q)
     if uses_infini_retrieval(q, local):
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         chunk = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 64)[0]
@@ -239,6 +238,7 @@ def memory_retrieval(
             gate.float().contiguous(), segment_len, chunk,
         )  # fmt: skip
         return out
+    out = torch.empty_like(q)
     t = tiles(d, q.dtype, column_tile(d), row_tile(d), "retrieval")
     chunk, chunks = row_chunk(min(segment_len, s), b * n_seg * heads, t["BLOCK_M"])
     _retrieval_kernel[(chunks, b * n_seg, heads)](
