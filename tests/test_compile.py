@@ -280,7 +280,7 @@ print("dq ok")
 # The group of query heads is a runtime loop: one build. The memory updates
 # (hopper/infini_updates.py): per 64-token block and warpgroup sigma(K)^T V and sigma(K)^T 1 (4
 # wgmma each, K = 64), no spills; their backward: sigma(K) gdM and V gdM^T (8 wgmma each, K =
-# 128), 22 spill stores and 31 loads in the loops (2026-11-26).
+# 128), 24 spill stores and 32 loads in the loops (2026-11-26).
 _INFINI = _WARP_SPECIALIZED + r"""
 from ringflash.kernels import offline_compile as oc
 

@@ -56,6 +56,7 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     allocate_stream,
     block_layout,
     chunk_item,
+    store_block,
     stream_loader,
     token_descriptor,
 )
@@ -87,7 +88,6 @@ def _fwd_compute(
     """Compute warpgroup w: the blocks j of the program with j % 2 == w."""
     dtype: gl.constexpr = q_smem.dtype
     acc_l: gl.constexpr = block_layout(HEAD_DIM)
-    tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
     zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
     i = 0
@@ -116,16 +116,9 @@ def _fwd_compute(
                     scale = gate * gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
                     local = lo_smem.index(s).load(acc_l).to(gl.float32)
                     out = num * scale[:, None] + (1.0 - gate) * local
-                    if t + BLOCK_T <= hi:
-                        q_tile.store(out.to(dtype))
-                        fence_async_shared()
-                        out_row = b * out_batch_rows + t
-                        tma.async_copy_shared_to_global(out_desc, [out_row, h * HEAD_DIM], q_tile)
-                        tma.store_wait(0)  # the tile read: the stage can be reloaded
-                    else:  # the chunk ends inside the block: TMA would write the next chunk's rows
-                        rows = (t + tokens).to(gl.int64)[:, None]
-                        offs = b.to(gl.int64) * stride_ob + h * stride_oh + rows * stride_os + cols[None, :]
-                        gl.store(OUT + offs, out.to(dtype), mask=((t + tokens) < hi)[:, None])
+                    store_block(out_desc, q_tile, out, OUT, b, h, t, hi, out_batch_rows, stride_ob, stride_os,
+                                stride_oh)  # fmt: skip
+                    tma.store_wait(0)  # the tile read: the stage can be reloaded
                     mbarrier.arrive(empty.index(s), count=1)
                 j += 1
         mbarrier.arrive(m_empty.index(buf), count=1)

@@ -228,9 +228,22 @@ def stream_loader(
 
 
 @gluon.jit
-def _store_rows(ptr, b, h, rows, ok, cols, stride_b, stride_s, stride_h, value):
-    offs = b.to(gl.int64) * stride_b + h * stride_h + rows * stride_s + cols[None, :]
-    gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=ok)
+def store_block(desc, tile, value, ptr, b, h, t, hi, batch_rows, stride_b, stride_s, stride_h):
+    """A 64-token block's (64, 128) output ``value`` at tokens [t, t + 64) of head h, batch row
+    b: a whole block through ``tile`` (a stage's tile that the products are done with) by TMA,
+    which the caller waits for before it releases the stage; a block that the chunk ends inside
+    (at ``hi``) by masked stores (TMA would write the next chunk's rows)."""
+    if t + BLOCK_T <= hi:
+        tile.store(value.to(tile.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [b * batch_rows + t, h * HEAD_DIM], tile)
+    else:
+        layout: gl.constexpr = value.type.layout
+        rows = t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        offs = b.to(gl.int64) * stride_b + h * stride_h + rows.to(gl.int64)[:, None] * stride_s
+        offs += cols[None, :]
+        gl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=(rows < hi)[:, None])
 
 
 @gluon.jit
@@ -239,12 +252,10 @@ def _bwd_compute(
     segment_len, kv_heads, chunk, n_chunks, n_items, dk_batch_rows, dv_batch_rows, stride_dkb, stride_dks,
     stride_dkh, stride_dvb, stride_dvs, stride_dvh, w: gl.constexpr,
 ):  # fmt: skip
-    """Compute warpgroup w: the blocks j of the program with j % 2 == w. A whole block's dV and
-    dK go back through its stage's k and v tiles by TMA, a partial one (the chunk ends inside
-    it) by masked stores."""
+    """Compute warpgroup w: the blocks j of the program with j % 2 == w; dV and dK go back
+    through its stage's k and v tiles (``store_block``)."""
     dtype: gl.constexpr = k_smem.dtype
     acc_l: gl.constexpr = block_layout(HEAD_DIM)
-    tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, acc_l))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
     zero = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
     i = 0
@@ -272,18 +283,11 @@ def _bwd_compute(
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
                 dk = (dk + gz[None, :]) * grad.to(gl.float32)
-                if t + BLOCK_T <= hi:
-                    k_tile.store(dv.to(dtype))
-                    v_tile.store(dk.to(dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(dv_desc, [b * dv_batch_rows + t, h * HEAD_DIM], k_tile)
-                    tma.async_copy_shared_to_global(dk_desc, [b * dk_batch_rows + t, h * HEAD_DIM], v_tile)
-                    tma.store_wait(0)  # the tiles read: the stage can be reloaded
-                else:
-                    rows = (t + tokens).to(gl.int64)[:, None]
-                    ok = ((t + tokens) < hi)[:, None]
-                    _store_rows(DV, b, h, rows, ok, cols, stride_dvb, stride_dvs, stride_dvh, dv)
-                    _store_rows(DK, b, h, rows, ok, cols, stride_dkb, stride_dks, stride_dkh, dk)
+                store_block(dv_desc, k_tile, dv, DV, b, h, t, hi, dv_batch_rows, stride_dvb, stride_dvs,
+                            stride_dvh)  # fmt: skip
+                store_block(dk_desc, v_tile, dk, DK, b, h, t, hi, dk_batch_rows, stride_dkb, stride_dks,
+                            stride_dkh)  # fmt: skip
+                tma.store_wait(0)  # the tiles read: the stage can be reloaded
                 mbarrier.arrive(empty.index(s), count=1)
             j += 1
         mbarrier.arrive(g_empty.index(buf), count=1)
