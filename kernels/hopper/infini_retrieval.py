@@ -56,6 +56,8 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     allocate_stream,
     block_layout,
     chunk_item,
+    inverse,
+    sigma,
     store_block,
     stream_loader,
     token_descriptor,
@@ -69,14 +71,9 @@ WQ_READY = named_barriers.FIRST_ID  # both halves of this step's wq written
 
 
 @gluon.jit
-def _sigma(x):
-    return gl.where(x > 0, x + 1.0, gl.exp(x))
-
-
-@gluon.jit
 def _sigma_tile(tile, ok, layout: gl.constexpr):
     """sigma of a shared 64 x 64 tile of q in float32, 0 in rows past the chunk (sigma(0) is 1)."""
-    return gl.where(ok[:, None], _sigma(tile.load(layout).to(gl.float32)), 0.0)
+    return gl.where(ok[:, None], sigma(tile.load(layout).to(gl.float32)), 0.0)
 
 
 @gluon.jit
@@ -107,13 +104,13 @@ def _fwd_compute(
                     mbarrier.wait(ready.index(s), (j // FWD_STAGES) & 1)
                     q_tile = q_smem.index(s)
                     x = q_tile.load(acc_l).to(gl.float32)
-                    x = gl.where(x > 0, x + 1.0, gl.exp(x))
+                    x = sigma(x)
                     den = gl.sum(x * gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)[None, :], 1)
                     q_tile.store(x.to(dtype))  # each thread rewrites what it read
                     fence_async_shared()
                     num = warpgroup_mma(q_tile, m, zero, use_acc=False, is_async=True)
                     num = warpgroup_mma_wait(0, deps=(num,))
-                    scale = gate * gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
+                    scale = gate * inverse(den)
                     local = lo_smem.index(s).load(acc_l).to(gl.float32)
                     out = num * scale[:, None] + (1.0 - gate) * local
                     store_block(out_desc, q_tile, out, OUT, b, h, t, hi, out_batch_rows, stride_ob, stride_os,
@@ -280,10 +277,10 @@ def _compute(
             q1 = _sigma_tile(q_s1, ok, half_l)
             den += gl.sum(q1 * gl.load(Z + state * HEAD_DIM + HALF + cols)[None, :], 1)
             q_s1.store(q1.to(dtype))
-            inv = gl.where(den > 0, 1.0 / gl.where(den > 0, den, 1.0), 0.0)
+            inv = inverse(den)
             scale = gate * inv
             # 0 where scale is: there dq and the memory's gradients are 0 whatever sigma(q) is
-            rscale = gl.where(scale > 0, 1.0 / gl.where(scale > 0, scale, 1.0), 0.0)
+            rscale = inverse(scale)
             q_s1.store((q1 * scale[:, None]).to(dtype))
             q_s0.store((q_s0.load(half_l).to(gl.float32) * scale[:, None]).to(dtype))
             fence_async_shared()

@@ -53,6 +53,19 @@ def block_layout(cols=128):
 
 
 @gluon.jit
+def sigma(x):
+    """ELU + 1, Infini-attention's feature map (``infini/memory.py``'s ``_sigma``)."""
+    return gl.where(x > 0, x + 1.0, gl.exp(x))
+
+
+@gluon.jit
+def inverse(x):
+    """1 / x, and 0 where x = 0 (an empty memory retrieves nothing; ``infini/memory.py``'s
+    ``_inverse``)."""
+    return gl.where(x > 0, 1.0 / gl.where(x > 0, x, 1.0), 0.0)
+
+
+@gluon.jit
 def _item(item, seqlen, n_seg, segment_len, kv_heads):
     """(batch row, kv head, first token, end token) of item = (b * n_seg + s) * kv_heads + h."""
     pid_bs = item // kv_heads
@@ -116,7 +129,7 @@ def _compute(
             x = k_tile.load(tile_l).to(gl.float32)
             # sigma(0) is 1: tokens past the segment (the next segment's, or TMA's zero fill
             # past the tensor) must add nothing.
-            x = gl.where(((t + tokens) < end)[:, None], gl.where(x > 0, x + 1.0, gl.exp(x)), 0.0)
+            x = gl.where(((t + tokens) < end)[:, None], sigma(x), 0.0)
             k_tile.store(x.to(dtype))  # each thread rewrites what it read
             fence_async_shared()
             operand = k_tile.permute((1, 0))  # sigma(K)^T: (64 of head_dim, 64 tokens)
@@ -274,7 +287,7 @@ def _bwd_compute(
                 k_tile = k_smem.index(s)
                 v_tile = v_smem.index(s)
                 x = k_tile.load(acc_l).to(gl.float32)
-                sig = gl.where(x > 0, x + 1.0, gl.exp(x))
+                sig = sigma(x)
                 grad = gl.where(x > 0, 1.0, sig).to(dtype)  # sigma'(K), held across the products
                 k_tile.store(sig.to(dtype))  # each thread rewrites what it read
                 fence_async_shared()
