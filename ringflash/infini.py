@@ -20,8 +20,8 @@ all segments at once by one kernel, and the memory before each segment is an exc
 segments (a chunked linear-attention form); one more kernel does the retrieval, the division and
 the gate for every token (``kernels/infini/memory.py``, ``kernels/infini/retrieval.py``: bf16
 inputs run the head_dim x head_dim products on tensor cores with float32 accumulation; on an
-H100/H200 the retrieval's backward at head_dim 128 is a Gluon kernel,
-``kernels/hopper/infini_retrieval.py``). What
+H100/H200 at head_dim 128 the updates, the retrieval and their backwards are Gluon kernels,
+``kernels/hopper/infini_*.py``). What
 stays for the backward is the inputs, the local attention's output and LSE, z before each
 segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
 v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward
@@ -29,7 +29,9 @@ rebuilds them from k and v (``infini_memory_bytes``). On one device the local at
 inside the same autograd Function (``_GatedMemory``): its backward adds into the memory path's
 dq, dk, dv, runs on the output gradient itself with its delta from the retrieval's backward pass
 and its LSE shifted by -log(1 - gate) (which scales its gradients by 1 - gate), so neither the
-local attention's output gradient nor sums of two gradients are made.
+local attention's output gradient nor sums of two gradients are made; where the fused Hopper
+backward runs, the linear updates' backward is added into its dK and dV while each key tile's
+K and V are in shared memory (``kernels/infini/local.py``), without a pass of its own.
 Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
 sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
 pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
@@ -77,6 +79,7 @@ from .kernels.infini.delta import (
     delta_scan,
     delta_scan_backward,
 )
+from .kernels.infini.local import local_backward
 from .kernels.infini.memory import (
     memory_gram,
     memory_scan,
@@ -390,7 +393,8 @@ class _GatedMemory(torch.autograd.Function):
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
     memory path's dq, dk, dv and the local attention's backward adds into them, run on dout with
-    its delta from the retrieval's backward pass and its LSE shifted by the gate."""
+    its delta from the retrieval's backward pass and its LSE shifted by the gate (the linear
+    rule's updates' backward inside it where the fused Hopper kernel runs: ``local_backward``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates, rule):
@@ -439,13 +443,16 @@ class _GatedMemory(torch.autograd.Function):
         dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
             q, local, gate, m_before, z_before, seg, dout, delta, torch.float32 if ctx.fused_local else None
         )
-        dk = dv = None
+        dk = dv = updates_grads = None
         if ctx.rule == "linear":
             del m_before
             g_mfinal, g_zfinal = final_grads
             grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
             grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
-            dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
+            if ctx.fused_local:  # added into the local attention's dK, dV (local_backward)
+                updates_grads = grad_dm, grad_dz
+            else:
+                dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
         elif ctx.rule == "delta":
             g_mfinal, g_zfinal = final_grads
             dk, dv, gm, gz = delta_memories_backward(
@@ -453,14 +460,19 @@ class _GatedMemory(torch.autograd.Function):
             )
         if ctx.fused_local:
             flat, problem = _local_problem(q, k, v, seg, ctx.scale)
-            if dk is None:
-                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             # The local attention's backward runs on dout itself (dlocal = (1 - gate) dout is
             # never made): its LSE shifted by -log(1 - gate) scales the probabilities it
             # recomputes, and so every gradient, by 1 - gate.
             lse = lse - torch.log1p(-gate)[:, None]
-            grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dout, dq, dk, dv)]
-            attention_backward(grads[0], *flat, lse, delta, problem, *grads[1:], accumulate=True)
+            dout_flat, dq_flat = (t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dout, dq))
+            if updates_grads is not None:
+                grads = local_backward(dout_flat, *flat, lse, delta, problem, dq_flat, seg, *updates_grads)
+                dk, dv = (t.view(k.shape) for t in grads)
+            else:
+                if dk is None:
+                    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+                grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dk, dv)]
+                attention_backward(dout_flat, *flat, lse, delta, problem, dq_flat, *grads, accumulate=True)
             dq = dq.to(q.dtype)
         return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
 

@@ -312,13 +312,85 @@ def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, wh
         _check(name, got.grad, want.grad, tol)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors: the interpreter")
+@pytest.mark.parametrize(
+    "shapes, dtype, match",
+    [
+        (((1, 3, 1, 128, 128), (1, 3, 1, 128)), torch.float16, "one state per segment"),  # 2 segments
+        (((1, 2, 1, 128, 128), (1, 2, 1, 64)), torch.float16, "one state per segment"),  # gdz's head_dim
+        (((1, 2, 1, 128, 128), (1, 2, 1, 128)), torch.float32, "in q's dtype"),
+    ],
+)
+def test_fused_backward_rejects_mismatched_updates_grads(shapes, dtype, match):
+    """The fused Hopper backward checks the memory updates' gradients it is given against the
+    problem's segments and kv heads before it launches (a mismatch would read other segments'
+    states)."""
+    from ringflash.kernels import build_problem, cu_seqlens_tensor
+    from ringflash.kernels.hopper.dispatch import hopper_module
+
+    backward = hopper_module("backward")
+    if backward is None:
+        pytest.skip("no Gluon in this Triton")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(256, 2, 128, generator=g).half()
+    k, v = (torch.randn(256, 1, 128, generator=g).half() for _ in range(2))
+    cu = cu_seqlens_tensor([0, 128, 256], None)
+    problem = build_problem(q, k, v, None, True, (-1, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                            max_seqlen_q=128, max_seqlen_k=128)  # fmt: skip
+    lse, delta = (torch.randn(problem.lse_shape(256), generator=g) for _ in range(2))
+    grads = (torch.randn(shapes[0], generator=g).to(dtype), torch.randn(shapes[1], generator=g))
+    dq, dk, dv = torch.randn(q.shape, generator=g), torch.empty_like(k), torch.empty_like(v)
+    with pytest.raises(ValueError, match=match):
+        backward.fused_backward(q, q, k, v, lse, delta, problem, dq, dk, dv, False, grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batch", "seqlen", "heads", "kv_heads", "segment_len"),
+    [
+        (2, 1000, 4, 2, 256),  # GQA; a shorter last segment: a key tile past its segment's end
+        (1, 4096, 2, 2, 2048),  # whole 128-key tiles
+    ],
+)
+def test_hopper_updates_backward_fused_into_local(monkeypatch, batch, seqlen, heads, kv_heads, segment_len):
+    """The linear memory updates' backward added into the local attention's dK and dV inside
+    the fused Hopper backward (backward.py's MEMORY epilogue, ``infini.local.local_backward``)
+    gives the separate kernels' gradients and float64's."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90")
+    from ringflash.kernels.hopper import backward as hopper_backward
+
+    calls = []
+    fused_backward = hopper_backward.fused_backward
+
+    def counted(*args):  # which launches carried the updates' gradients
+        calls.append(len(args) > 11 and args[11] is not None)
+        return fused_backward(*args)
+
+    monkeypatch.setattr(hopper_backward, "fused_backward", counted)
+    q, k, v, beta, dout = _inputs(batch, seqlen, heads, kv_heads, 128, torch.bfloat16, seed=5)
+    grads = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        leaves = [t.cuda().requires_grad_() for t in (q, k, v, beta)]
+        ringflash.infini_attention(*leaves, segment_len).backward(dout.cuda())
+        grads.append([t.grad for t in leaves])
+    assert calls == [True, False]  # fused, then the updates' own kernel and a plain backward
+    ref = [t.double().requires_grad_() for t in (q, k, v, beta)]
+    infini_reference(*ref, segment_len, "linear")[0].backward(dout.double())
+    for name, fused, separate, want in zip(("dq", "dk", "dv", "dbeta"), *grads, ref):
+        assert torch.isfinite(fused).all(), name
+        _check(name, fused, want.grad, TOLERANCE[torch.bfloat16])
+        _check(name + " (separate kernels)", fused, separate, 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("batch", "seqlen", "heads", "kv_heads", "segment_len", "whole_segments"),
     [
         (2, 1000, 4, 2, 300, False),  # GQA; segments and chunks that are not whole 128-row steps
         (1, 4096, 8, 8, 2048, True),  # whole segments of 16 steps per program
-        (1, 700, 4, 1, 256, True),  # MQA, a shorter last segment
+        (2, 700, 4, 1, 256, True),  # MQA, a shorter last segment ending inside a 64-row block
     ],
 )
 def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, heads, kv_heads, segment_len,

@@ -17,7 +17,9 @@ The compute warps hand stages back to the loader and dQ tiles to the writer by m
 head_dim 64 by named barriers that they pass without waiting for each other (QDO_FREE, DQ_FULL;
 docs/experiments.md §35).
 
-A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward.
+A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward. For
+Infini-attention's local attention (MEMORY) the linear memory updates' backward of each key tile
+is added into its dK and dV at the end, while K and V are still in shared memory.
 
 Masks. Each program computes, from its key tile's positions, the span of query tiles that see
 any of its keys (the ``tiling.visible_tiles`` rule, in non-negative integer math) and walks
@@ -89,6 +91,8 @@ from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
+from .infini_retrieval import matrix_descriptor
+from .infini_updates import add_updates_backward
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
@@ -558,7 +562,7 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
 @gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI, GDZ,
     seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows,
     v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb,
     stride_lh,
@@ -567,7 +571,7 @@ def _fused_bwd_kernel(
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    ACCUMULATE: gl.constexpr, num_warps: gl.constexpr,
+    ACCUMULATE: gl.constexpr, MEMORY: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
     packed batch's key tiles, KV head) (``tiling.tile_grid``). Unless MASKED, every length is a
@@ -575,7 +579,11 @@ def _fused_bwd_kernel(
     query at index m iff n <= m (causal, equal positions on both sides). VARLEN: sequence b's
     rows start at CU_Q[b] / CU_K[b] of one packed batch (then *_batch_rows and stride_dkb/dvb/lb
     are 0); per_len folds each sequence's length into its positions' start (positions.py). Past
-    head_dim 128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read."""
+    head_dim 128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read. MEMORY
+    (Infini-attention's local attention, head_dim 128, VARLEN: sequence b is segment b of a
+    batch row): the linear memory updates' backward of the key tile is added into dK and dV,
+    from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
+    b * kv_heads + kv head (``infini_updates.add_updates_backward``)."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
@@ -722,6 +730,15 @@ def _fused_bwd_kernel(
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
     )
+    if MEMORY:
+        # The sequence again (b from packed_tile is not kept past the loop); the Q/dO stages,
+        # done with, take gdM; kv_bar completes its second phase.
+        doc = gl.program_id(2)
+        if packed_docs > 0:
+            doc = packed_tile(gl.program_id(0), CU_K, packed_docs, BLOCK_N)[0]
+        g_smem = q_smem._reinterpret(dtype, gdm_desc.block_type.shape, gdm_desc.layout)
+        state = doc * gl.num_programs(1) + hk
+        dk, dv = add_updates_backward(k_smem, v_smem, g_smem, kv_bar, 1, gdm_desc, GDZ, state, dk, dv)
     layout: gl.constexpr = dk.type.layout
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     rows = (key_row0 + offs_n).to(gl.int64)
@@ -794,6 +811,7 @@ def fused_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     accumulate: bool,
+    updates_grads: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
     where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel
@@ -805,7 +823,12 @@ def fused_backward(
     The caller checks the rest (``backward_supports`` and the gate). Any mask the problem
     describes, a softcap and ALiBi are honoured as in the forward. dq is added to, never
     overwritten: zero it first for a plain backward. A head_dim between two builds runs the next
-    larger one, its tiles zero-filled past the tensors' head_dim by TMA (``tma.rows_descriptor``)."""
+    larger one, its tiles zero-filled past the tensors' head_dim by TMA (``tma.rows_descriptor``).
+
+    ``updates_grads`` (Infini-attention's local attention: packed segments, head_dim 128):
+    (gdM (batch, segments, kv_heads, 128, 128) in q's dtype, gdz (batch, segments, kv_heads, 128)
+    float32), contiguous, the gradients of the linear memory's per-segment updates: their
+    backward (``infini.memory.memory_updates_backward``) is added into dK/dV (the MEMORY epilogue)."""
     if (dq is None) == computes_dq(problem):
         wanted = "a float32 buffer" if computes_dq(problem) else "None (dq.fused_dq computes dQ)"
         raise ValueError(f"fused_backward at head_dim {problem.head_dim} takes dq={wanted}")
@@ -839,11 +862,22 @@ def fused_backward(
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
+    gdm_desc, gdz = qd, lse  # stand-ins, never read without MEMORY
+    if updates_grads is not None:
+        gdm, gdz = updates_grads
+        if not (varlen and problem.head_dim == head_dim == 128 and gdm.dtype == q.dtype):
+            raise ValueError("updates_grads needs packed segments at head_dim 128 and gdM in q's dtype")
+        states = (problem.batch, problem.heads_k)
+        if (gdm.shape[0] * gdm.shape[1], gdm.shape[2]) != states or gdz.shape != gdm.shape[:4]:
+            raise ValueError(f"updates_grads: one state per segment and kv head, got {tuple(gdm.shape)}")
+        if not (gdm.is_contiguous() and gdz.is_contiguous()):
+            raise ValueError("updates_grads must be contiguous")
+        gdm_desc = matrix_descriptor(gdm)
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
     _fused_bwd_kernel[grid](
-        qd, kd, vd, dod, dqd, dk, dv, lse, delta, cu_q, cu_k, slopes,
+        qd, kd, vd, dod, dqd, gdm_desc, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
         problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
@@ -851,5 +885,5 @@ def fused_backward(
         TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        MEMORY=updates_grads is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

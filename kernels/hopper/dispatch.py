@@ -154,6 +154,23 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     return hopper_module("dq") is not None
 
 
+def uses_fused_updates_backward(
+    problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor
+) -> bool:
+    """Whether Infini-attention's local attention backward (``infini.local.local_backward``)
+    adds the linear memory updates' backward into its dK/dV inside the fused Hopper kernel
+    (backward.py's MEMORY epilogue) instead of running ``memory_updates_backward`` first: the
+    fused kernel runs (``uses_fused_backward``) at head_dim 128 over packed segments, dq a
+    float32 buffer TMA writes, and ``RINGFLASH_HOPPER_INFINI`` is not 0 in the environment."""
+    if not (problem.varlen and problem.head_dim == 128 and dq.dtype == torch.float32):
+        return False
+    if not enabled("RINGFLASH_HOPPER_INFINI") or not uses_fused_backward(problem, q, k, v):
+        return False
+    tma = hopper_module("tma")
+    dq_ok = tma is not None and tma.tma_layout_ok(dq.unsqueeze(0))
+    return dq_ok and hopper_module("infini_updates") is not None
+
+
 def _infini_ok(*tensors: torch.Tensor) -> bool:
     """What the Infini-attention Hopper kernels need: an sm_90 GPU, bf16 (batch, seqlen, heads,
     128) tensors, and ``RINGFLASH_HOPPER_INFINI`` not 0 in the environment."""

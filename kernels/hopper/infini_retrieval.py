@@ -17,18 +17,22 @@ step ahead through a buffer of its own, while two compute warpgroups take 64 row
 memory's gradient is split by rows between them (64 x 128 each). 2.5 TB/s on an H200, 1.8x
 Triton's kernel (docs/experiments.md §41).
 
-Per step and warpgroup (its 64 tokens t, sigma = ELU + 1, den = sigma(q_t) z, g the head's gate):
+Per step and warpgroup (its 64 tokens t, sigma = ELU + 1, den = sigma(q_t) z, g the head's gate,
+scale = g / den, 0 where den is):
 
-    wq_t  = g sigma(q_t) / den                          (bf16, written over q_t in shared memory)
-    dproj = dout_t M^T                                  (two 64-column wgmmas)
-    a_t   = rowsum(dout_t * A_t) = rowsum(sigma(q_t) * dproj) / den
-    dq_t  = (g dproj / den - g a_t / den z^T) sigma'(q_t)
-    then, over the step's 128 tokens (both warpgroups' wq, after a named barrier):
-    dM[its 64 rows] += wq^T dout,   dz[its 64 rows] -= wq^T a   (a as column 0 of an 8-column tile)
+    sigma(q_t) written over q_t, scale_t dout_t over dout_t in shared memory (bf16)
+    dp    = scale dout_t M^T                            (two 64-column wgmmas)
+    c_t   = rowsum(sigma(q_t) * dp) / den = scale rowsum(dout_t * A_t)
+    dq_t  = (dp - c_t z^T) sigma'(q_t),   sigma' = min(sigma, 1)
+    then, over the step's 128 tokens (both warpgroups' tiles, after a named barrier):
+    dM[its 64 rows] += sigma(q)^T (scale dout),   dz[its 64 rows] -= sigma(q)^T c
+    (c as column 0 of an 8-column tile)
 
-with sigma(q_t) = wq_t / (g / den) read back per 64-column half where it is needed, and
-rowsum(dout_t * local_t), the local attention backward's delta.
-The outputs are those of ``retrieval._retrieval_backward_kernel`` with STATE and LOCAL_DELTA.
+with sigma(q_t) read back from shared memory where it is needed, and rowsum(dout_t * local_t),
+the local attention backward's delta, from dout as it came. The gate's gradient takes
+rowsum(dout * A) as rowsum(sigma(q) * dp) / g (0 for a gate of exactly 0, a sigmoid below
+-103, whose chain rule to beta multiplies by g (1 - g) = 0 anyway). The outputs are those of
+``retrieval._retrieval_backward_kernel`` with STATE and LOCAL_DELTA.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
@@ -63,7 +67,7 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     token_descriptor,
 )
 from .infini_updates import STAGES as FWD_STAGES
-from .tma import make_context_current
+from .tma import gl_dtype, make_context_current
 
 BLOCK_M = gl.constexpr(128)  # rows per step of the backward
 STAGES = gl.constexpr(2)  # the backward's ring
@@ -148,10 +152,10 @@ def retrieval_kernel(
 
 
 def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
-    """A TMA descriptor of bf16 (..., 128, 128) matrices, contiguous, one matrix per block."""
+    """A TMA descriptor of 16-bit (..., 128, 128) matrices, contiguous, one matrix per block."""
     make_context_current(m.device)
     d = m.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl_dtype(m.dtype))
     return TensorDescriptor(m, [m.numel() // d, d], [d, 1], [d, d], layout)
 
 
@@ -216,6 +220,20 @@ def _loader(
 
 
 @gluon.jit
+def _store_dq(DQ, value, b, h, r0, col, hi, stride_b, stride_s, stride_h):
+    """A warpgroup's (64, 64) float32 half of dq at rows [r0, r0 + 64) of batch row b, columns
+    col of head h, rows from ``hi`` on masked. Both halves share one offset tensor: with one per
+    half the build hoisted both (64-bit, out of the loop) and spilled 270 registers per step;
+    through shared memory by TMA instead it ran at the same speed (docs/experiments.md §44)."""
+    layout: gl.constexpr = value.type.layout
+    rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    offs = rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
+    ptr = DQ + (b.to(gl.int64) * stride_b + h * stride_h + col)
+    gl.store(ptr + offs, value, mask=(rows < hi)[:, None])
+
+
+@gluon.jit
 def _compute(
     q_smem, do_smem, m_smem, da_smem, lo_smem, ready, empty, lo_ready, lo_empty, m_bar, DQ, Z, GATE, GGATE,
     DELTA, GM, GZ, b, lo, hi, n_tiles, kvh, state, n_states, pid_c, n_c, pid_bs, seqlen, heads, batch,
@@ -235,9 +253,9 @@ def _compute(
     da_l: gl.constexpr = block_layout(8)
     da_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, da_l))
     gz = gl.zeros([HALF, 8], gl.float32, da_l)
-    # A column vector in the products' layout takes 16 registers per thread: z is loaded where
-    # it is used (from L1).
     cols = gl.arange(0, HALF, layout=cols_l)
+    z0 = gl.load(Z + state * HEAD_DIM + cols)
+    z1 = gl.load(Z + state * HEAD_DIM + HALF + cols)
     gm = gl.zeros([HALF, HEAD_DIM], gl.float32, full_l)
     t_rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, tile_l))
     mbarrier.wait(m_bar, 0)
@@ -245,7 +263,7 @@ def _compute(
         h = kvh * group + g
         gate = gl.load(GATE + h)
         # the gate's gradient: the sum of rowsum(dout * A) minus that of rowsum(dout * local)
-        dout_a_sum = gl.zeros([HALF], gl.float32, rows_l)
+        u_sum = gl.zeros([HALF], gl.float32, rows_l)
         dout_local_sum = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, tile_l))
         for i in range(n_tiles):
             j = g * n_tiles + i
@@ -253,59 +271,54 @@ def _compute(
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             r0 = lo + i * BLOCK_M + w * HALF
             do_s = do_smem.index(s * 2 + w)
-            # rowsum(dout * local), the local attention backward's delta
+            rows = r0 + gl.arange(0, HALF, layout=rows_l)
+            ok = rows < hi
+            # sigma(q) over the warpgroup's own q tiles of the stage (each thread rewriting what
+            # it read), and scale = gate / den over its dout tile: the memory's gradient is
+            # sigma(q)^T (scale dout) and dout M^T comes out scaled, so sigma(q) is read back
+            # as it is where it is needed (no held halves beside the memory's gradient, no
+            # division). The stage is not reloaded before both warpgroups' products retire.
+            q_s0 = q_smem.index((s * 2 + w) * 2)
+            q_s1 = q_smem.index((s * 2 + w) * 2 + 1)
+            x = _sigma_tile(q_s0, ok, half_l)
+            den = gl.sum(x * z0[None, :], 1)
+            q_s0.store(x.to(dtype))
+            x = _sigma_tile(q_s1, ok, half_l)
+            den += gl.sum(x * z1[None, :], 1)
+            q_s1.store(x.to(dtype))
+            inv = inverse(den)
+            scale = gl.convert_layout(gate * inv, gl.SliceLayout(1, tile_l))  # 0 where inv is
+            # rowsum(dout * local), the local attention backward's delta, from dout as it came
             t_ok = (r0 + t_rows) < hi
             mbarrier.wait(lo_ready, j & 1)
-            local = lo_smem.index(w).load(tile_l)
-            dout_local = gl.sum(do_s.load(tile_l).to(gl.float32) * local.to(gl.float32), 1)
+            dout = do_s.load(tile_l)
+            dout_local = gl.sum(dout.to(gl.float32) * lo_smem.index(w).load(tile_l).to(gl.float32), 1)
             mbarrier.arrive(lo_empty, count=1)
+            do_s.store((dout.to(gl.float32) * scale[:, None]).to(dtype))
             dout_local = gl.where(t_ok, dout_local, 0.0)
             dout_local_sum += dout_local
             if LOCAL_DELTA:
                 gl.store(DELTA + h * (batch * seqlen) + b * seqlen + r0 + t_rows, dout_local, mask=t_ok)
-            # wq replaces q in the warpgroup's own tiles of the stage (in dtype, each thread
-            # rewriting what it read; sigma(q) = wq / scale where it is needed): the memory's
-            # gradient (64 registers) stays live across the step, and held halves spilled. The
-            # stage is not reloaded before both warpgroups' products over it retire.
-            rows = r0 + gl.arange(0, HALF, layout=rows_l)
-            ok = rows < hi
-            q_s0 = q_smem.index((s * 2 + w) * 2)
-            q_s1 = q_smem.index((s * 2 + w) * 2 + 1)
-            q0 = _sigma_tile(q_s0, ok, half_l)
-            den = gl.sum(q0 * gl.load(Z + state * HEAD_DIM + cols)[None, :], 1)
-            q_s0.store(q0.to(dtype))
-            q1 = _sigma_tile(q_s1, ok, half_l)
-            den += gl.sum(q1 * gl.load(Z + state * HEAD_DIM + HALF + cols)[None, :], 1)
-            q_s1.store(q1.to(dtype))
-            inv = inverse(den)
-            scale = gate * inv
-            # 0 where scale is: there dq and the memory's gradients are 0 whatever sigma(q) is
-            rscale = inverse(scale)
-            q_s1.store((q1 * scale[:, None]).to(dtype))
-            q_s0.store((q_s0.load(half_l).to(gl.float32) * scale[:, None]).to(dtype))
             fence_async_shared()
             zero = gl.zeros([HALF, HALF], gl.float32, half_l)
             dp0 = warpgroup_mma(do_s, m_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
             dp1 = warpgroup_mma(do_s, m_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))
-            dout_a = gl.sum(q_s0.load(half_l).to(gl.float32) * dp0, 1)
-            q1 = q_s1.load(half_l).to(gl.float32) * rscale[:, None]
-            dout_a = dout_a * rscale + gl.sum(q1 * dp1, 1)
-            dout_a = dout_a * inv  # rowsum(dout * A)
-            gden = -gate * dout_a * inv
-            dq_rows = rows.to(gl.int64)[:, None] * stride_dqs
-            dq_off = b.to(gl.int64) * stride_dqb + h * stride_dqh + dq_rows + cols[None, :]
-            z1 = gl.load(Z + state * HEAD_DIM + HALF + cols)
-            dq1 = (dp1 * scale[:, None] + gden[:, None] * z1[None, :]) * gl.where(q1 > 1.0, 1.0, q1)
-            gl.store(DQ + dq_off + HALF, dq1, mask=ok[:, None])
-            q0 = q_s0.load(half_l).to(gl.float32) * rscale[:, None]
-            z0 = gl.load(Z + state * HEAD_DIM + cols)
-            dq0 = (dp0 * scale[:, None] + gden[:, None] * z0[None, :]) * gl.where(q0 > 1.0, 1.0, q0)
-            gl.store(DQ + dq_off, dq0, mask=ok[:, None])
-            da = gl.convert_layout(dout_a, gl.SliceLayout(1, da_l))
+            dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))  # scale dout M^T
+            # u = rowsum(sigma(q) * scale dout M^T) = gate rowsum(dout * A)
+            u = gl.sum(q_s0.load(half_l).to(gl.float32) * dp0, 1)
+            u += gl.sum(q_s1.load(half_l).to(gl.float32) * dp1, 1)
+            c = u * inv  # scale rowsum(dout * A): dq = (scale dout M^T - c z) sigma'(q)
+            x = q_s1.load(half_l).to(gl.float32)
+            dq = (dp1 - c[:, None] * z1[None, :]) * gl.minimum(x, 1.0)  # sigma' = min(sigma, 1)
+            _store_dq(DQ, dq, b, h, r0, HALF, hi, stride_dqb, stride_dqs, stride_dqh)
+            x = q_s0.load(half_l).to(gl.float32)
+            dq = (dp0 - c[:, None] * z0[None, :]) * gl.minimum(x, 1.0)
+            _store_dq(DQ, dq, b, h, r0, 0, hi, stride_dqb, stride_dqs, stride_dqh)
+            # z's gradient: -sigma(q)^T c
+            da = gl.convert_layout(c, gl.SliceLayout(1, da_l))
             da_smem.index(w).store(gl.where(da_cols[None, :] == 0, da[:, None], 0.0).to(dtype))
             fence_async_shared()
-            dout_a_sum += gl.where(ok, dout_a, 0.0)
+            u_sum += gl.where(ok, u, 0.0)
             named_barriers.sync(WQ_READY, 256)
             for t in gl.static_range(2):  # token half t: wq tile (t, d half w), dout tile t
                 wq_t = q_smem.index((s * 2 + t) * 2 + w).permute((1, 0))
@@ -313,7 +326,7 @@ def _compute(
                 gz = warpgroup_mma(wq_t, da_smem.index(t), gz, is_async=True)
             gm, gz = warpgroup_mma_wait(0, deps=(gm, gz))
             mbarrier.arrive(empty.index(s), count=1)
-        gate_grad = gl.sum(dout_a_sum, 0) - gl.sum(dout_local_sum, 0)
+        gate_grad = gl.sum(u_sum, 0) * inverse(gate) - gl.sum(dout_local_sum, 0)
         gl.store(GGATE + ((pid_bs * heads + h) * n_c + pid_c) * 2 + w, gate_grad)
     g_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, full_l))
     g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, full_l))

@@ -335,6 +335,31 @@ def updates_backward_kernel(
     # fmt: on
 
 
+@gluon.jit
+def add_updates_backward(k_smem, v_smem, g_smem, bar, phase, g_desc, GZ, state, dk, dv):
+    """The memory updates' backward of one key tile (``_bwd_compute``'s dV and dK) added into
+    the local attention's dK and dV of that tile (hopper/backward.py's MEMORY epilogue), with
+    its K and V (head_dim 128) still in shared memory: gdM of ``state`` comes by TMA into
+    ``g_smem`` (completing ``bar`` at ``phase``) and sigma(K) goes over K as dV's operand.
+
+        dV += sigma(K) gdM,   dK += (V gdM^T + gdz) sigma'(K)   (sigma' = min(sigma, 1) in bf16)
+    """
+    layout: gl.constexpr = dk.type.layout
+    mbarrier.expect(bar, g_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(g_desc, [state * HEAD_DIM, 0], bar, g_smem)
+    k_smem.store(sigma(k_smem.load(layout).to(gl.float32)).to(k_smem.dtype))
+    fence_async_shared()
+    mbarrier.wait(bar, phase)
+    zero = gl.zeros_like(dk)
+    dv = warpgroup_mma(k_smem, g_smem, dv, is_async=True)
+    t = warpgroup_mma(v_smem, g_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dv, t = warpgroup_mma_wait(0, deps=(dv, t))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
+    dk += (t + gz[None, :]) * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
+    return dk, dv
+
+
 def token_descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor, int]:
     """t (batch, seqlen, kv_heads, 128) as (rows, kv_heads * 128) with (64, block_cols) blocks,
     and its rows per batch row (``tma.tma_layout_ok`` layouts)."""

@@ -1,0 +1,53 @@
+"""The backward of Infini-attention's local attention together with the linear memory updates'.
+
+The local attention (causal inside each segment: one varlen problem whose sequences are the
+segments) and the per-segment updates dM_s = sigma(K_s)^T V_s, dz_s = sum sigma(K_s) both give
+gradients to k and v. Where the fused Hopper backward runs, it adds the updates' backward into
+the dK and dV of each key tile while that tile's K and V are still in shared memory (its MEMORY
+epilogue): no pass of its own over k and v, and no read of the updates' dK and dV back. Elsewhere
+``memory_updates_backward`` writes them first and the attention's backward adds into them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backward import attention_backward
+from ..hopper.dispatch import hopper_module, uses_fused_updates_backward
+from ..problem import AttentionProblem
+from .memory import memory_updates_backward
+
+
+def local_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    problem: AttentionProblem,
+    dq: torch.Tensor,
+    segment_len: int,
+    grad_dm: torch.Tensor,
+    grad_dz: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the local attention's dQ into ``dq`` and return (dk, dv), the local attention's and
+    the memory updates' gradients summed.
+
+    dout, q: (batch * seqlen, heads, head_dim), k, v: (batch * seqlen, kv_heads, head_dim), the
+    flattened views of (batch, seqlen, ...) tensors; ``problem``: the varlen problem over the
+    segments (sequence b * segments + s is segment s of batch row b); lse, delta: float32 in
+    ``problem.lse_shape``; dq float32 in q's shape; grad_dm (batch, segments, kv_heads,
+    head_dim, head_dim) in ``operand_dtype(q.dtype)`` and grad_dz (batch, segments, kv_heads,
+    head_dim) float32: the gradients of ``memory_updates``' outputs. dk, dv come in k's dtype."""
+    if uses_fused_updates_backward(problem, q, k, v, dq) and grad_dm.dtype == q.dtype:
+        dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
+        updates = (grad_dm.contiguous(), grad_dz.contiguous())
+        backward = hopper_module("backward")
+        backward.fused_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, False, updates)
+        return dk, dv
+    batch = grad_dm.shape[0]
+    k4, v4 = (t.view(batch, t.shape[0] // batch, *t.shape[1:]) for t in (k, v))
+    dk, dv = (t.view(k.shape) for t in memory_updates_backward(k4, v4, segment_len, grad_dm, grad_dz))
+    attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate=True)
+    return dk, dv
