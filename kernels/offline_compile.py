@@ -180,7 +180,7 @@ def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
     target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
     tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES), tensor_dim: int | None = None,
-    memory: bool = False,
+    memory: bool = False, gram: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/backward.py's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
@@ -189,7 +189,8 @@ def compile_fused_backward(
     documents) or ``tail`` (lengths that are not multiples of the tiles) the MASKED one. Integer
     arguments named in ``ones`` arrive as the constant 1 (a launch's specialization). With
     ``tensor_dim`` below head_dim: tensors of a head_dim between two builds, run at this one.
-    ``memory``: the MEMORY epilogue (Infini-attention's memory updates' backward added)."""
+    ``memory``: the MEMORY epilogue (Infini-attention's memory updates' backward added), with
+    ``gram`` the delta rule's Gram terms."""
     import torch
 
     from .hopper import backward as hb
@@ -202,19 +203,19 @@ def compile_fused_backward(
     q = _example_descriptor(group, block_m, head_dim=head_dim, tensor_dim=tensor_dim)
     dq = _example_descriptor(group, block_m, "float32", head_dim=head_dim, tensor_dim=tensor_dim)
     gdm = matrix_descriptor(torch.empty(1, 1, 128, 128, dtype=torch.bfloat16)) if memory else q
-    descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq, gdm_desc=gdm)
+    descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq, gdm_desc=gdm, s_desc=gdm)
     consts = dict(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, TENSOR_DIM=tensor_dim or head_dim,
         VARLEN=varlen, DIAGONAL=diagonal,
         MASKED=masked, HAS_LEFT=left, HAS_RIGHT=causal, SOFTCAP=softcap,
-        HAS_ALIBI=alibi, ACCUMULATE=accumulate, MEMORY=memory, num_warps=hb.NUM_WARPS,
+        HAS_ALIBI=alibi, ACCUMULATE=accumulate, MEMORY=memory, GRAM=gram, num_warps=hb.NUM_WARPS,
         **dict.fromkeys(ones, 1),
     )  # fmt: skip
     grads = "*fp32" if accumulate else "*bf16"
     cu = "*i32" if varlen else "*fp32"
     pointers = {
         "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
-        "GDZ": "*fp32",
+        "GDZ": "*fp32", "ZB": "*fp32",
     }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)

@@ -30,8 +30,9 @@ inside the same autograd Function (``_GatedMemory``): its backward adds into the
 dq, dk, dv, runs on the output gradient itself with its delta from the retrieval's backward pass
 and its LSE shifted by -log(1 - gate) (which scales its gradients by 1 - gate), so neither the
 local attention's output gradient nor sums of two gradients are made; where the fused Hopper
-backward runs, the linear updates' backward is added into its dK and dV while each key tile's
-K and V are in shared memory (``kernels/infini/local.py``), without a pass of its own.
+backward runs, the updates' backward (the delta rule's with its Gram terms) is added into its dK
+and dV while each key tile's K and V are in shared memory (``kernels/infini/local.py``), without
+a pass of its own.
 Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
 sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
 pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
@@ -74,6 +75,7 @@ from .kernels import (
 )
 from .kernels.infini.delta import (
     delta_gram_backward,
+    delta_gram_grads,
     delta_memories,
     delta_memories_backward,
     delta_scan,
@@ -393,8 +395,8 @@ class _GatedMemory(torch.autograd.Function):
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
     memory path's dq, dk, dv and the local attention's backward adds into them, run on dout with
-    its delta from the retrieval's backward pass and its LSE shifted by the gate (the linear
-    rule's updates' backward inside it where the fused Hopper kernel runs: ``local_backward``)."""
+    its delta from the retrieval's backward pass and its LSE shifted by the gate (the updates'
+    backward inside it where the fused Hopper kernel runs: ``local_backward``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates, rule):
@@ -453,6 +455,12 @@ class _GatedMemory(torch.autograd.Function):
                 updates_grads = grad_dm, grad_dz
             else:
                 dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
+        elif ctx.rule == "delta" and ctx.fused_local:  # the dk/dv pass in local_backward too
+            g_mfinal, g_zfinal = final_grads
+            grad_dm, grad_gram, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype)
+            del m_before, gram
+            grad_dz, s_grad, gz = delta_gram_grads(k, z_before, seg, grad_gram, gz, g_zfinal)
+            updates_grads = grad_dm, grad_dz, (s_grad, z_before)
         elif ctx.rule == "delta":
             g_mfinal, g_zfinal = final_grads
             dk, dv, gm, gz = delta_memories_backward(

@@ -97,6 +97,7 @@ CASES = {
         (True, 1, False, False, 128, "tail", 20), (True, 1, False, False, 128, "left", 20),
         (True, 4, True, False, 128, "left varlen", 10), (True, 1, False, True, 128, "varlen", 6),
         (True, 1, False, False, 128, "left strides", 64), (True, 1, False, False, 128, "varlen memory", 26),
+        (True, 1, False, False, 128, "varlen memory gram", 75),
         (False, 1, False, False, 64, "", 0),
         (True, 2, True, False, 64, "left varlen", 0), (False, 1, False, True, 64, "tail", 0),
         (True, 2, True, True, 64, "left varlen ones", 0),
@@ -125,7 +126,7 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     mask = " ".join(w for w in mask.split() if not (w[0] == "t" and w[1:].isdigit()))
     k = compile_fused_backward(
         causal, group, accumulate, softcap, alibi=softcap, head_dim=head_dim, left="left" in mask,
-        varlen="varlen" in mask, tail="tail" in mask, memory="memory" in mask,
+        varlen="varlen" in mask, tail="tail" in mask, memory="memory" in mask, gram="gram" in mask,
         ones=ONES if "ones" in mask else () if "strides" in mask else ONES[:2], tensor_dim=tensor_dim,
     )
     case = (causal, group, softcap, head_dim, mask)
@@ -140,8 +141,8 @@ for causal, group, accumulate, softcap, head_dim, mask, most in CASES:
     # MASKED without GQA, softcap or ALiBi: masked edges, unmasked middle, masked edges (3 loops).
     loops = 3 if mask and group == 1 and not softcap and not dkdv_only else 1
     # MEMORY (Infini-attention's updates' backward in the epilogue): sigma(K) gdM and V gdM^T,
-    # K = 128, both operands from shared memory.
-    memory = 16 if "memory" in mask else 0
+    # K = 128, both operands from shared memory; GRAM (the delta rule) also sigma(K) S.
+    memory = (24 if "gram" in mask else 16) if "memory" in mask else 0
     wgmma = ptx.count("wgmma.mma_async")
     assert wgmma == loops * {64: 24, 128: 32, 256: 40}[head_dim] + memory, wgmma
     assert ("tanh.approx.f32" in ptx) == softcap

@@ -319,6 +319,7 @@ def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, wh
         (((1, 3, 1, 128, 128), (1, 3, 1, 128)), torch.float16, "one state per segment"),  # 2 segments
         (((1, 2, 1, 128, 128), (1, 2, 1, 64)), torch.float16, "one state per segment"),  # gdz's head_dim
         (((1, 2, 1, 128, 128), (1, 2, 1, 128)), torch.float32, "in q's dtype"),
+        (((1, 2, 1, 128, 128), (1, 2, 1, 128), (1, 2, 1, 64, 128)), torch.float16, "S must match"),
     ],
 )
 def test_fused_backward_rejects_mismatched_updates_grads(shapes, dtype, match):
@@ -339,12 +340,15 @@ def test_fused_backward_rejects_mismatched_updates_grads(shapes, dtype, match):
                             max_seqlen_q=128, max_seqlen_k=128)  # fmt: skip
     lse, delta = (torch.randn(problem.lse_shape(256), generator=g) for _ in range(2))
     grads = (torch.randn(shapes[0], generator=g).to(dtype), torch.randn(shapes[1], generator=g))
+    if len(shapes) == 3:  # the delta rule's S and z
+        grads += (torch.randn(shapes[2], generator=g).to(dtype), torch.randn(shapes[1], generator=g))
     dq, dk, dv = torch.randn(q.shape, generator=g), torch.empty_like(k), torch.empty_like(v)
     with pytest.raises(ValueError, match=match):
         backward.fused_backward(q, q, k, v, lse, delta, problem, dq, dk, dv, False, grads)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("update", ["linear", "delta"])
 @pytest.mark.parametrize(
     ("batch", "seqlen", "heads", "kv_heads", "segment_len"),
     [
@@ -352,10 +356,12 @@ def test_fused_backward_rejects_mismatched_updates_grads(shapes, dtype, match):
         (1, 4096, 2, 2, 2048),  # whole 128-key tiles
     ],
 )
-def test_hopper_updates_backward_fused_into_local(monkeypatch, batch, seqlen, heads, kv_heads, segment_len):
-    """The linear memory updates' backward added into the local attention's dK and dV inside
-    the fused Hopper backward (backward.py's MEMORY epilogue, ``infini.local.local_backward``)
-    gives the separate kernels' gradients and float64's."""
+def test_hopper_updates_backward_fused_into_local(
+    monkeypatch, batch, seqlen, heads, kv_heads, segment_len, update
+):  # fmt: skip
+    """The memory updates' backward (the delta rule's with its Gram terms) added into the local
+    attention's dK and dV inside the fused Hopper backward (backward.py's MEMORY epilogue,
+    ``infini.local.local_backward``) gives the separate kernels' gradients and float64's."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import backward as hopper_backward
@@ -363,8 +369,8 @@ def test_hopper_updates_backward_fused_into_local(monkeypatch, batch, seqlen, he
     calls = []
     fused_backward = hopper_backward.fused_backward
 
-    def counted(*args):  # which launches carried the updates' gradients
-        calls.append(len(args) > 11 and args[11] is not None)
+    def counted(*args):  # how many of the updates' gradients each launch carried
+        calls.append(len(args[11]) if len(args) > 11 and args[11] is not None else 0)
         return fused_backward(*args)
 
     monkeypatch.setattr(hopper_backward, "fused_backward", counted)
@@ -373,11 +379,12 @@ def test_hopper_updates_backward_fused_into_local(monkeypatch, batch, seqlen, he
     for flag in ("1", "0"):
         monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
         leaves = [t.cuda().requires_grad_() for t in (q, k, v, beta)]
-        ringflash.infini_attention(*leaves, segment_len).backward(dout.cuda())
+        ringflash.infini_attention(*leaves, segment_len, update=update).backward(dout.cuda())
         grads.append([t.grad for t in leaves])
-    assert calls == [True, False]  # fused, then the updates' own kernel and a plain backward
+    # fused (gdM, gdz[, S, z]), then the updates' own kernel and a plain backward
+    assert calls == [2 if update == "linear" else 4, 0]
     ref = [t.double().requires_grad_() for t in (q, k, v, beta)]
-    infini_reference(*ref, segment_len, "linear")[0].backward(dout.double())
+    infini_reference(*ref, segment_len, update)[0].backward(dout.double())
     for name, fused, separate, want in zip(("dq", "dk", "dv", "dbeta"), *grads, ref):
         assert torch.isfinite(fused).all(), name
         _check(name, fused, want.grad, TOLERANCE[torch.bfloat16])

@@ -562,8 +562,8 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
 @gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI, GDZ,
-    seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, s_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI,
+    GDZ, ZB, seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows,
     v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb,
     stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
@@ -571,7 +571,7 @@ def _fused_bwd_kernel(
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    ACCUMULATE: gl.constexpr, MEMORY: gl.constexpr, num_warps: gl.constexpr,
+    ACCUMULATE: gl.constexpr, MEMORY: gl.constexpr, GRAM: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
     packed batch's key tiles, KV head) (``tiling.tile_grid``). Unless MASKED, every length is a
@@ -583,7 +583,8 @@ def _fused_bwd_kernel(
     (Infini-attention's local attention, head_dim 128, VARLEN: sequence b is segment b of a
     batch row): the linear memory updates' backward of the key tile is added into dK and dV,
     from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
-    b * kv_heads + kv head (``infini_updates.add_updates_backward``)."""
+    b * kv_heads + kv head (``infini_updates.add_updates_backward``); GRAM (the delta rule)
+    with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB)."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
@@ -731,14 +732,17 @@ def _fused_bwd_kernel(
         [WORKER_REGS, WORKER_REGS],
     )
     if MEMORY:
-        # The sequence again (b from packed_tile is not kept past the loop); the Q/dO stages,
-        # done with, take gdM; kv_bar completes its second phase.
+        # The sequence again (b from packed_tile is not kept past the loop); the Q and dO
+        # stages, done with, take gdM and S; kv_bar completes its second phase.
         doc = gl.program_id(2)
         if packed_docs > 0:
             doc = packed_tile(gl.program_id(0), CU_K, packed_docs, BLOCK_N)[0]
         g_smem = q_smem._reinterpret(dtype, gdm_desc.block_type.shape, gdm_desc.layout)
+        s_smem = do_smem._reinterpret(dtype, s_desc.block_type.shape, s_desc.layout)
         state = doc * gl.num_programs(1) + hk
-        dk, dv = add_updates_backward(k_smem, v_smem, g_smem, kv_bar, 1, gdm_desc, GDZ, state, dk, dv)
+        dk, dv = add_updates_backward(
+            k_smem, v_smem, g_smem, s_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv, GRAM
+        )
     layout: gl.constexpr = dk.type.layout
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     rows = (key_row0 + offs_n).to(gl.int64)
@@ -827,8 +831,10 @@ def fused_backward(
 
     ``updates_grads`` (Infini-attention's local attention: packed segments, head_dim 128):
     (gdM (batch, segments, kv_heads, 128, 128) in q's dtype, gdz (batch, segments, kv_heads, 128)
-    float32), contiguous, the gradients of the linear memory's per-segment updates: their
-    backward (``infini.memory.memory_updates_backward``) is added into dK/dV (the MEMORY epilogue)."""
+    float32), contiguous, the gradients of the memory's per-segment updates, and for the delta
+    rule also (S = dA + dA^T in gdM's shape and dtype, z before each segment in gdz's): their
+    backward (``infini.memory.memory_updates_backward``, with ``gram_grad`` = (S, z)) is added
+    into dK/dV (the MEMORY epilogue)."""
     if (dq is None) == computes_dq(problem):
         wanted = "a float32 buffer" if computes_dq(problem) else "None (dq.fused_dq computes dQ)"
         raise ValueError(f"fused_backward at head_dim {problem.head_dim} takes dq={wanted}")
@@ -862,22 +868,30 @@ def fused_backward(
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    gdm_desc, gdz = qd, lse  # stand-ins, never read without MEMORY
+    gdm_desc = s_desc = qd  # stand-ins, never read without MEMORY (GRAM)
+    gdz = z_before = lse
     if updates_grads is not None:
-        gdm, gdz = updates_grads
+        if len(updates_grads) not in (2, 4):
+            raise ValueError(f"updates_grads takes (gdM, gdz) or (gdM, gdz, S, z), got {len(updates_grads)}")
+        gdm, gdz = updates_grads[:2]
         if not (varlen and problem.head_dim == head_dim == 128 and gdm.dtype == q.dtype):
             raise ValueError("updates_grads needs packed segments at head_dim 128 and gdM in q's dtype")
         states = (problem.batch, problem.heads_k)
         if (gdm.shape[0] * gdm.shape[1], gdm.shape[2]) != states or gdz.shape != gdm.shape[:4]:
             raise ValueError(f"updates_grads: one state per segment and kv head, got {tuple(gdm.shape)}")
-        if not (gdm.is_contiguous() and gdz.is_contiguous()):
+        if len(updates_grads) == 4:
+            s_grad, z_before = updates_grads[2:]
+            if (s_grad.shape, s_grad.dtype, z_before.shape) != (gdm.shape, gdm.dtype, gdz.shape):
+                raise ValueError("updates_grads: S must match gdM's shape and dtype, z gdz's shape")
+            s_desc = matrix_descriptor(s_grad)
+        if not all(t.is_contiguous() for t in updates_grads):
             raise ValueError("updates_grads must be contiguous")
         gdm_desc = matrix_descriptor(gdm)
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
     _fused_bwd_kernel[grid](
-        qd, kd, vd, dod, dqd, gdm_desc, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
+        qd, kd, vd, dod, dqd, gdm_desc, s_desc, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz, z_before,
         problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows, v_rows,
         *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
@@ -885,5 +899,6 @@ def fused_backward(
         TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
-        MEMORY=updates_grads is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        MEMORY=updates_grads is not None, GRAM=updates_grads is not None and len(updates_grads) == 4,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip

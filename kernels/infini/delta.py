@@ -242,13 +242,31 @@ def delta_terms_backward(
     """Gradients (dk, dv in k's dtype, d z_in float32) of the per-segment terms of
     ``delta_memories`` (B_s, z's scan, A_s) given those of B_s, A_s, z before each segment and z
     after the last one (None: zero): one pass for z's gradient through w, then one for dk, dv."""
+    grads = delta_gram_grads(k, z_before, segment_len, grad_gram, grad_z_before, grad_z_final)
+    grad_dz, s_grad, grad_z_in = grads
+    dk, dv = memory_updates_backward(k, v, segment_len, grad_updates, grad_dz, (s_grad, z_before))
+    return dk, dv, grad_z_in
+
+
+def delta_gram_grads(
+    k: torch.Tensor,
+    z_before: torch.Tensor,
+    segment_len: int,
+    grad_gram: torch.Tensor,
+    grad_z_before: torch.Tensor | None,
+    grad_z_final: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the delta rule's dk/dv pass takes besides the updates' gradient (``delta_terms_backward``
+    before its last pass, or the local attention's backward where it runs that pass,
+    ``local.local_backward``): (the gradient of each segment's z update (batch, segments, kv_heads,
+    head_dim) float32, S = dA + dA^T (grad_gram's shape), d z_in float32), from the pass for z's
+    gradient through the weights w and the reverse scan over segments."""
     s_grad = _symmetric(grad_gram)
     grad_z = memory_gram_den_backward(k, segment_len, s_grad, z_before)
     if grad_z_before is not None:
         grad_z += grad_z_before
     grad_dz, grad_z_in = memory_scan(grad_z, grad_z_final, torch.float32, reverse=True)
-    dk, dv = memory_updates_backward(k, v, segment_len, grad_updates, grad_dz, (s_grad, z_before))
-    return dk, dv, grad_z_in
+    return grad_dz, s_grad, grad_z_in
 
 
 def delta_gram_backward(

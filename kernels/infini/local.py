@@ -1,4 +1,4 @@
-"""The backward of Infini-attention's local attention together with the linear memory updates'.
+"""The backward of Infini-attention's local attention together with the memory updates'.
 
 The local attention (causal inside each segment: one varlen problem whose sequences are the
 segments) and the per-segment updates dM_s = sigma(K_s)^T V_s, dz_s = sum sigma(K_s) both give
@@ -6,6 +6,8 @@ gradients to k and v. Where the fused Hopper backward runs, it adds the updates'
 the dK and dV of each key tile while that tile's K and V are still in shared memory (its MEMORY
 epilogue): no pass of its own over k and v, and no read of the updates' dK and dV back. Elsewhere
 ``memory_updates_backward`` writes them first and the attention's backward adds into them.
+The delta rule's updates (B_s as the linear rule's, and A_s = sigma(K_s)^T diag(w) sigma(K_s))
+take the same way, with the Gram matrices' terms.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def local_backward(
     segment_len: int,
     grad_dm: torch.Tensor,
     grad_dz: torch.Tensor,
+    gram_grad: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add the local attention's dQ into ``dq`` and return (dk, dv), the local attention's and
     the memory updates' gradients summed.
@@ -38,16 +41,23 @@ def local_backward(
     flattened views of (batch, seqlen, ...) tensors; ``problem``: the varlen problem over the
     segments (sequence b * segments + s is segment s of batch row b); lse, delta: float32 in
     ``problem.lse_shape``; dq float32 in q's shape; grad_dm (batch, segments, kv_heads,
-    head_dim, head_dim) in ``operand_dtype(q.dtype)`` and grad_dz (batch, segments, kv_heads,
-    head_dim) float32: the gradients of ``memory_updates``' outputs. dk, dv come in k's dtype."""
-    if uses_fused_updates_backward(problem, q, k, v, dq) and grad_dm.dtype == q.dtype:
+    head_dim, head_dim) and grad_dz (batch, segments, kv_heads,
+    head_dim) float32: the gradients of ``memory_updates``' outputs; ``gram_grad`` (the delta
+    rule): (S, z before each segment) as ``memory_updates_backward`` takes them. dk, dv come in
+    k's dtype."""
+    if uses_fused_updates_backward(problem, q, k, v, dq):
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
-        updates = (grad_dm.contiguous(), grad_dz.contiguous())
+        # the matrices as the products' operands (bf16/fp16), the vectors float32
+        updates = [grad_dm.to(q.dtype), grad_dz.float()]
+        if gram_grad is not None:
+            updates += [gram_grad[0].to(q.dtype), gram_grad[1].float()]
+        updates = tuple(t.contiguous() for t in updates)
         backward = hopper_module("backward")
         backward.fused_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, False, updates)
         return dk, dv
     batch = grad_dm.shape[0]
     k4, v4 = (t.view(batch, t.shape[0] // batch, *t.shape[1:]) for t in (k, v))
-    dk, dv = (t.view(k.shape) for t in memory_updates_backward(k4, v4, segment_len, grad_dm, grad_dz))
+    grads = memory_updates_backward(k4, v4, segment_len, grad_dm, grad_dz, gram_grad)
+    dk, dv = (t.view(k.shape) for t in grads)
     attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate=True)
     return dk, dv
