@@ -41,10 +41,9 @@ def local_backward(
     flattened views of (batch, seqlen, ...) tensors; ``problem``: the varlen problem over the
     segments (sequence b * segments + s is segment s of batch row b); lse, delta: float32 in
     ``problem.lse_shape``; dq float32 in q's shape; grad_dm (batch, segments, kv_heads,
-    head_dim, head_dim) and grad_dz (batch, segments, kv_heads,
-    head_dim) float32: the gradients of ``memory_updates``' outputs; ``gram_grad`` (the delta
-    rule): (S, z before each segment) as ``memory_updates_backward`` takes them. dk, dv come in
-    k's dtype."""
+    head_dim, head_dim) and grad_dz (batch, segments, kv_heads, head_dim) float32: the gradients
+    of ``memory_updates``' outputs; ``gram_grad`` (the delta rule): (S, z before each segment) as
+    ``memory_updates_backward`` takes them. dk, dv come in k's dtype."""
     if uses_fused_updates_backward(problem, q, k, v, dq):
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
         # the matrices as the products' operands (bf16/fp16), the vectors float32
