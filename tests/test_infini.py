@@ -316,7 +316,7 @@ def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, wh
 @pytest.mark.parametrize(
     "shapes, dtype, match",
     [
-        (((1, 3, 1, 128, 128), (1, 3, 1, 128)), torch.float16, "one state per segment"),  # 2 segments
+        (((1, 3, 1, 128, 128), (1, 3, 1, 128)), torch.float16, "one state per segment"),  # 3 for 2 segments
         (((1, 2, 1, 128, 128), (1, 2, 1, 64)), torch.float16, "one state per segment"),  # gdz's head_dim
         (((1, 2, 1, 128, 128), (1, 2, 1, 128)), torch.float32, "in q's dtype"),
         (((1, 2, 1, 128, 128), (1, 2, 1, 128), (1, 2, 1, 64, 128)), torch.float16, "S must match"),
