@@ -194,7 +194,7 @@ def compile_fused_backward(
     import torch
 
     from .hopper import backward as hb
-    from .hopper.infini_retrieval import matrix_descriptor
+    from .hopper.infini_updates import matrix_descriptor
 
     block_m, block_n = hb.TILES[head_dim]
     masked = left or varlen or tail
@@ -302,12 +302,12 @@ def compile_infini_retrieval(target: GPUTarget = HOPPER) -> triton.compiler.Comp
     import torch
 
     from .hopper import infini_retrieval as hir
-    from .hopper.infini_updates import token_descriptor
+    from .hopper.infini_updates import matrix_descriptor, token_descriptor
 
     q = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
     m = torch.empty(1, 8, 1, 128, 128, dtype=torch.bfloat16)
     descs = {name: token_descriptor(q, 128)[0] for name in ("q_desc", "lo_desc", "out_desc")}
-    descs["m_desc"] = hir.matrix_descriptor(m)
+    descs["m_desc"] = matrix_descriptor(m)
     pointers = {"OUT": "*bf16", "Z": "*fp32", "GATE": "*fp32"}
     options = {"num_warps": 4, "maxnreg": hir.MAX_REGISTERS}
     return _compile_gluon(hir.retrieval_kernel, descs, {}, pointers, options, target)

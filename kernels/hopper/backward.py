@@ -91,8 +91,7 @@ from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
-from .infini_retrieval import matrix_descriptor
-from .infini_updates import add_updates_backward
+from .infini_updates import add_updates_backward, matrix_descriptor
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync

@@ -61,13 +61,14 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     block_layout,
     chunk_item,
     inverse,
+    matrix_descriptor,
     sigma,
     store_block,
     stream_loader,
     token_descriptor,
 )
 from .infini_updates import STAGES as FWD_STAGES
-from .tma import gl_dtype, make_context_current
+from .tma import make_context_current
 
 BLOCK_M = gl.constexpr(128)  # rows per step of the backward
 STAGES = gl.constexpr(2)  # the backward's ring
@@ -149,14 +150,6 @@ def retrieval_kernel(
         [COMPUTE_REGS, LOADER_REGS],
     )
     # fmt: on
-
-
-def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
-    """A TMA descriptor of 16-bit (..., 128, 128) matrices, contiguous, one matrix per block."""
-    make_context_current(m.device)
-    d = m.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl_dtype(m.dtype))
-    return TensorDescriptor(m, [m.numel() // d, d], [d, 1], [d, d], layout)
 
 
 def launch_retrieval(

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .tma import make_context_current
+from .tma import gl_dtype, make_context_current
 
 HEAD_DIM = gl.constexpr(128)
 HALF = gl.constexpr(64)  # rows of dM per compute warpgroup; columns per k tile
@@ -395,6 +395,14 @@ def token_descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor
     return TensorDescriptor(t, [rows, heads * d], [t.stride(1), 1], block, layout), batch_rows
 
 
+def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor of 16-bit (..., 128, 128) matrices, contiguous, one matrix per block."""
+    make_context_current(m.device)
+    d = m.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl_dtype(m.dtype))
+    return TensorDescriptor(m, [m.numel() // d, d], [d, 1], [d, d], layout)
+
+
 def launch_updates(
     k: torch.Tensor, v: torch.Tensor, dm: torch.Tensor, dz: torch.Tensor, segment_len: int
 ) -> None:
@@ -432,8 +440,7 @@ def launch_updates_backward(
     n_items = b * n_seg * kv_heads * n_chunks
     (kd, k_rows), (vd, v_rows) = token_descriptor(k, d), token_descriptor(v, d)
     (dkd, dk_rows), (dvd, dv_rows) = token_descriptor(dk, d), token_descriptor(dv, d)
-    g_layout = gl.NVMMASharedLayout.get_default_for([d, d], gl.bfloat16)
-    gd = TensorDescriptor(grad_dm, [grad_dm.numel() // d, d], [d, 1], [d, d], g_layout)
+    gd = matrix_descriptor(grad_dm)
     programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
     updates_backward_kernel[(programs,)](
         kd, vd, gd, dkd, dvd, grad_dz, dk, dv, s, n_seg, segment_len, kv_heads, chunk, n_chunks, k_rows,
