@@ -313,18 +313,18 @@ def compile_infini_retrieval(target: GPUTarget = HOPPER) -> triton.compiler.Comp
     return _compile_gluon(hir.retrieval_kernel, descs, {}, pointers, options, target)
 
 
-def compile_infini_updates(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
+def compile_infini_updates(gram: bool = False, target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
     """Build hopper/infini_updates.py's Gluon kernel for ``target`` as a launch makes it (bf16,
-    head_dim 128)."""
+    head_dim 128): the updates, or with ``gram`` the delta rule's Gram matrices."""
     import torch
 
     from .hopper import infini_updates as hiu
 
     k = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
     descs = {"k_desc": hiu.token_descriptor(k, 64)[0], "v_desc": hiu.token_descriptor(k, 128)[0]}
-    pointers = {"DM": "*fp32", "DZ": "*fp32"}
+    pointers = {"DM": "*fp32", "DZ": "*fp32", "Z": "*fp32"}
     options = {"num_warps": 4, "maxnreg": hiu.MAX_REGISTERS}
-    return _compile_gluon(hiu.updates_kernel, descs, {}, pointers, options, target)
+    return _compile_gluon(hiu.updates_kernel, descs, {"GRAM": gram}, pointers, options, target)
 
 
 def compile_infini_updates_backward(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:

@@ -457,9 +457,9 @@ class _GatedMemory(torch.autograd.Function):
                 dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
         elif ctx.rule == "delta" and ctx.fused_local:  # the dk/dv pass in local_backward too
             g_mfinal, g_zfinal = final_grads
-            grad_dm, grad_gram, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype)
+            grad_dm, s_grad, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype, symmetric=True)
             del m_before, gram
-            grad_dz, s_grad, gz = delta_gram_grads(k, z_before, seg, grad_gram, gz, g_zfinal)
+            grad_dz, gz = delta_gram_grads(k, z_before, seg, s_grad, gz, g_zfinal)
             updates_grads = grad_dm, grad_dz, (s_grad, z_before)
         elif ctx.rule == "delta":
             g_mfinal, g_zfinal = final_grads

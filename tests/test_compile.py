@@ -284,7 +284,8 @@ print("dq ok")
 # the compute warpgroups' 240 registers spill (2026-11-26: 85 stores and 91 loads in the loops).
 # The group of query heads is a runtime loop: one build. The memory updates
 # (hopper/infini_updates.py): per 64-token block and warpgroup sigma(K)^T V and sigma(K)^T 1 (4
-# wgmma each, K = 64), no spills; their backward: sigma(K) gdM and V gdM^T (8 wgmma each, K =
+# wgmma each, K = 64), no spills, and the delta rule's Gram build the same (two 64-column
+# halves of (w sigma(K))^T sigma(K)); their backward: sigma(K) gdM and V gdM^T (8 wgmma each, K =
 # 128), 24 spill stores and 32 loads in the loops (2026-11-26).
 _INFINI = _WARP_SPECIALIZED + r"""
 from ringflash.kernels import offline_compile as oc
@@ -292,6 +293,7 @@ from ringflash.kernels import offline_compile as oc
 check_build(oc.compile_infini_retrieval(), 2 * 8, 0, 0, "retrieval")
 check_build(oc.compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 95, 95, "backward")
 check_build(oc.compile_infini_updates(), 2 * (4 + 4), 0, 0, "updates")
+check_build(oc.compile_infini_updates(gram=True), 2 * (4 + 4), 0, 0, "gram")
 check_build(oc.compile_infini_updates_backward(), 2 * (8 + 8), 40, 40, "updates backward")
 print("infini ok")
 """

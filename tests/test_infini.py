@@ -228,7 +228,7 @@ import torch, triton
 from ringflash.kernels.infini import delta, memory, retrieval
 from ringflash.kernels.offline_compile import SHARED_MEMORY_LIMIT, compile_kernel, resource_usage
 
-FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART"}
+FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART", "X", "MEMORY"}
 FLOAT32 |= {"GATE", "INV", "GDEN", "GGATE", "DELTA", "GM", "GZ"}
 
 
@@ -267,6 +267,7 @@ for d in (64, 128, 256):
     for transpose in (False, True):
         t = delta.scan_tiles(d, torch.bfloat16)
         build(delta._delta_scan_kernel, t, HAS_INIT=True, TRANSPOSE=transpose)
+    build(delta._gram_gradient_kernel, delta.gram_gradient_tiles(d, torch.bfloat16), SYMMETRIC=True)
 print("infini ok")
 """
 
@@ -504,6 +505,57 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
         assert torch.isfinite(hopper).all(), name
         _check(name, hopper, ref, 1e-2)  # bf16 operands
         _check(name + " (Triton)", hopper, triton_, 1e-2 if name == "dk" else 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, seqlen, kv_heads, segment_len, packed_k",
+    [
+        (2, 1000, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
+        (1, 40000, 8, 256, False),  # more (segment, head) items than SMs: programs walk several
+        (2, 4096, 2, 2048, True),  # k a strided view of a (batch, seqlen, 2 * heads, 128)
+    ],
+)
+def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed_k):
+    """The delta rule's weighted Gram matrices A_s = sigma(K)^T diag(w) sigma(K), w = 1 /
+    (sigma(K) z_s), on the Hopper updates kernel (kernels/hopper/infini_updates.py, GRAM) against
+    float64 and against the Triton kernel; the first segment's z is 0 (w = 0, A_s = 0)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90")
+    from ringflash.kernels.hopper import infini_updates
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
+    k = kk[:, :, :kv_heads] if packed_k else kk[:, :, :kv_heads].contiguous()
+    n_seg = -(-seqlen // segment_len)
+    # z grows with the tokens before the segment (a sum of sigma(K) > 0); a spread across
+    # entries makes w differ from token to token
+    z_before = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 2 * segment_len
+    z_before *= torch.arange(n_seg, device="cuda")[None, :, None, None]
+    pad = n_seg * segment_len - seqlen
+    sk_s = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1))
+    den = torch.einsum("bstkd,bskd->bstk", sk_s, z_before.double())
+    w = torch.where(den > 0, 1 / den.clamp_min(1e-300), 0.0)
+    want = torch.einsum("bstkd,bstk,bstke->bskde", sk_s, w, sk_s)
+    calls = []
+    launch = infini_updates.launch_updates
+
+    def poisoned(*args):  # every output must be written
+        calls.append(args[5] is not None)
+        args[2].fill_(float("nan"))
+        return launch(*args)
+
+    monkeypatch.setattr(infini_updates, "launch_updates", poisoned)
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        results.append(infini_memory.memory_gram(k, z_before, segment_len))
+    assert calls == [True]  # the first run took the Hopper kernel with z, the second Triton's
+    hopper, triton_ = results
+    assert torch.isfinite(hopper).all()
+    assert (hopper[:, 0] == 0).all()  # z = 0: nothing to retrieve, nothing subtracted
+    _check("A", hopper, want, 1e-2)  # bf16 operands
+    _check("A (Triton)", hopper, triton_, 4e-3)  # bf16(w sigma) on the other side of the product
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import named_barriers
 from .tma import gl_dtype, make_context_current
 
 HEAD_DIM = gl.constexpr(128)
@@ -44,6 +45,7 @@ ONES = gl.constexpr(8)  # columns of the ones tile (the narrowest wgmma)
 COMPUTE_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
 MAX_REGISTERS = 168  # 2 x 4 x 32 x 240 + 4 x 32 x 24 = 12 warps x 32 x 168
+GRAM_READY = named_barriers.FIRST_ID  # both warpgroups' halves of a block's sigma(K) written
 
 
 @gluon.constexpr_function
@@ -76,11 +78,12 @@ def _item(item, seqlen, n_seg, segment_len, kv_heads):
 @gluon.jit
 def _loader(
     k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads, k_batch_rows,
-    v_batch_rows, n_items,
+    v_batch_rows, n_items, GRAM: gl.constexpr,
 ):  # fmt: skip
     """Block j of the program (counted over its items) into ring stage j % STAGES: k as two
-    64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile."""
-    block_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile (not with GRAM)."""
+    V_BYTES: gl.constexpr = 0 if GRAM else v_desc.block_type.nbytes
+    block_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes + V_BYTES
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
@@ -94,17 +97,42 @@ def _loader(
                 tma.async_copy_global_to_shared(
                     k_desc, [b * k_batch_rows + t, h * HEAD_DIM + c * HALF], bar, k_smem.index(s * 2 + c)
                 )
-            v_coord = [b * v_batch_rows + t, h * HEAD_DIM]
-            tma.async_copy_global_to_shared(v_desc, v_coord, bar, v_smem.index(s))
+            if not GRAM:
+                v_coord = [b * v_batch_rows + t, h * HEAD_DIM]
+                tma.async_copy_global_to_shared(v_desc, v_coord, bar, v_smem.index(s))
             j += 1
 
 
 @gluon.jit
+def _gram_block(phi, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w: gl.constexpr):
+    """One 64-token block of the delta rule's A_s rows [w * 64, w * 64 + 64): ``phi`` is
+    sigma(K)'s columns [w * 64, w * 64 + 64), which the warpgroup has written over its k tile.
+    The weights wt = 1 / (sigma(K) z_s) take the whole rows, so the two warpgroups swap their
+    halves' row sums through ``den_smem`` (two slots per block parity: the other warpgroup reads
+    this block's before either writes the next but one); then (wt sigma(K))^T over the two k
+    tiles of sigma(K). Operands bf16 as the Triton kernel's (sigma(K) and wt sigma(K) rounded).
+    The products stay in flight while the next block's elementwise work runs: on return the
+    block before's are done (its stage can go, its wt sigma(K) buffer of two be rewritten)."""
+    part = gl.sum(phi * z_half[None, :], axis=1)
+    den_smem.index((j % 2) * 2 + w).store(part)
+    named_barriers.sync(GRAM_READY, 256)  # both halves of sigma(K) and of the row sums written
+    weights = inverse(part + den_smem.index((j % 2) * 2 + 1 - w).load(part.type.layout))
+    a_tile = a_smem.index(w * 2 + j % 2)
+    a_tile.store((phi * weights[:, None]).to(a_tile.dtype))
+    fence_async_shared()
+    operand = a_tile.permute((1, 0))  # (wt sigma(K))^T: (64 of head_dim, 64 tokens)
+    acc0 = warpgroup_mma(operand, k_smem.index(s * 2), acc0, is_async=True)
+    acc1 = warpgroup_mma(operand, k_smem.index(s * 2 + 1), acc1, is_async=True)
+    return warpgroup_mma_wait(2, deps=(acc0, acc1))
+
+
+@gluon.jit
 def _compute(
-    k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len, kv_heads, n_items,
-    w: gl.constexpr,
+    k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg, segment_len,
+    kv_heads, n_items, w: gl.constexpr, GRAM: gl.constexpr,
 ):  # fmt: skip
-    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz."""
+    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz, or with GRAM of
+    its A_s (``_gram_block``; Z: z before each segment, float32; dz not written)."""
     dtype: gl.constexpr = k_smem.dtype
     tile_l: gl.constexpr = block_layout(HALF)
     acc_l: gl.constexpr = block_layout(HEAD_DIM)
@@ -117,11 +145,18 @@ def _compute(
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_l))
     dz_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, dz_l))
     dz_cols = gl.arange(0, ONES, layout=gl.SliceLayout(0, dz_l))
+    half_cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, tile_l))
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
-        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_l)
-        dz = gl.zeros([HALF, ONES], gl.float32, dz_l)
+        state = item.to(gl.int64)  # items are numbered as dm, dz and z lay out their states
+        if GRAM:
+            z_half = gl.load(Z + state * HEAD_DIM + w * HALF + half_cols)
+            acc0 = gl.zeros([HALF, HALF], gl.float32, tile_l)
+            acc1 = gl.zeros([HALF, HALF], gl.float32, tile_l)
+        else:
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_l)
+            dz = gl.zeros([HALF, ONES], gl.float32, dz_l)
         for t in range(start, end, BLOCK_T):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -132,26 +167,42 @@ def _compute(
             x = gl.where(((t + tokens) < end)[:, None], sigma(x), 0.0)
             k_tile.store(x.to(dtype))  # each thread rewrites what it read
             fence_async_shared()
-            operand = k_tile.permute((1, 0))  # sigma(K)^T: (64 of head_dim, 64 tokens)
-            acc = warpgroup_mma(operand, v_smem.index(s), acc, is_async=True)
-            dz = warpgroup_mma(operand, ones, dz, is_async=True)
-            acc, dz = warpgroup_mma_wait(0, deps=(acc, dz))
-            mbarrier.arrive(empty.index(s), count=1)
+            if GRAM:
+                acc0, acc1 = _gram_block(x, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w)
+                if t > start:  # the block before's products are done
+                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+            else:
+                operand = k_tile.permute((1, 0))  # sigma(K)^T: (64 of head_dim, 64 tokens)
+                acc = warpgroup_mma(operand, v_smem.index(s), acc, is_async=True)
+                dz = warpgroup_mma(operand, ones, dz, is_async=True)
+                acc, dz = warpgroup_mma_wait(0, deps=(acc, dz))
+                mbarrier.arrive(empty.index(s), count=1)
             j += 1
-        state = item.to(gl.int64)  # items are numbered as dm and dz lay out their states
-        gl.store(DM + (state * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
-        gl.store(DZ + state * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
+        if GRAM:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+            rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, tile_l))
+            offs = (state * HEAD_DIM + rows)[:, None] * HEAD_DIM + half_cols[None, :]
+            gl.store(DM + offs, acc0)
+            gl.store(DM + offs + HALF, acc1)
+        else:
+            gl.store(DM + (state * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
+            gl.store(DZ + state * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
 
 
 @gluon.jit
 def updates_kernel(
-    k_desc, v_desc, DM, DZ, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
+    k_desc, v_desc, DM, DZ, Z, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
+    GRAM: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = k_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_T, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T, HEAD_DIM], v_desc.layout)
     ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, ONES], dtype)
     ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, ONES], ones_layout)
+    # GRAM: each warpgroup's two wt sigma(K) tiles, and the row sums the warpgroups swap
+    a_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_T, HALF], k_desc.layout)
+    den_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -160,12 +211,12 @@ def updates_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_compute, (k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len,
-                        kv_heads, n_items, 0)),
-            (_compute, (k_smem, v_smem, ones_smem, ready, empty, DM, DZ, seqlen, n_seg, segment_len,
-                        kv_heads, n_items, 1)),
+            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg,
+                        segment_len, kv_heads, n_items, 0, GRAM)),
+            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg,
+                        segment_len, kv_heads, n_items, 1, GRAM)),
             (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads,
-                       k_batch_rows, v_batch_rows, n_items)),
+                       k_batch_rows, v_batch_rows, n_items, GRAM)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -404,19 +455,23 @@ def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
 
 
 def launch_updates(
-    k: torch.Tensor, v: torch.Tensor, dm: torch.Tensor, dz: torch.Tensor, segment_len: int
-) -> None:
+    k: torch.Tensor, v: torch.Tensor, dm: torch.Tensor, dz: torch.Tensor, segment_len: int,
+    z_before: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Write ``memory.memory_updates``'s outputs: k, v (batch, seqlen, kv_heads, 128) bf16 in
     layouts ``dispatch.uses_infini_updates`` accepts; dm (batch, segments, kv_heads, 128, 128)
-    and dz (batch, segments, kv_heads, 128), float32, contiguous."""
+    and dz (batch, segments, kv_heads, 128), float32, contiguous. With ``z_before`` (dz's shape,
+    float32, contiguous: z before each segment) dm gets ``memory.memory_gram``'s A_s instead,
+    v is not read and dz not written."""
     b, s, kv_heads, _ = k.shape
     n_seg = dm.shape[1]
     n_items = b * n_seg * kv_heads
     (kd, k_rows), (vd, v_rows) = token_descriptor(k, HALF.value), token_descriptor(v, HEAD_DIM.value)
     programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
+    gram = z_before is not None
     updates_kernel[(programs,)](
-        kd, vd, dm, dz, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
-        num_warps=4, maxnreg=MAX_REGISTERS,
+        kd, vd, dm, dz, z_before if gram else dz, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
+        GRAM=gram, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 

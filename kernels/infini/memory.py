@@ -343,8 +343,8 @@ def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch
     n_seg = _n_seg(s, segment_len)
     dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
     dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
-    if not gram and uses_infini_updates(k, v):
-        hopper_module("infini_updates").launch_updates(k, v, dm, dz, segment_len)
+    if uses_infini_updates(k, v):
+        hopper_module("infini_updates").launch_updates(k, v, dm, dz, segment_len, z_before if gram else None)
         return dm, dz
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
     t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if gram else "updates")
