@@ -286,6 +286,17 @@ def relay_out(
     return results[0], (tuple(results[1:]) if share_last else None)
 
 
+def _transfer(op, tensors: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup) -> None:
+    """Send (``op`` = dist.isend) or receive (dist.irecv) ``tensors`` to or from group rank
+    ``peer`` as one batch, and wait: NCCL runs unbatched sends and receives as collectives,
+    serialized with every other operation of the group (and warns of it). A batch that is a
+    group's first operation must include every rank; the relay's callers run the ranks'
+    agreement check (a collective) first."""
+    to = dist.get_global_rank(group, peer)
+    for work in dist.batch_isend_irecv([dist.P2POp(op, t, to, group) for t in tensors]):
+        work.wait()
+
+
 class _RelayIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, anchor, *initial):
@@ -293,16 +304,14 @@ class _RelayIn(torch.autograd.Function):
         if ctx.rank == 0:
             return tuple(t.clone() for t in initial)
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in initial]
-        for t in received:
-            dist.recv(t, dist.get_global_rank(group, ctx.rank - 1), group=group)
+        _transfer(dist.irecv, received, ctx.rank - 1, group)
         return tuple(received)
 
     @staticmethod
     def backward(ctx, *grads):
         if ctx.rank == 0:
             return (None, None, *grads)
-        for g in grads:
-            dist.send(g.contiguous(), dist.get_global_rank(ctx.group, ctx.rank - 1), group=ctx.group)
+        _transfer(dist.isend, [g.contiguous() for g in grads], ctx.rank - 1, ctx.group)
         return (None, None, *(torch.zeros_like(g) for g in grads))
 
 
@@ -315,8 +324,7 @@ class _RelayOut(torch.autograd.Function):
         state = [t.contiguous() for t in state]
         ctx.state_like = [(t.shape, t.dtype) for t in state]
         if rank + 1 < world:
-            for t in state:
-                dist.send(t, dist.get_global_rank(group, rank + 1), group=group)
+            _transfer(dist.isend, state, rank + 1, group)
         shared = []
         if share_last:
             for t in state:
@@ -334,11 +342,8 @@ class _RelayOut(torch.autograd.Function):
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
             shared_sum.append(g)
         if rank + 1 < world:
-            dstate = []
-            for like in ctx.state_like:
-                g = torch.empty(like[0], dtype=like[1], device=dout.device)
-                dist.recv(g, dist.get_global_rank(group, rank + 1), group=group)
-                dstate.append(g)
+            dstate = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in ctx.state_like]
+            _transfer(dist.irecv, dstate, rank + 1, group)
         elif shared_sum:
             dstate = shared_sum
         else:

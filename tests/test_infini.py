@@ -711,6 +711,45 @@ def test_sequence_parallel_equals_single_device(rank_pool, world, update):
     _check("dnormalizer (sum over ranks)", sum(r[8] for r in results), ref[5].grad, tol)
 
 
+def _sequence_parallel_on_gpus(update, world):
+    """One rank of a real-size run (bf16, head_dim 128, GQA: the Hopper kernels on an sm_90 GPU,
+    NCCL between ranks): the sharded call against the whole sequence on the rank's own GPU;
+    returns the relative errors of its shard of out, dq, dk, dv and of beta's gradient summed
+    over the ranks."""
+    rank = dist.get_rank()
+    segment_len = 1000  # segments end inside 64- and 128-row tiles
+    per_rank = 2 * segment_len  # whole segments per rank (the sharded call's condition)
+    inputs = _inputs(2, per_rank * world, 8, 2, 128, torch.bfloat16, 21)
+    q, k, v, beta, dout = (t.to(worker_device()) for t in inputs)
+    whole = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+    out = ringflash.infini_attention(*whole, segment_len, update=update)
+    out.backward(dout)
+    shard = slice(rank * per_rank, (rank + 1) * per_rank)
+    parts = [t[:, shard].contiguous().requires_grad_() for t in (q, k, v)]
+    gate = beta.clone().requires_grad_()
+    out_sp = ringflash.infini_attention(*parts, gate, segment_len, group=dist.group.WORLD, update=update)
+    out_sp.backward(dout[:, shard])
+    dist.all_reduce(gate.grad)
+    errs = {"out": rel_err(out_sp, out.detach()[:, shard])}
+    for name, part, full in zip(("dq", "dk", "dv"), parts, whole[:3]):
+        errs[name] = rel_err(part.grad, full.grad[:, shard])
+    errs["dbeta"] = rel_err(gate.grad, whole[3].grad)
+    return errs
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_sequence_parallel_on_gpus_equals_single_device(rank_pool, world, update):
+    """Real sizes over NCCL: each rank's shard of the sharded call against the single-device call
+    on the same GPU (prefix sum or relay of the memory between ranks; the kernels as one device
+    runs them)."""
+    for rank, errs in enumerate(rank_pool(world).run(_sequence_parallel_on_gpus, update, world)):
+        print(update, world, rank, {name: f"{err:.1e}" for name, err in errs.items()})
+        for name, err in errs.items():
+            assert err < TOLERANCE[torch.bfloat16], (rank, name, err)
+
+
 def _prefix_sum_and_gradient():
     rank = dist.get_rank()
     x = torch.full((3,), float(rank + 1), requires_grad=True)
