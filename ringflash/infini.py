@@ -46,8 +46,11 @@ Sequence parallel (``group=``): each rank holds consecutive whole segments (cont
 Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
 exclusive prefix sum over the group (``comm.exclusive_prefix_sum``; world_size x kv_heads x
 head_dim^2 floats per batch row, independent of the length), issued before the local attention
-and awaited after it. Delta: z is such a prefix sum too, so every rank computes its B_s and A_s
-in parallel; M_s depends on rank r - 1's final memory, so the memory is relayed rank to rank
+and awaited after it, inside ``_GatedMemory`` as on one device (the local attention and the
+updates' backward in the same kernels); its backward's one all-gather of as many floats gives
+each rank the gradient of its own total update (``_ranks_memory_grads``). Delta: z is such a
+prefix sum too, so every rank computes its B_s and A_s in parallel; M_s depends on rank r - 1's
+final memory, so the memory is relayed rank to rank
 (``comm.relay_in``/``relay_out``, one kv_heads x head_dim^2 message per hop) and the ranks'
 head_dim x head_dim recurrences run one after another: about world_size x one rank's recurrence
 (0.6 ms forward, 0.8 ms backward at 1M tokens per rank, 8 heads of 128, on an H200) on top of
@@ -171,28 +174,15 @@ def infini_attention(
 
     gate = torch.sigmoid(beta.float())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    # On one device the local attention runs inside the memory path's autograd Function, whose
-    # backward adds the local attention's dq, dk, dv into its own (no autograd sums); under a
-    # group it runs outside, while the memory is communicated.
-    fused_local = world == 1 and head_dim % 8 == 0
-
     if update == "delta" and world > 1:
         return _delta_relay(q, k, v, gate, segment_len, scale, softmax_scale, m0, z0, memory, beta, group,
                             return_memory)  # fmt: skip
-    updates = None
-    if world > 1:  # linear: the memory entering this rank is a prefix sum over the group
-        dm, dz = _MemoryUpdates.apply(k, v, segment_len)
-        pending = comm.exclusive_prefix_sum(torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1), group)
-    local = None if fused_local else segment_local_attention(q, k, v, segment_len, softmax_scale)
-    if world > 1:
-        prefix, total = (_split_memory(t, head_dim) for t in pending.wait())
-        m_in, z_in = m0 + prefix[0], z0 + prefix[1]
-        updates = (dm.detach(), dz.detach())
-    else:
-        m_in, z_in = m0, z0
-    out, *final = _GatedMemory.apply(q, k, v, local, gate, m_in, z_in, segment_len, scale, updates, update)
-    if world > 1:
-        final = (m0 + total[0], z0 + total[1])
+    # The local attention runs inside the memory path's autograd Function, whose backward adds
+    # the local attention's dq, dk, dv into its own (no autograd sums), and under a group the
+    # linear rule's prefix sum over the ranks (and in the backward its gradient's) too.
+    local = None if head_dim % 8 == 0 else segment_local_attention(q, k, v, segment_len, softmax_scale)
+    group = group if world > 1 else None
+    out, *final = _GatedMemory.apply(q, k, v, local, gate, m0, z0, segment_len, scale, group, update)
     return (out, InfiniMemory(*final)) if return_memory else out
 
 
@@ -385,10 +375,15 @@ class _GatedMemory(torch.autograd.Function):
     """gate A_mem + (1 - gate) local, from the memory before each segment.
 
     ``rule`` "linear" or "delta" (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and
-    (B, Hk, D)): the memories before the segments come from k and v by that rule (the linear
-    rule's per-segment updates ``updates`` if given, detached), and the outputs are (out, M after
-    the call, z after it); the z's stay for the backward, and the M's too when they are small
-    (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
+    (B, Hk, D)): the memories before the segments come from k and v by that rule, and the outputs
+    are (out, M after the call, z after it); the z's stay for the backward, and the M's too when
+    they are small (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
+    ``group`` (the linear rule on a group of more than one rank, each holding consecutive whole
+    segments): the memory entering this rank is m, z plus the earlier ranks' updates (an exclusive
+    prefix sum of the ranks' totals, in flight during the local attention), M and z after the call
+    are m, z plus every rank's (alike on every rank), and the backward's one collective gives the
+    gradient of this rank's total: that of every later rank's entering memory and of the shared
+    final one (summed over the ranks), which the reversed scan starts from.
     ``rule`` "given" (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D) and
     (B, n_seg, Hk, D), the delta rule under a group): the output is out, and m, z get their
     gradients.
@@ -399,9 +394,15 @@ class _GatedMemory(torch.autograd.Function):
     backward inside it where the fused Hopper kernel runs: ``local_backward``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, updates, rule):
+    def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, group, rule):
         ctx.rule, ctx.segment_len, ctx.scale, ctx.fused_local = rule, segment_len, scale, local is None
+        ctx.group = group
         ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
+        if rule == "linear":
+            dm, dz = memory_updates(k, v, segment_len)
+            if group is not None:
+                totals = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
+                pending = comm.exclusive_prefix_sum(totals, group)
         lse = None
         if local is None:
             flat, problem = _local_problem(q, k, v, segment_len, scale)
@@ -411,9 +412,14 @@ class _GatedMemory(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
             return memory_retrieval(q, local, gate, m, z, segment_len)
         if rule == "linear":
-            dm, dz = updates if updates is not None else memory_updates(k, v, segment_len)
+            if group is not None:
+                prefix, total = (_split_memory(t, q.shape[3]) for t in pending.wait())
+                final = (m + total[0], z + total[1])
+                m, z = m + prefix[0], z + prefix[1]
             m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
             z_before, z_final = memory_scan(dz, z, torch.float32)
+            if group is not None:
+                m_final, z_final = final
         else:
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
         b, s, heads, d = q.shape
@@ -449,8 +455,12 @@ class _GatedMemory(torch.autograd.Function):
         if ctx.rule == "linear":
             del m_before
             g_mfinal, g_zfinal = final_grads
+            if ctx.group is not None:  # the reversed scan starts from this rank's total's gradient
+                entering, (g_mfinal, g_zfinal) = _ranks_memory_grads(gm, gz, g_mfinal, g_zfinal, ctx.group)
             grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
             grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
+            if ctx.group is not None:
+                gm, gz = entering
             if ctx.fused_local:  # added into the local attention's dK, dV (local_backward)
                 updates_grads = grad_dm, grad_dz
             else:
@@ -483,6 +493,24 @@ class _GatedMemory(torch.autograd.Function):
                 attention_backward(dout_flat, *flat, lse, delta, problem, dq_flat, *grads, accumulate=True)
             dq = dq.to(q.dtype)
         return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
+
+
+def _ranks_memory_grads(gm, gz, g_mfinal, g_zfinal, group):
+    """The linear rule's memory gradients across the ranks of ``group`` (``_GatedMemory``'s
+    backward), from gm, gz (the gradients of the memories before each of this rank's segments,
+    (B, n_seg, Hk, D, D) and (B, n_seg, Hk, D)) and this rank's gradients of the shared final
+    memory (None: zero), by one all-gather: ((the gradient of the memory m, z the call was given:
+    gm, gz summed over the segments plus the final memory's on this rank), (the gradient of this
+    rank's total update: the later ranks' sums plus the final memory's summed over the ranks)).
+    Summed over the ranks the first is the full gradient of m, z."""
+    entering = torch.cat([gm.float().sum(1).flatten(2), gz.float().sum(1)], dim=-1)
+    finals = [g if g is not None else torch.zeros(like.shape, device=gm.device) for g, like in
+              ((g_mfinal, gm[:, 0]), (g_zfinal, gz[:, 0]))]  # fmt: skip
+    final = torch.cat([finals[0].float().flatten(2), finals[1].float()], dim=-1)
+    prefix, total = comm.exclusive_prefix_sum(torch.cat([entering, final], dim=-1), group).wait()
+    width, d = entering.shape[-1], gm.shape[-1]
+    later = total[..., :width] - prefix[..., :width] - entering
+    return _split_memory(entering + final, d), _split_memory(later + total[..., width:], d)
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -659,13 +659,13 @@ def test_two_calls_carrying_the_memory_equal_one_call(device, update):
 
 
 def _sequence_parallel(update, world_dtype_seed):
-    world, dtype, seed = world_dtype_seed
+    world, dtype, seed, head_dim = world_dtype_seed
     rank = dist.get_rank()
-    q, k, v, beta, dout = _inputs(1, 8 * 2 * world, 2, 1, 16, dtype, seed)
+    q, k, v, beta, dout = _inputs(1, 8 * 2 * world, 2, 1, head_dim, dtype, seed)
     shard = slice(rank * 16, (rank + 1) * 16)  # contiguous: two segments of 8 per rank
     leaves = [t[:, shard].to(worker_device()).requires_grad_() for t in (q, k, v)]
     beta = beta.to(worker_device()).requires_grad_()
-    initial, memory_grad = _memory_and_gradient(seed)
+    initial, memory_grad = _memory_and_gradient(seed, head_dim)
     initial = [t.to(worker_device()).requires_grad_() for t in initial]
     out, memory = ringflash.infini_attention(
         *leaves, beta, 8, group=dist.group.WORLD, update=update, memory=tuple(initial), return_memory=True
@@ -678,23 +678,27 @@ def _sequence_parallel(update, world_dtype_seed):
     return [t.detach().cpu() for t in (out, *memory, *grads)]
 
 
-def _memory_and_gradient(seed):
-    """An initial memory (matrix, normalizer) for 1 batch row, 1 kv head of 16, and gradients for
-    the final one."""
+def _memory_and_gradient(seed, head_dim):
+    """An initial memory (matrix, normalizer) for 1 batch row, 1 kv head of head_dim, and
+    gradients for the final one."""
     g = torch.Generator().manual_seed(seed + 1)
-    initial = (torch.randn(1, 1, 16, 16, generator=g) * 0.1, torch.rand(1, 1, 16, generator=g) * 10)
-    return initial, (torch.randn(1, 1, 16, 16, generator=g), torch.randn(1, 1, 16, generator=g))
+    d = head_dim
+    initial = (torch.randn(1, 1, d, d, generator=g) * 0.1, torch.rand(1, 1, d, generator=g) * 10)
+    return initial, (torch.randn(1, 1, d, d, generator=g), torch.randn(1, 1, d, generator=g))
 
 
 # 2 ranks: first and last only; 3 ranks add a middle one that both receives and sends (the
-# relay) or sits inside the prefix sum. A fourth rank would only repeat the middle.
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("update", ["linear", "delta"])
-def test_sequence_parallel_equals_single_device(rank_pool, world, update):
+# relay) or sits inside the prefix sum. A fourth rank would only repeat the middle. Head dim 12:
+# the local attention outside the memory path's autograd Function (not a multiple of 8).
+@pytest.mark.parametrize(
+    ("world", "update", "head_dim"),
+    [(2, "linear", 16), (3, "linear", 16), (2, "delta", 16), (3, "delta", 16), (3, "linear", 12)],
+)
+def test_sequence_parallel_equals_single_device(rank_pool, world, update, head_dim):
     seed = 10 + world
-    results = rank_pool(world).run(_sequence_parallel, update, (world, torch.float32, seed))
-    q, k, v, beta, dout = _inputs(1, 16 * world, 2, 1, 16, torch.float32, seed)
-    initial, memory_grad = _memory_and_gradient(seed)
+    results = rank_pool(world).run(_sequence_parallel, update, (world, torch.float32, seed, head_dim))
+    q, k, v, beta, dout = _inputs(1, 16 * world, 2, 1, head_dim, torch.float32, seed)
+    initial, memory_grad = _memory_and_gradient(seed, head_dim)
     ref = [t.double().requires_grad_() for t in (q, k, v, beta, *initial)]
     ref_out, (matrix, norm) = infini_reference(*ref[:4], 8, update, memory=ref[4:])
     loss = (ref_out * dout.double()).sum()
