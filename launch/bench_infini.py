@@ -138,9 +138,7 @@ def bench_length(args: argparse.Namespace, s: int, device: torch.device, dtype: 
         except torch.OutOfMemoryError:
             row["error"] = "OOM"
         if method == "infini":
-            kept = infini_memory_bytes(
-                1, args.kv_heads, args.head_dim, s, seg, args.update, heads=args.heads, dtype=dtype
-            )
+            kept = infini_memory_bytes(1, args.kv_heads, args.head_dim, s, seg, heads=args.heads, dtype=dtype)
             row["memory_state_share"] = kept / activations
         for t in leaves:
             t.grad = None

@@ -256,96 +256,49 @@ class _AllGatherAsync(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None, None
 
 
-def relay_in(
-    initial: Sequence[torch.Tensor], group: dist.ProcessGroup, requires_grad: bool
-) -> tuple[torch.Tensor, ...]:
-    """The state handed along the ranks: rank 0 gets ``initial``, rank r > 0 receives the state
-    that rank r - 1 passes to ``relay_out`` (blocking until it does; ``initial`` is then unused).
-
-    Differentiable: in the backward rank r sends its state's gradient back to rank r - 1. Pass
-    ``requires_grad`` True on every rank whose output will be differentiated, so that the received
-    state takes part in the backward even when ``initial`` does not require a gradient. Pair every
-    call with one ``relay_out`` on every rank of the group.
-    """
-    anchor = torch.zeros((), device=initial[0].device, requires_grad=requires_grad)
-    return _RelayIn.apply(group, anchor, *initial)
-
-
-def relay_out(
-    out: torch.Tensor, state: Sequence[torch.Tensor], group: dist.ProcessGroup, share_last: bool
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """Send ``state`` to rank + 1 (the last rank sends nothing); returns ``out`` unchanged and, if
-    ``share_last``, the last rank's state on every rank (a broadcast).
-
-    The backward runs through ``out``, a tensor that every rank's loss depends on (e.g. an
-    input of the rank's output computed before ``state``): rank r receives the gradient
-    of its state from rank r + 1 (the last rank: the sum over ranks of the shared state's
-    gradients), so the backward relays from the last rank to the first.
-    """
-    results = _RelayOut.apply(group, share_last, out, *state)
-    return results[0], (tuple(results[1:]) if share_last else None)
+def relay_receive(
+    like: torch.Tensor, group: dist.ProcessGroup, backward: bool = False
+) -> torch.Tensor | None:
+    """The state handed along the ranks: rank r receives, blocking, what rank r - 1 passes to
+    ``relay_send`` (from rank r + 1 with ``backward``, as a gradient goes back), in a tensor of
+    ``like``'s shape and dtype; None on the first rank (the last with ``backward``)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = rank + 1 if backward else rank - 1
+    if not 0 <= peer < world:
+        return None
+    received = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    _transfer(dist.irecv, received, peer, group)
+    return received
 
 
-def _transfer(op, tensors: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup) -> None:
-    """Send (``op`` = dist.isend) or receive (dist.irecv) ``tensors`` to or from group rank
-    ``peer`` as one batch, and wait: NCCL runs unbatched sends and receives as collectives,
+def relay_send(state: torch.Tensor, group: dist.ProcessGroup, backward: bool = False) -> None:
+    """Send ``state`` to rank r + 1 (to r - 1 with ``backward``); nothing on the last rank (the
+    first with ``backward``). Pair with one ``relay_receive`` on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = rank - 1 if backward else rank + 1
+    if 0 <= peer < world:
+        _transfer(dist.isend, state.contiguous(), peer, group)
+
+
+def broadcast_from_last(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The last rank's ``t`` on every rank (a copy)."""
+    t = t.contiguous().clone()
+    dist.broadcast(t, dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
+    return t
+
+
+def sum_over_ranks(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``t`` over the group's ranks (a copy)."""
+    t = t.contiguous().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _transfer(op, t: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
+    """Send (``op`` = dist.isend) or receive (dist.irecv) ``t`` to or from group rank ``peer``
+    as a batched P2P call, and wait: NCCL runs unbatched sends and receives as collectives,
     serialized with every other operation of the group (and warns of it). A batch that is a
     group's first operation must include every rank; the relay's callers run the ranks'
     agreement check (a collective) first."""
-    to = dist.get_global_rank(group, peer)
-    for work in dist.batch_isend_irecv([dist.P2POp(op, t, to, group) for t in tensors]):
+    for work in dist.batch_isend_irecv([dist.P2POp(op, t, dist.get_global_rank(group, peer), group)]):
         work.wait()
-
-
-class _RelayIn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, anchor, *initial):
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        if ctx.rank == 0:
-            return tuple(t.clone() for t in initial)
-        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in initial]
-        _transfer(dist.irecv, received, ctx.rank - 1, group)
-        return tuple(received)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if ctx.rank == 0:
-            return (None, None, *grads)
-        _transfer(dist.isend, [g.contiguous() for g in grads], ctx.rank - 1, ctx.group)
-        return (None, None, *(torch.zeros_like(g) for g in grads))
-
-
-class _RelayOut(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, share_last, out, *state):
-        ctx.group, ctx.share_last = group, share_last
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        ctx.rank, ctx.world = rank, world
-        state = [t.contiguous() for t in state]
-        ctx.state_like = [(t.shape, t.dtype) for t in state]
-        if rank + 1 < world:
-            _transfer(dist.isend, state, rank + 1, group)
-        shared = []
-        if share_last:
-            for t in state:
-                t = t.clone()
-                dist.broadcast(t, dist.get_global_rank(group, world - 1), group=group)
-                shared.append(t)
-        return (out.view_as(out), *shared)
-
-    @staticmethod
-    def backward(ctx, dout, *dshared):
-        rank, world, group = ctx.rank, ctx.world, ctx.group
-        shared_sum = []
-        for g in dshared:
-            g = g.contiguous().clone()
-            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
-            shared_sum.append(g)
-        if rank + 1 < world:
-            dstate = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in ctx.state_like]
-            _transfer(dist.irecv, dstate, rank + 1, group)
-        elif shared_sum:
-            dstate = shared_sum
-        else:
-            dstate = [torch.zeros(s, dtype=d, device=dout.device) for s, d in ctx.state_like]
-        return (None, None, dout, *dstate)

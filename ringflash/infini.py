@@ -25,37 +25,37 @@ H100/H200 at head_dim 128 the updates, the retrieval and their backwards are Glu
 stays for the backward is the inputs, the local attention's output and LSE, z before each
 segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
 v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward
-rebuilds them from k and v (``infini_memory_bytes``). On one device the local attention runs
-inside the same autograd Function (``_GatedMemory``): its backward adds into the memory path's
+rebuilds them from k and v (``infini_memory_bytes``). The local attention runs inside the same
+autograd Function (``_GatedMemory``): its backward adds into the memory path's
 dq, dk, dv, runs on the output gradient itself with its delta from the retrieval's backward pass
 and its LSE shifted by -log(1 - gate) (which scales its gradients by 1 - gate), so neither the
 local attention's output gradient nor sums of two gradients are made; where the fused Hopper
 backward runs, the updates' backward (the delta rule's with its Gram terms) is added into its dK
 and dV while each key tile's K and V are in shared memory (``kernels/infini/local.py``), without
 a pass of its own.
+
 Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
 sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
 pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
-and the backward runs it in reverse (``kernels/infini/delta.py``). On one device it runs inside
-``_GatedMemory`` as the linear rule does (the memories kept or rebuilt by the same rule, A_s
-rebuilt by the backward; z stays); under a group B_s, A_s and the recurrence are separate
-autograd Functions (``_MemoryUpdates``, ``_Gram``, ``_DeltaScan``, which keeps the memories), so
-that the relay below waits for the recurrence only.
+and the backward runs it in reverse (``kernels/infini/delta.py``), inside ``_GatedMemory`` as
+the linear rule (the memories kept or rebuilt by the same rule, A_s rebuilt by the backward; z
+stays).
 
-Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards).
-Linear: the memory entering rank r is the sum of the earlier ranks' contributions, one
-exclusive prefix sum over the group (``comm.exclusive_prefix_sum``; world_size x kv_heads x
-head_dim^2 floats per batch row, independent of the length), issued before the local attention
-and awaited after it, inside ``_GatedMemory`` as on one device (the local attention and the
-updates' backward in the same kernels); its backward's one all-gather of as many floats gives
-each rank the gradient of its own total update (``_ranks_memory_grads``). Delta: z is such a
-prefix sum too, so every rank computes its B_s and A_s in parallel; M_s depends on rank r - 1's
-final memory, so the memory is relayed rank to rank
-(``comm.relay_in``/``relay_out``, one kv_heads x head_dim^2 message per hop) and the ranks'
+Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards),
+and the exchanges run inside ``_GatedMemory`` too, so the local attention and the updates'
+backward stay in the same kernels as on one device. Linear: the memory entering rank r is the
+sum of the earlier ranks' contributions, one exclusive prefix sum over the group
+(``comm.exclusive_prefix_sum``; world_size x kv_heads x (head_dim^2 + head_dim) floats per batch
+row, independent of the length), issued before the local attention and awaited after it; the
+backward's one all-gather of twice as many floats gives each rank the gradient of its own total
+update (``_ranks_grads``). Delta: z is such a prefix sum too, so every rank computes its B_s and
+A_s in parallel; M_s depends on rank r - 1's final memory, so the memory is relayed rank to rank
+(``comm.relay_receive``/``relay_send``, one kv_heads x head_dim^2 message per hop) and the ranks'
 head_dim x head_dim recurrences run one after another: about world_size x one rank's recurrence
-(0.6 ms forward, 0.8 ms backward at 1M tokens per rank, 8 heads of 128, on an H200) on top of
-the parallel work. The backward relays the memory's gradient back from the last rank the same
-way, each rank's reversed recurrence waiting for the next rank's.
+(0.7 ms forward, 1.1 ms backward with S at 1M tokens per rank, 8 heads of 128, on an H200) on
+top of the parallel work. The backward relays the memory's gradient back from the last rank the
+same way, each rank's reversed recurrence waiting for the next rank's, then gathers z's
+gradients as the linear rule does.
 """
 
 from __future__ import annotations
@@ -70,17 +70,14 @@ import torch.distributed as dist
 from . import comm
 from .consistency import call_signature, check_ranks_agree
 from .kernels import (
-    attention_backward,
     attention_forward,
     build_problem,
     cu_seqlens_tensor,
     flash_attn_varlen_func,
 )
 from .kernels.infini.delta import (
-    delta_gram_backward,
     delta_gram_grads,
     delta_memories,
-    delta_memories_backward,
     delta_scan,
     delta_scan_backward,
 )
@@ -174,40 +171,13 @@ def infini_attention(
 
     gate = torch.sigmoid(beta.float())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    if update == "delta" and world > 1:
-        return _delta_relay(q, k, v, gate, segment_len, scale, softmax_scale, m0, z0, memory, beta, group,
-                            return_memory)  # fmt: skip
     # The local attention runs inside the memory path's autograd Function, whose backward adds
     # the local attention's dq, dk, dv into its own (no autograd sums), and under a group the
-    # linear rule's prefix sum over the ranks (and in the backward its gradient's) too.
+    # exchanges between the ranks (and in the backward their gradients') too.
     local = None if head_dim % 8 == 0 else segment_local_attention(q, k, v, segment_len, softmax_scale)
     group = group if world > 1 else None
     out, *final = _GatedMemory.apply(q, k, v, local, gate, m0, z0, segment_len, scale, group, update)
     return (out, InfiniMemory(*final)) if return_memory else out
-
-
-def _delta_relay(
-    q, k, v, gate, segment_len, scale, softmax_scale, m0, z0, memory, beta, group, return_memory
-):
-    """The delta rule under a group. z before each rank is a prefix sum over the group, as the
-    linear rule's memory is, so every rank computes its B_s and A_s (the token passes) without
-    waiting; only the head_dim x head_dim recurrence waits for the previous rank's final memory,
-    and hands this rank's on before its retrieval. The local attention runs while z's prefix sum
-    is in flight."""
-    dm, dz = _MemoryUpdates.apply(k, v, segment_len)
-    pending = comm.exclusive_prefix_sum(dz.sum(1), group)
-    local = segment_local_attention(q, k, v, segment_len, softmax_scale)
-    z_prefix, z_total = pending.wait()
-    z_before = (z0 + z_prefix)[:, None] + _exclusive_cumsum(dz)
-    gram = _Gram.apply(k, z_before, segment_len)
-    tensors = (q, k, v, beta, *(memory or ()))
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    (m_in,) = comm.relay_in((m0,), group, requires_grad=needs_grad)
-    m_before, m = _DeltaScan.apply(dm, gram, m_in, q.dtype)
-    local, shared = comm.relay_out(local, (m,), group, share_last=return_memory)
-    final = InfiniMemory(shared[0] if return_memory else m, z0 + z_total)
-    out = _GatedMemory.apply(q, k, v, local, gate, m_before, z_before, segment_len, scale, None, "given")
-    return (out, final) if return_memory else out
 
 
 # The forward keeps the memories before each segment (in the products' operand dtype) for the
@@ -218,19 +188,15 @@ KEPT_MEMORIES_SHARE = 0.01
 
 
 def infini_memory_bytes(
-    batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, update: str = "linear",
-    sequence_parallel: bool = False, heads: int | None = None, dtype: torch.dtype = torch.bfloat16,
+    batch: int, kv_heads: int, head_dim: int, seqlen: int, segment_len: int, heads: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> int:  # fmt: skip
-    """Bytes of memory state that the forward keeps for the backward: z before each segment
-    (float32, batch x segments x kv_heads x head_dim x 4), and M before each segment (bf16 for
-    bf16 inputs, else float32) when that is at most KEPT_MEMORIES_SHARE of the bytes of q, k, v
-    and out (``heads`` query heads, default kv_heads, in ``dtype``), else the backward rebuilds
-    M from k and v; under the delta rule with ``sequence_parallel`` (a group of more than one
-    rank) M and A before each segment instead (float32, x (2 head_dim + 1)), which the
-    recurrence's own autograd Function keeps."""
+    """Bytes of memory state that the forward keeps for the backward, under either rule and on
+    one device or a group alike: z before each segment (float32, batch x segments x kv_heads x
+    head_dim x 4), and M before each segment (bf16 for bf16 inputs, else float32) when that is at
+    most KEPT_MEMORIES_SHARE of the bytes of q, k, v and out (``heads`` query heads, default
+    kv_heads, in ``dtype``), else the backward rebuilds M from k and v."""
     z_bytes = 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim
-    if update == "delta" and sequence_parallel:
-        return z_bytes * (2 * head_dim + 1)
     heads = heads or kv_heads
     return z_bytes + _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
 
@@ -307,59 +273,6 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
-class _MemoryUpdates(torch.autograd.Function):
-    """k, v -> (sigma(K_s)^T V_s, sum of sigma(K_s)) per segment, float32 (``memory_updates``)."""
-
-    @staticmethod
-    def forward(ctx, k, v, segment_len):
-        ctx.save_for_backward(k, v)
-        ctx.segment_len = segment_len
-        return memory_updates(k, v, segment_len)
-
-    @staticmethod
-    def backward(ctx, grad_dm, grad_dz):
-        k, v = ctx.saved_tensors
-        return *memory_updates_backward(k, v, ctx.segment_len, grad_dm, grad_dz), None
-
-
-class _Gram(torch.autograd.Function):
-    """k and z before each segment -> the delta rule's A_s per segment, float32 (``memory_gram``)."""
-
-    @staticmethod
-    def forward(ctx, k, z_before, segment_len):
-        ctx.save_for_backward(k, z_before)
-        ctx.segment_len = segment_len
-        return memory_gram(k, z_before, segment_len)
-
-    @staticmethod
-    def backward(ctx, grad_gram):
-        k, z_before = ctx.saved_tensors
-        return *delta_gram_backward(k, z_before, ctx.segment_len, grad_gram), None
-
-
-class _DeltaScan(torch.autograd.Function):
-    """(B_s, A_s per segment, the memory entering) -> (M before each segment, M after the last
-    one), float32, by the delta rule's recurrence (``delta_scan``); ``dtype``: the inputs'."""
-
-    @staticmethod
-    def forward(ctx, updates, gram, m_in, dtype):
-        ctx.set_materialize_grads(False)  # an unused final memory: no gradient to carry
-        m_before, m_final = delta_scan(updates, gram, m_in, dtype)
-        ctx.save_for_backward(gram, m_before)
-        ctx.dtype = dtype
-        return m_before, m_final
-
-    @staticmethod
-    def backward(ctx, grad_m_before, grad_m_final):
-        gram, m_before = ctx.saved_tensors
-        return *delta_scan_backward(m_before, gram, grad_m_before, grad_m_final, ctx.dtype), None
-
-
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the segments (dim 1) before each one."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1).cumsum(1)
-
-
 def _local_problem(q, k, v, segment_len: int, scale: float):
     """The local attention as one varlen problem over every segment of every batch row, on
     (batch * seqlen, heads, head_dim) views."""
@@ -372,56 +285,61 @@ def _local_problem(q, k, v, segment_len: int, scale: float):
 
 
 class _GatedMemory(torch.autograd.Function):
-    """gate A_mem + (1 - gate) local, from the memory before each segment.
-
-    ``rule`` "linear" or "delta" (``m``, ``z``: the memory entering the call, (B, Hk, D, D) and
-    (B, Hk, D)): the memories before the segments come from k and v by that rule, and the outputs
-    are (out, M after the call, z after it); the z's stay for the backward, and the M's too when
-    they are small (``KEPT_MEMORIES_SHARE``), else the backward rebuilds them from k and v.
-    ``group`` (the linear rule on a group of more than one rank, each holding consecutive whole
-    segments): the memory entering this rank is m, z plus the earlier ranks' updates (an exclusive
-    prefix sum of the ranks' totals, in flight during the local attention), M and z after the call
-    are m, z plus every rank's (alike on every rank), and the backward's one collective gives the
-    gradient of this rank's total: that of every later rank's entering memory and of the shared
-    final one (summed over the ranks), which the reversed scan starts from.
-    ``rule`` "given" (``m``, ``z``: the memories before each segment, (B, n_seg, Hk, D, D) and
-    (B, n_seg, Hk, D), the delta rule under a group): the output is out, and m, z get their
-    gradients.
+    """gate A_mem + (1 - gate) local, with the memories before the segments from k and v by the
+    ``rule`` ("linear" or "delta") and ``m``, ``z`` (the memory given to the call, (B, Hk, D, D)
+    and (B, Hk, D)); the outputs are (out, M after the call, z after it). The z's stay for the
+    backward, and the M's too when they are small (``KEPT_MEMORIES_SHARE``), else the backward
+    rebuilds them from k and v.
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the
     memory path's dq, dk, dv and the local attention's backward adds into them, run on dout with
     its delta from the retrieval's backward pass and its LSE shifted by the gate (the updates'
-    backward inside it where the fused Hopper kernel runs: ``local_backward``)."""
+    backward inside it where the fused Hopper kernel runs: ``local_backward``).
+
+    ``group`` (more than one rank, each holding consecutive whole segments; m, z alike on every
+    rank): z entering this rank is z plus the earlier ranks' updates, an exclusive prefix sum of
+    the ranks' totals in flight during the local attention, and so is M under the linear rule;
+    under the delta rule rank 0 starts from m and every later rank waits for the previous rank's
+    final M (``comm.relay_receive``) before its recurrence and hands its own on. M and z after the
+    call are the sequence's (alike on every rank). The backward mirrors it: the linear rule's
+    gradients of the ranks' totals come from one all-gather (``_ranks_grads``), the delta rule's
+    M gradient goes back rank by rank and its z gradients by one all-gather."""
 
     @staticmethod
     def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, group, rule):
         ctx.rule, ctx.segment_len, ctx.scale, ctx.fused_local = rule, segment_len, scale, local is None
         ctx.group = group
         ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
-        if rule == "linear":
+        if rule == "linear" or group is not None:
             dm, dz = memory_updates(k, v, segment_len)
-            if group is not None:
-                totals = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
-                pending = comm.exclusive_prefix_sum(totals, group)
+        if group is not None:  # the earlier ranks' totals, in flight during the local attention
+            totals = dz.sum(1) if rule == "delta" else torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
+            pending = comm.exclusive_prefix_sum(totals, group)
         lse = None
         if local is None:
             flat, problem = _local_problem(q, k, v, segment_len, scale)
             local, lse = attention_forward(*flat, problem)
             local = local.view(q.shape)
-        if rule == "given":
-            ctx.save_for_backward(q, k, v, local, lse, gate, m, z)
-            return memory_retrieval(q, local, gate, m, z, segment_len)
+        if group is not None:
+            prefix, total = pending.wait()
+            if rule == "linear":
+                (prefix_m, prefix), (total_m, total) = (_split_memory(t, q.shape[3]) for t in (prefix, total))
+                m, m_final = m + prefix_m, m + total_m
+            z, z_final = z + prefix, z + total
         if rule == "linear":
-            if group is not None:
-                prefix, total = (_split_memory(t, q.shape[3]) for t in pending.wait())
-                final = (m + total[0], z + total[1])
-                m, z = m + prefix[0], z + prefix[1]
-            m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
-            z_before, z_final = memory_scan(dz, z, torch.float32)
-            if group is not None:
-                m_final, z_final = final
-        else:
+            m_before, m_last = memory_scan(dm, m, operand_dtype(q.dtype))
+            z_before, z_last = memory_scan(dz, z, torch.float32)
+            if group is None:
+                m_final, z_final = m_last, z_last
+        elif group is None:
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
+        else:
+            z_before = memory_scan(dz, z, torch.float32)[0]
+            received = comm.relay_receive(m, group)
+            m = m if received is None else received
+            m_before, m_last = delta_scan(dm, memory_gram(k, z_before, segment_len), m, q.dtype)
+            comm.relay_send(m_last, group)
+            m_final = comm.broadcast_from_last(m_last, group)
         b, s, heads, d = q.shape
         kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
         ctx.kept = kept_bytes > 0
@@ -433,84 +351,81 @@ class _GatedMemory(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *final_grads):
         q, k, v, local, lse, gate, m, z_before = ctx.saved_tensors
-        seg, matrix_dtype = ctx.segment_len, operand_dtype(q.dtype)
+        seg, matrix_dtype, group = ctx.segment_len, operand_dtype(q.dtype), ctx.group
         if dout is None:
             dout = torch.zeros_like(q)
         elif ctx.fused_local:
             dout = dout.contiguous()  # the local attention's backward reads it as its dO, flattened
         if ctx.rule == "linear":
             m_before = m if ctx.kept else memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
-        elif ctx.rule == "delta":
+        else:
             gram = memory_gram(k, z_before, seg)
             m_before = m if ctx.kept else delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
-        else:
-            m_before = m
         delta = torch.empty_like(lse) if ctx.fused_local else None
         # The local attention's fused backward adds its dQ into a float32 buffer: the memory
         # path's dq, written in float32, is that buffer (no separate add of the two).
         dq, dlocal, dgate, gm, gz = memory_retrieval_backward(
             q, local, gate, m_before, z_before, seg, dout, delta, torch.float32 if ctx.fused_local else None
         )
-        dk = dv = updates_grads = None
+        g_mfinal, g_zfinal = final_grads
+        gram_grad = None
         if ctx.rule == "linear":
             del m_before
-            g_mfinal, g_zfinal = final_grads
-            if ctx.group is not None:  # the reversed scan starts from this rank's total's gradient
-                entering, (g_mfinal, g_zfinal) = _ranks_memory_grads(gm, gz, g_mfinal, g_zfinal, ctx.group)
+            if group is not None:  # the reversed scans start from this rank's totals' gradients
+                pairs = [(gm, g_mfinal), (gz, g_zfinal)]
+                (gm_given, gz_given), (g_mfinal, g_zfinal) = _ranks_grads(pairs, group)
             grad_dm, gm = memory_scan(gm, g_mfinal, matrix_dtype, reverse=True)
-            grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
-            if ctx.group is not None:
-                gm, gz = entering
-            if ctx.fused_local:  # added into the local attention's dK, dV (local_backward)
-                updates_grads = grad_dm, grad_dz
-            else:
-                dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz)
-        elif ctx.rule == "delta" and ctx.fused_local:  # the dk/dv pass in local_backward too
-            g_mfinal, g_zfinal = final_grads
-            grad_dm, s_grad, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype, symmetric=True)
+        else:
+            if group is not None:  # this rank's final M is the next rank's given one (the last's: shared)
+                shared = torch.zeros_like(gm[:, 0]) if g_mfinal is None else g_mfinal
+                shared = comm.sum_over_ranks(shared, group)
+                g_mfinal = comm.relay_receive(shared, group, backward=True)
+                g_mfinal = shared if g_mfinal is None else g_mfinal
+            grad_dm, s_grad, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype)
             del m_before, gram
-            grad_dz, gz = delta_gram_grads(k, z_before, seg, s_grad, gz, g_zfinal)
-            updates_grads = grad_dm, grad_dz, (s_grad, z_before)
-        elif ctx.rule == "delta":
-            g_mfinal, g_zfinal = final_grads
-            dk, dv, gm, gz = delta_memories_backward(
-                k, v, m_before, z_before, seg, gm, g_mfinal, gz, g_zfinal, gram
-            )
-        if ctx.fused_local:
+            if group is not None:
+                comm.relay_send(gm, group, backward=True)
+                gm_given = gm if dist.get_rank(group) == 0 else torch.zeros_like(gm)  # m entered rank 0 only
+            gz = delta_gram_grads(k, z_before, seg, s_grad, gz)
+            if group is not None:
+                (gz_given,), (g_zfinal,) = _ranks_grads([(gz, g_zfinal)], group)
+            gram_grad = (s_grad, z_before)
+        grad_dz, gz = memory_scan(gz, g_zfinal, torch.float32, reverse=True)
+        if group is not None:
+            gm, gz = gm_given, gz_given
+        if ctx.fused_local:  # the updates' backward added into the local attention's dK, dV
             flat, problem = _local_problem(q, k, v, seg, ctx.scale)
             # The local attention's backward runs on dout itself (dlocal = (1 - gate) dout is
             # never made): its LSE shifted by -log(1 - gate) scales the probabilities it
             # recomputes, and so every gradient, by 1 - gate.
             lse = lse - torch.log1p(-gate)[:, None]
             dout_flat, dq_flat = (t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dout, dq))
-            if updates_grads is not None:
-                grads = local_backward(dout_flat, *flat, lse, delta, problem, dq_flat, seg, *updates_grads)
-                dk, dv = (t.view(k.shape) for t in grads)
-            else:
-                if dk is None:
-                    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-                grads = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (dk, dv)]
-                attention_backward(dout_flat, *flat, lse, delta, problem, dq_flat, *grads, accumulate=True)
+            updates_grads = (grad_dm, grad_dz) if gram_grad is None else (grad_dm, grad_dz, gram_grad)
+            grads = local_backward(dout_flat, *flat, lse, delta, problem, dq_flat, seg, *updates_grads)
+            dk, dv = (t.view(k.shape) for t in grads)
             dq = dq.to(q.dtype)
+        else:
+            dk, dv = memory_updates_backward(k, v, seg, grad_dm, grad_dz, gram_grad)
         return dq, dk, dv, dlocal, dgate, gm, gz, None, None, None, None
 
 
-def _ranks_memory_grads(gm, gz, g_mfinal, g_zfinal, group):
-    """The linear rule's memory gradients across the ranks of ``group`` (``_GatedMemory``'s
-    backward), from gm, gz (the gradients of the memories before each of this rank's segments,
-    (B, n_seg, Hk, D, D) and (B, n_seg, Hk, D)) and this rank's gradients of the shared final
-    memory (None: zero), by one all-gather: ((the gradient of the memory m, z the call was given:
-    gm, gz summed over the segments plus the final memory's on this rank), (the gradient of this
-    rank's total update: the later ranks' sums plus the final memory's summed over the ranks)).
-    Summed over the ranks the first is the full gradient of m, z."""
-    entering = torch.cat([gm.float().sum(1).flatten(2), gz.float().sum(1)], dim=-1)
-    finals = [g if g is not None else torch.zeros(like.shape, device=gm.device) for g, like in
-              ((g_mfinal, gm[:, 0]), (g_zfinal, gz[:, 0]))]  # fmt: skip
-    final = torch.cat([finals[0].float().flatten(2), finals[1].float()], dim=-1)
-    prefix, total = comm.exclusive_prefix_sum(torch.cat([entering, final], dim=-1), group).wait()
-    width, d = entering.shape[-1], gm.shape[-1]
-    later = total[..., :width] - prefix[..., :width] - entering
-    return _split_memory(entering + final, d), _split_memory(later + total[..., width:], d)
+def _ranks_grads(pairs, group):
+    """Gradients across the ranks of ``group`` (``_GatedMemory``'s backward) for each (gradient
+    of a memory part before each of this rank's segments (B, n_seg, ...), this rank's gradient of
+    the shared final part or None) in ``pairs``, by one all-gather: ([per pair, the gradient of
+    the part the call was given: the first summed over the segments plus the second], [per pair,
+    the gradient of this rank's total update of the part: the later ranks' sums plus the
+    second's sum over the ranks]). Summed over the ranks the first is the full gradient."""
+    given = [g.float().sum(1) for g, _ in pairs]
+    finals = [torch.zeros_like(t) if f is None else f.float() for t, (_, f) in zip(given, pairs)]
+    flat = [t.flatten(2) for t in given + finals]
+    widths = [t.shape[-1] for t in flat]
+    mine = torch.cat(flat, dim=-1)
+    prefix, total = comm.exclusive_prefix_sum(mine, group).wait()
+    half = sum(widths) // 2
+    later = total[..., :half] - prefix[..., :half] - mine[..., :half]
+    parts = (mine[..., :half] + mine[..., half:], later + total[..., half:])
+    return [[t.view(g.shape) for t, g in zip(p.split(widths[: len(pairs)], dim=-1), given)] for p in parts]
 
 
 def _split_memory(flat: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,17 +17,18 @@ Backward, with X_s = dL/dM_{s+1} (X_last = the final memory's gradient) and G_s 
 gradient of M_s:
 
     dL/dM_s = G_s + X_s - A_s^T X_s         (the same scan, reversed, A transposed)
-    dB_s = X_s,   dA_s = -X_s M_s^T         (``gram_gradient``; the keys' gradient reads
-                                             S = dA + dA^T, which it writes in the same pass)
+    dB_s = X_s,   dA_s = -X_s M_s^T         (the keys' gradient reads S = dA + dA^T, which
+                                             ``gram_gradient`` writes in one pass)
 
-and the tokens' gradients through B_s (``memory_updates_backward``) and A_s (its ``gram_grad``
-and ``memory_gram_den_backward``: w depends on z_s, whose gradient the keys' gradient needs).
-The backward takes the M_s (kept, or rebuilt by the caller from k, v and the memory entering)
-and rebuilds A_s from k unless given.
+and the tokens' gradients through B_s and A_s (``memory_updates_backward`` with its
+``gram_grad``, or the local attention's backward where it runs that pass) and through z_s,
+on which w depends (``delta_gram_grads``: ``memory_gram_den_backward``, then the reverse scan
+over the segments). The caller keeps or rebuilds the M_s (from k, v and the memory entering)
+and rebuilds A_s from k.
 
 Precision: B_s and A_s take the token kernels' operands (bf16 for bf16 inputs, float32
-otherwise); the recurrence's products and dA's take float32 operands, exact ("ieee") for float32 inputs
-and TF32 otherwise; sums and states are float32.
+otherwise); the recurrence's products and S's take float32 operands, exact ("ieee") for float32
+inputs and TF32 otherwise; sums and states are float32.
 
 Tensors: k, v (batch, seqlen, kv_heads, head_dim) with a contiguous last dim; per-segment states
 (batch, segments, kv_heads, head_dim[, head_dim]) and memories (batch, kv_heads, head_dim[,
@@ -47,8 +48,6 @@ from .memory import (
     memory_gram_den_backward,
     memory_scan,
     memory_updates,
-    memory_updates_backward,
-    operand_dtype,
 )
 
 
@@ -213,27 +212,25 @@ def delta_scan_backward(
     grad_m_before: torch.Tensor | None,
     grad_m_final: torch.Tensor | None,
     dtype: torch.dtype,
-    symmetric: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (updates, gram, initial) of ``delta_scan`` given those of its two outputs (None:
-    zero) and its output m_before (float32, or kept in the products' operand dtype): the scan
-    reversed with gram transposed, and dA_s = -X_s M_s^T (X_s: the gradient of the memory after
-    segment s), float32. ``symmetric``: S = dA + dA^T in dA's place, what the keys' gradient
-    reads (``delta_gram_grads``)."""
+    """Gradients of ``delta_scan`` given those of its two outputs (None: zero) and its output
+    m_before (float32, or kept in the products' operand dtype): (that of the updates, S = dA +
+    dA^T with dA = -X_s M_s^T the gram's gradient (X_s: the gradient of the memory after segment
+    s; S is what the keys' gradient reads, ``delta_gram_grads``), that of the initial memory),
+    float32: the scan reversed with gram transposed, then ``gram_gradient``."""
     if grad_m_before is None:
         grad_m_before = torch.zeros(m_before.shape, device=m_before.device, dtype=torch.float32)
     grad_updates, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, dtype, transpose=True)
-    return grad_updates, gram_gradient(grad_updates, m_before, dtype, symmetric), grad_m_in
+    return grad_updates, gram_gradient(grad_updates, m_before, dtype), grad_m_in
 
 
 @triton.jit
 def _gram_gradient_kernel(
     X, MEMORY, OUT, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    SYMMETRIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The (row block, column block) tile of one state's -X M^T (+ its transpose, -M X^T, with
-    SYMMETRIC): row blocks of X and M against row blocks of M and X, read as stored, over the
-    head_dim in chunks of BLOCK_K."""
+    """The (row block, column block) tile of one state's -(X M^T + M X^T): row blocks of X and M
+    against row blocks of M and X, read as stored, over the head_dim in chunks of BLOCK_K."""
     base = tl.program_id(0).to(tl.int64) * HEAD_DIM * HEAD_DIM
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -246,10 +243,9 @@ def _gram_gradient_kernel(
         x_rows = tl.load(X + base + row_offs, mask=row_mask, other=0.0)
         m_cols = tl.load(MEMORY + base + col_offs, mask=col_mask, other=0.0).to(tl.float32)
         acc = tl.dot(x_rows, tl.trans(m_cols), acc, input_precision=DOT_PRECISION)
-        if SYMMETRIC:
-            m_rows = tl.load(MEMORY + base + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-            x_cols = tl.load(X + base + col_offs, mask=col_mask, other=0.0)
-            acc = tl.dot(m_rows, tl.trans(x_cols), acc, input_precision=DOT_PRECISION)
+        m_rows = tl.load(MEMORY + base + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+        x_cols = tl.load(X + base + col_offs, mask=col_mask, other=0.0)
+        acc = tl.dot(m_rows, tl.trans(x_cols), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[:, None] < HEAD_DIM) & (cols[None, :] < HEAD_DIM)
     tl.store(OUT + base + rows[:, None] * HEAD_DIM + cols[None, :], -acc, mask=out_mask)
 
@@ -268,96 +264,30 @@ def gram_gradient_tiles(head_dim: int, dtype: torch.dtype) -> dict:
     )  # fmt: skip
 
 
-def gram_gradient(
-    x: torch.Tensor, m_before: torch.Tensor, dtype: torch.dtype, symmetric: bool
-) -> torch.Tensor:
-    """dA_s = -X_s M_s^T per state, or with ``symmetric`` S = dA + dA^T = -(X M^T + M X^T), in one
-    pass: x (the reversed scan's output) and m_before (..., head_dim, head_dim), float32 (m_before
-    also in the operand dtype) -> float32 of x's shape. ``dtype`` (the inputs') sets the products'
-    precision, as the recurrence's."""
+def gram_gradient(x: torch.Tensor, m_before: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """S = dA + dA^T = -(X M^T + M X^T) per state (dA_s = -X_s M_s^T: the gradient of A_s through
+    the recurrence) in one pass: x (the reversed scan's output) and m_before (..., head_dim,
+    head_dim), float32 (m_before also in the operand dtype) -> float32 of x's shape. ``dtype``
+    (the inputs') sets the products' precision, as the recurrence's."""
     x, m_before = x.contiguous(), m_before.contiguous()
     d = x.shape[-1]
     out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     t = gram_gradient_tiles(d, dtype)
     n = triton.cdiv(d, t["BLOCK"])
-    _gram_gradient_kernel[(x.numel() // (d * d), n, n)](x, m_before, out, SYMMETRIC=symmetric, **t)
+    _gram_gradient_kernel[(x.numel() // (d * d), n, n)](x, m_before, out, **t)
     return out
 
 
-def delta_terms_backward(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    z_before: torch.Tensor,
-    segment_len: int,
-    grad_updates: torch.Tensor,
-    s_grad: torch.Tensor,
-    grad_z_before: torch.Tensor | None,
-    grad_z_final: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dk, dv in k's dtype, d z_in float32) of the per-segment terms of
-    ``delta_memories`` (B_s, z's scan, A_s) given those of B_s, A_s (as S = dA + dA^T), z before
-    each segment and z after the last one (None: zero): one pass for z's gradient through w, then
-    one for dk, dv."""
-    grad_dz, grad_z_in = delta_gram_grads(k, z_before, segment_len, s_grad, grad_z_before, grad_z_final)
-    dk, dv = memory_updates_backward(k, v, segment_len, grad_updates, grad_dz, (s_grad, z_before))
-    return dk, dv, grad_z_in
-
-
 def delta_gram_grads(
-    k: torch.Tensor,
-    z_before: torch.Tensor,
-    segment_len: int,
-    s_grad: torch.Tensor,
+    k: torch.Tensor, z_before: torch.Tensor, segment_len: int, s_grad: torch.Tensor,
     grad_z_before: torch.Tensor | None,
-    grad_z_final: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the delta rule's dk/dv pass takes besides the updates' gradient and S = dA + dA^T
-    (``s_grad``, from ``delta_scan_backward(..., symmetric=True)``) (``delta_terms_backward``
-    before its last pass, or the local attention's backward where it runs that pass,
-    ``local.local_backward``): (the gradient of each segment's z update (batch, segments, kv_heads,
-    head_dim) float32, d z_in float32), from the pass for z's gradient through the weights w and
-    the reverse scan over segments."""
+) -> torch.Tensor:  # fmt: skip
+    """The gradient of z before each segment (batch, segments, kv_heads, head_dim), float32:
+    ``grad_z_before`` (the retrieval's; None: zero) plus that through A_s's weights w given S =
+    dA + dA^T (``delta_scan_backward``). The reverse scan over the segments (``memory_scan``)
+    turns it into the gradient of each segment's z update, which the dk/dv pass takes with S (in
+    the local attention's backward, ``local.local_backward``, or ``memory_updates_backward``)."""
     grad_z = memory_gram_den_backward(k, segment_len, s_grad, z_before)
     if grad_z_before is not None:
         grad_z += grad_z_before
-    return memory_scan(grad_z, grad_z_final, torch.float32, reverse=True)
-
-
-def delta_gram_backward(
-    k: torch.Tensor, z_before: torch.Tensor, segment_len: int, grad_gram: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients (dk, d z_before) of ``memory_gram`` alone (when its A_s and the updates B_s are
-    separate autograd nodes, as under a process group): the fused pass with zero B and z
-    gradients."""
-    s_grad = grad_gram + grad_gram.transpose(-1, -2)  # S, what the keys' gradient reads
-    grad_z_before = memory_gram_den_backward(k, segment_len, s_grad, z_before)
-    zero_dz = torch.zeros_like(z_before)
-    zero_dm = torch.zeros(s_grad.shape, device=k.device, dtype=operand_dtype(k.dtype))
-    dk, _ = memory_updates_backward(k, k, segment_len, zero_dm, zero_dz, (s_grad, z_before))
-    return dk, grad_z_before
-
-
-def delta_memories_backward(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    m_before: torch.Tensor,
-    z_before: torch.Tensor,
-    segment_len: int,
-    grad_m_before: torch.Tensor | None,
-    grad_m_final: torch.Tensor | None,
-    grad_z_before: torch.Tensor | None,
-    grad_z_final: torch.Tensor | None,
-    gram: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dk, dv in k's dtype; d m_in, d z_in float32) of ``delta_memories`` given those
-    of its four outputs (None: zero); ``gram``: ``memory_gram(k, z_before, segment_len)`` if the
-    caller has it."""
-    gram = memory_gram(k, z_before, segment_len) if gram is None else gram
-    grad_dm, s_grad, grad_m_in = delta_scan_backward(
-        m_before, gram, grad_m_before, grad_m_final, k.dtype, symmetric=True
-    )
-    del gram
-    dk, dv, grad_z_in = delta_terms_backward(
-        k, v, z_before, segment_len, grad_dm, s_grad, grad_z_before, grad_z_final
-    )
-    return dk, dv, grad_m_in, grad_z_in
+    return grad_z
