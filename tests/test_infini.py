@@ -447,16 +447,20 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
         _check(name, got, want, 1e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "batch, seqlen, kv_heads, segment_len, packed_kv",
+# The Hopper updates kernel's cases (the updates, their backward, the Gram matrices).
+UPDATE_SHAPES = pytest.mark.parametrize(
+    "batch, seqlen, kv_heads, segment_len, packed",
     [
         (2, 1000, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
         (1, 40000, 8, 256, False),  # more (segment, head) items than SMs: programs walk several
-        (2, 4096, 2, 2048, True),  # k and v strided views of one (batch, seqlen, 2 * heads, 128)
+        (2, 4096, 2, 2048, True),  # k (and v) strided views of one (batch, seqlen, 2 * heads, 128)
     ],
 )
-def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed_kv):
+
+
+@pytest.mark.gpu
+@UPDATE_SHAPES
+def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed):
     """The per-segment memory updates and their backward on the Hopper kernels
     (kernels/hopper/infini_updates.py) against float64 sums over each segment, and against the
     Triton kernels, from random keys, values and gradients."""
@@ -466,7 +470,7 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
 
     g = torch.Generator(device="cuda").manual_seed(7)
     kv = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    if packed_kv:
+    if packed:
         k, v = kv[:, :, :kv_heads], kv[:, :, kv_heads:]
     else:
         k, v = kv[:, :, :kv_heads].contiguous(), kv[:, :, kv_heads:].contiguous()
@@ -508,15 +512,8 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "batch, seqlen, kv_heads, segment_len, packed_k",
-    [
-        (2, 1000, 3, 200, False),  # segments of partial 64-token blocks, a shorter last one
-        (1, 40000, 8, 256, False),  # more (segment, head) items than SMs: programs walk several
-        (2, 4096, 2, 2048, True),  # k a strided view of a (batch, seqlen, 2 * heads, 128)
-    ],
-)
-def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed_k):
+@UPDATE_SHAPES
+def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed):
     """The delta rule's weighted Gram matrices A_s = sigma(K)^T diag(w) sigma(K), w = 1 /
     (sigma(K) z_s), on the Hopper updates kernel (kernels/hopper/infini_updates.py, GRAM) against
     float64 and against the Triton kernel; the first segment's z is 0 (w = 0, A_s = 0)."""
@@ -526,7 +523,7 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
 
     g = torch.Generator(device="cuda").manual_seed(11)
     kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    k = kk[:, :, :kv_heads] if packed_k else kk[:, :, :kv_heads].contiguous()
+    k = kk[:, :, :kv_heads] if packed else kk[:, :, :kv_heads].contiguous()
     n_seg = -(-seqlen // segment_len)
     # z grows with the tokens before the segment (a sum of sigma(K) > 0); a spread across
     # entries makes w differ from token to token
@@ -658,8 +655,8 @@ def test_two_calls_carrying_the_memory_equal_one_call(device, update):
         _check(name, two, one, 1e-5)
 
 
-def _sequence_parallel(update, world_dtype_seed):
-    world, dtype, seed, head_dim = world_dtype_seed
+def _sequence_parallel(update, case):
+    world, dtype, seed, head_dim = case
     rank = dist.get_rank()
     q, k, v, beta, dout = _inputs(1, 8 * 2 * world, 2, 1, head_dim, dtype, seed)
     shard = slice(rank * 16, (rank + 1) * 16)  # contiguous: two segments of 8 per rank
@@ -692,8 +689,14 @@ def _memory_and_gradient(seed, head_dim):
 # the local attention outside the memory path's autograd Function (not a multiple of 8).
 @pytest.mark.parametrize(
     ("world", "update", "head_dim"),
-    [(2, "linear", 16), (3, "linear", 16), (2, "delta", 16), (3, "delta", 16), (3, "linear", 12),
-     (3, "delta", 12)],  # fmt: skip
+    [
+        (2, "linear", 16),
+        (3, "linear", 16),
+        (2, "delta", 16),
+        (3, "delta", 16),
+        (3, "linear", 12),
+        (3, "delta", 12),
+    ],
 )
 def test_sequence_parallel_equals_single_device(rank_pool, world, update, head_dim):
     seed = 10 + world

@@ -18,8 +18,9 @@ head_dim 64 by named barriers that they pass without waiting for each other (QDO
 docs/experiments.md §35).
 
 A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward. For
-Infini-attention's local attention (MEMORY) the linear memory updates' backward of each key tile
-is added into its dK and dV at the end, while K and V are still in shared memory.
+Infini-attention's local attention (MEMORY) the memory updates' backward of each key tile (GRAM:
+the delta rule's, with its Gram terms) is added into its dK and dV at the end, while K and V are
+still in shared memory.
 
 Masks. Each program computes, from its key tile's positions, the span of query tiles that see
 any of its keys (the ``tiling.visible_tiles`` rule, in non-negative integer math) and walks
@@ -580,7 +581,7 @@ def _fused_bwd_kernel(
     are 0); per_len folds each sequence's length into its positions' start (positions.py). Past
     head_dim 128 (DKDV_ONLY) it computes dK and dV only, and dq_desc is not read. MEMORY
     (Infini-attention's local attention, head_dim 128, VARLEN: sequence b is segment b of a
-    batch row): the linear memory updates' backward of the key tile is added into dK and dV,
+    batch row): the memory updates' backward of the key tile is added into dK and dV,
     from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
     b * kv_heads + kv head (``infini_updates.add_updates_backward``); GRAM (the delta rule)
     with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB)."""
@@ -814,7 +815,7 @@ def fused_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     accumulate: bool,
-    updates_grads: tuple[torch.Tensor, torch.Tensor] | None = None,
+    updates_grads: tuple[torch.Tensor, ...] | None = None,
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
     where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel

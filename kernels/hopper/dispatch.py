@@ -158,7 +158,8 @@ def uses_fused_updates_backward(
     problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor
 ) -> bool:
     """Whether Infini-attention's local attention backward (``infini.local.local_backward``)
-    adds the linear memory updates' backward into its dK/dV inside the fused Hopper kernel
+    adds the memory updates' backward (the delta rule's with its Gram terms) into its dK/dV
+    inside the fused Hopper kernel
     (backward.py's MEMORY epilogue) instead of running ``memory_updates_backward`` first: the
     fused kernel runs (``uses_fused_backward``) at head_dim 128 over packed segments, dq a
     float32 buffer TMA writes, and ``RINGFLASH_HOPPER_INFINI`` is not 0 in the environment."""
