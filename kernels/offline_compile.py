@@ -313,18 +313,21 @@ def compile_infini_retrieval(target: GPUTarget = HOPPER) -> triton.compiler.Comp
     return _compile_gluon(hir.retrieval_kernel, descs, {}, pointers, options, target)
 
 
-def compile_infini_updates(gram: bool = False, target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
+def compile_infini_updates(
+    updates: bool = True, gram: bool = False, target: GPUTarget = HOPPER
+) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/infini_updates.py's Gluon kernel for ``target`` as a launch makes it (bf16,
-    head_dim 128): the updates, or with ``gram`` the delta rule's Gram matrices."""
+    head_dim 128): the updates, the delta rule's Gram matrices, or both."""
     import torch
 
     from .hopper import infini_updates as hiu
 
     k = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
     descs = {"k_desc": hiu.token_descriptor(k, 64)[0], "v_desc": hiu.token_descriptor(k, 128)[0]}
-    pointers = {"DM": "*fp32", "DZ": "*fp32", "Z": "*fp32"}
+    pointers = {"DM": "*fp32", "DZ": "*fp32", "Z": "*fp32", "A": "*bf16"}
     options = {"num_warps": 4, "maxnreg": hiu.MAX_REGISTERS}
-    return _compile_gluon(hiu.updates_kernel, descs, {"GRAM": gram}, pointers, options, target)
+    consts = {"UPDATES": updates, "GRAM": gram}
+    return _compile_gluon(hiu.updates_kernel, descs, consts, pointers, options, target)
 
 
 def compile_infini_updates_backward(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
@@ -345,6 +348,22 @@ def compile_infini_updates_backward(target: GPUTarget = HOPPER) -> triton.compil
     pointers = {"GZ": "*fp32", "DK": "*bf16", "DV": "*bf16"}
     options = {"num_warps": 4, "maxnreg": hiu.MAX_REGISTERS}
     return _compile_gluon(hiu.updates_backward_kernel, descs, {}, pointers, options, target)
+
+
+def compile_infini_gram_den(target: GPUTarget = HOPPER) -> triton.compiler.CompiledKernel:
+    """Build hopper/infini_gram_den.py's Gluon kernel for ``target`` as a launch makes it (bf16,
+    head_dim 128)."""
+    import torch
+
+    from .hopper import infini_gram_den as hgd
+    from .hopper.infini_updates import matrix_descriptor, token_descriptor
+
+    k = torch.empty(1, 1024, 1, 128, dtype=torch.bfloat16)
+    s = torch.empty(1, 8, 1, 128, 128, dtype=torch.bfloat16)
+    descs = {"k_desc": token_descriptor(k, 128)[0], "s_desc": matrix_descriptor(s)}
+    pointers = {"Z": "*fp32", "PARTS": "*fp32"}
+    options = {"num_warps": 4, "maxnreg": hgd.MAX_REGISTERS}
+    return _compile_gluon(hgd.gram_den_kernel, descs, {}, pointers, options, target)
 
 
 def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> str:

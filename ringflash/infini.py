@@ -86,6 +86,7 @@ from .kernels.infini.memory import (
     memory_gram,
     memory_scan,
     memory_updates,
+    memory_updates_and_gram,
     memory_updates_backward,
     operand_dtype,
 )
@@ -358,9 +359,12 @@ class _GatedMemory(torch.autograd.Function):
             dout = dout.contiguous()  # the local attention's backward reads it as its dO, flattened
         if ctx.rule == "linear":
             m_before = m if ctx.kept else memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
+        elif ctx.kept:
+            gram, m_before = memory_gram(k, z_before, seg), m
         else:
-            gram = memory_gram(k, z_before, seg)
-            m_before = m if ctx.kept else delta_scan(memory_updates(k, v, seg)[0], gram, m, q.dtype)[0]
+            dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
+            m_before = delta_scan(dm, gram, m, q.dtype)[0]
+            del dm
         delta = torch.empty_like(lse) if ctx.fused_local else None
         # The local attention's fused backward adds its dQ into a float32 buffer: the memory
         # path's dq, written in float32, is that buffer (no separate add of the two).

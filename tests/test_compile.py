@@ -285,16 +285,21 @@ print("dq ok")
 # The group of query heads is a runtime loop: one build. The memory updates
 # (hopper/infini_updates.py): per 64-token block and warpgroup sigma(K)^T V and sigma(K)^T 1 (4
 # wgmma each, K = 64), no spills, and the delta rule's Gram build the same (two 64-column
-# halves of (w sigma(K))^T sigma(K)); their backward: sigma(K) gdM and V gdM^T (8 wgmma each, K =
-# 128), 24 spill stores and 32 loads in the loops (2026-11-26).
+# halves of (w sigma(K))^T sigma(K), A_s stored in bf16 after a layout conversion: stored from
+# the products' registers, ptxas serialized all 16); their backward: sigma(K) gdM and V gdM^T (8
+# wgmma each, K = 128), 24 spill stores and 32 loads in the loops (2026-11-26). The delta rule's z
+# gradient (hopper/infini_gram_den.py): sigma(K) S (8 wgmma, K = 128), 14 spill stores and 15
+# loads in the loop (2026-11-26: sigma(K), P and the token sum in float32 registers).
 _INFINI = _WARP_SPECIALIZED + r"""
 from ringflash.kernels import offline_compile as oc
 
 check_build(oc.compile_infini_retrieval(), 2 * 8, 0, 0, "retrieval")
 check_build(oc.compile_infini_retrieval_backward(), 2 * (2 * 8 + 2 * 4 + 2 * 4), 95, 95, "backward")
 check_build(oc.compile_infini_updates(), 2 * (4 + 4), 0, 0, "updates")
-check_build(oc.compile_infini_updates(gram=True), 2 * (4 + 4), 0, 0, "gram")
+check_build(oc.compile_infini_updates(updates=False, gram=True), 2 * (4 + 4), 0, 0, "gram")
+check_build(oc.compile_infini_updates(gram=True), 2 * (4 + 4 + 4 + 4), 0, 0, "updates and gram")
 check_build(oc.compile_infini_updates_backward(), 2 * (8 + 8), 40, 40, "updates backward")
+check_build(oc.compile_infini_gram_den(), 2 * 8, 16, 16, "gram den")
 print("infini ok")
 """
 

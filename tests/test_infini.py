@@ -148,12 +148,14 @@ def test_saturated_gates(device, head_dim):
 def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share):
     """The forward keeps the memories before each segment when they are at most
     KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass (the
-    linear rule's forward makes its update pass here, the delta rule's in its own module). From
-    a given memory, with a gradient on the final one: the entering memory's gradient too."""
+    linear rule's forward makes its update pass here, the delta rule's in its own module; the
+    delta rule's backward rebuilds with its Gram matrices in the same pass). From a given
+    memory, with a gradient on the final one: the entering memory's gradient too."""
     monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", share)
     calls = []
-    updates = infini.memory_updates
-    monkeypatch.setattr(infini, "memory_updates", lambda *a: calls.append(1) or updates(*a))
+    for name in ("memory_updates", "memory_updates_and_gram"):
+        passes = getattr(infini, name)
+        monkeypatch.setattr(infini, name, lambda *a, passes=passes: calls.append(1) or passes(*a))
     q, k, v, beta, dout = _inputs(1, 40, 2, 1, 16, torch.float32, seed=13)
     g = torch.Generator().manual_seed(14)
     memory = (torch.randn(1, 1, 16, 16, generator=g) * 0.1, torch.rand(1, 1, 16, generator=g) * 10)
@@ -232,12 +234,12 @@ FLOAT32 = {"U", "A", "INIT", "OUT", "FINAL", "Z", "DM", "DZ", "GDZ", "GZ_PART", 
 FLOAT32 |= {"GATE", "INV", "GDEN", "GGATE", "DELTA", "GM", "GZ"}
 
 
-def build(kernel, launch, **constexprs):
+def build(kernel, launch, float32=FLOAT32, **constexprs):
     constexprs = dict(launch, **constexprs)
     options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages", 3)}
     lengths = ("seqlen", "segment_len", "chunk")
     aligned = [n for n in kernel.arg_names if n[0].isupper() or n.startswith("stride") or n in lengths]
-    compiled = compile_kernel(kernel, constexprs, float32=FLOAT32, aligned=aligned, **options)
+    compiled = compile_kernel(kernel, constexprs, float32=float32, aligned=aligned, **options)
     use = resource_usage(compiled)
     where = (kernel.fn.__name__, constexprs, options, use)
     assert use.shared_bytes <= SHARED_MEMORY_LIMIT[90], where
@@ -265,8 +267,8 @@ for d in (64, 128, 256):
     if not one_pass:
         build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
     for transpose in (False, True):
-        t = delta.scan_tiles(d, torch.bfloat16)
-        build(delta._delta_scan_kernel, t, HAS_INIT=True, TRANSPOSE=transpose)
+        t = delta.scan_tiles(d, torch.bfloat16)  # A in bf16
+        build(delta._delta_scan_kernel, t, FLOAT32 - {"A"}, HAS_INIT=True, TRANSPOSE=transpose)
     build(delta._gram_gradient_kernel, delta.gram_gradient_tiles(d, torch.bfloat16))
 print("infini ok")
 """
@@ -488,7 +490,7 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
     def poisoned(name):  # every output must be written
         def launch(*args):
             calls.append(name)
-            outputs = args[2:4] if name == "launch_updates" else args[4:6]
+            outputs = args[3:5] if name == "launch_updates" else args[4:6]
             for t in outputs:
                 t.fill_(float("nan"))
             return launches[name](*args)
@@ -516,14 +518,19 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
 def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed):
     """The delta rule's weighted Gram matrices A_s = sigma(K)^T diag(w) sigma(K), w = 1 /
     (sigma(K) z_s), on the Hopper updates kernel (kernels/hopper/infini_updates.py, GRAM) against
-    float64 and against the Triton kernel; the first segment's z is 0 (w = 0, A_s = 0)."""
+    float64 and against the Triton kernel; the first segment's z is 0 (w = 0, A_s = 0). The pass
+    that builds them beside the updates (the backward's rebuild) gives the same bits as each
+    pass alone."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import infini_updates
 
     g = torch.Generator(device="cuda").manual_seed(11)
     kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    k = kk[:, :, :kv_heads] if packed else kk[:, :, :kv_heads].contiguous()
+    if packed:
+        k, v = kk[:, :, :kv_heads], kk[:, :, kv_heads:]
+    else:
+        k, v = kk[:, :, :kv_heads].contiguous(), kk[:, :, kv_heads:].contiguous()
     n_seg = -(-seqlen // segment_len)
     # z grows with the tokens before the segment (a sum of sigma(K) > 0); a spread across
     # entries makes w differ from token to token
@@ -538,8 +545,11 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
     launch = infini_updates.launch_updates
 
     def poisoned(*args):  # every output must be written
-        calls.append(args[5] is not None)
-        args[2].fill_(float("nan"))
+        k_, v_, segment_len_, dm, dz, z, gram = args
+        calls.append((dm is not None, z is not None))
+        for t in (dm, dz, gram):
+            if t is not None:
+                t.fill_(float("nan"))
         return launch(*args)
 
     monkeypatch.setattr(infini_updates, "launch_updates", poisoned)
@@ -547,12 +557,62 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
     for flag in ("1", "0"):
         monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
         results.append(infini_memory.memory_gram(k, z_before, segment_len))
-    assert calls == [True]  # the first run took the Hopper kernel with z, the second Triton's
+    monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", "1")
+    dm, dz, gram = infini_memory.memory_updates_and_gram(k, v, z_before, segment_len)
+    updates = infini_memory.memory_updates(k, v, segment_len)
+    # the Hopper kernel: A alone, then A and the updates, then the updates alone; then Triton's
+    assert calls == [(False, True), (True, True), (True, False)]
     hopper, triton_ = results
-    assert torch.isfinite(hopper).all()
+    assert hopper.dtype == torch.bfloat16 and torch.isfinite(hopper).all()
     assert (hopper[:, 0] == 0).all()  # z = 0: nothing to retrieve, nothing subtracted
     _check("A", hopper, want, 1e-2)  # bf16 operands
     _check("A (Triton)", hopper, triton_, 4e-3)  # bf16(w sigma) on the other side of the product
+    assert torch.equal(gram, hopper) and torch.equal(dm, updates[0]) and torch.equal(dz, updates[1])
+
+
+@pytest.mark.gpu
+@UPDATE_SHAPES
+def test_hopper_gram_den_matches_float64(monkeypatch, batch, seqlen, kv_heads, segment_len, packed):
+    """The delta rule's gradient of z before each segment through the Gram weights w = 1 /
+    (sigma(K) z_s), given S = dA + dA^T (kernels/hopper/infini_gram_den.py): gz_s = sum over the
+    segment's tokens of -w^2 (sigma(k) S sigma(k)) / 2 sigma(k), against float64 and the Triton
+    pass; the first segment's z is 0 (w = 0: no gradient)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90")
+    from ringflash.kernels.hopper import infini_gram_den
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
+    k = kk[:, :, :kv_heads] if packed else kk[:, :, :kv_heads].contiguous()
+    n_seg = -(-seqlen // segment_len)
+    z_before = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 2 * segment_len
+    z_before *= torch.arange(n_seg, device="cuda")[None, :, None, None]
+    s_grad = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g)
+    s_grad = s_grad + s_grad.transpose(-1, -2)  # S is symmetric, of either sign
+    pad = n_seg * segment_len - seqlen
+    sk_s = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1))
+    den = torch.einsum("bstkd,bskd->bstk", sk_s, z_before.double())
+    w = torch.where(den > 0, 1 / den.clamp_min(1e-300), 0.0)
+    quad = torch.einsum("bstkd,bskde,bstke->bstk", sk_s, s_grad.double(), sk_s)
+    want = torch.einsum("bstk,bstkd->bskd", -0.5 * w * w * quad, sk_s)
+    calls = []
+    launch = infini_gram_den.launch_gram_den
+
+    def counted(*args):
+        calls.append(args[3])
+        return launch(*args)
+
+    monkeypatch.setattr(infini_gram_den, "launch_gram_den", counted)
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", flag)
+        results.append(infini_memory.memory_gram_den_backward(k, segment_len, s_grad, z_before))
+    assert calls == [segment_len]  # the first run took the Hopper kernel, the second Triton's
+    hopper, triton_ = results
+    assert torch.isfinite(hopper).all()
+    assert (hopper[:, 0] == 0).all()  # z = 0 before the first segment
+    _check("gz", hopper, want, 1e-2)  # bf16 operands of P = sigma(K) S
+    _check("gz (Triton)", hopper, triton_, 1e-3)
 
 
 @pytest.mark.gpu

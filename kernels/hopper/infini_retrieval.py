@@ -144,7 +144,7 @@ def retrieval_kernel(
                             n_items, stride_ob, stride_os, stride_oh, 1)),
             (stream_loader, (q_desc, lo_desc, m_desc, q_smem, lo_smem, m_smem, ready, empty, m_ready, m_empty,
                              seqlen, n_seg, segment_len, kv_heads, group, chunk, n_chunks, q_batch_rows,
-                             lo_batch_rows, n_items)),
+                             lo_batch_rows, n_items, True)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],

@@ -14,6 +14,10 @@ warpgroups own 64 rows of dM each, the rows of k's columns w * 64: a warpgroup w
 its k tile over the tile, and that tile, transposed by its shared-memory descriptor, is the
 product's operand; dz is the same operand times a tile of ones.
 
+With GRAM the compute warpgroups also build the delta rule's A_s (``memory_gram``) from the
+same sigma(K) tiles (``_gram_block``), alone (k only) or beside dM and dz (the backward's rebuild
+of the memories: one read of k for both).
+
 The backward walks (row chunk, segment, kv head) items the same way, gdM_s loaded once per item
 into one of two buffers; its warpgroups take alternate 64-token blocks (each writes dV and dK
 of its own tokens, M = 64): sigma(K) goes over the block's k tile as dV's operand, and sigma'(K)
@@ -78,11 +82,11 @@ def _item(item, seqlen, n_seg, segment_len, kv_heads):
 @gluon.jit
 def _loader(
     k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads, k_batch_rows,
-    v_batch_rows, n_items, GRAM: gl.constexpr,
+    v_batch_rows, n_items, UPDATES: gl.constexpr,
 ):  # fmt: skip
     """Block j of the program (counted over its items) into ring stage j % STAGES: k as two
-    64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile (not with GRAM)."""
-    V_BYTES: gl.constexpr = 0 if GRAM else v_desc.block_type.nbytes
+    64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile (with UPDATES)."""
+    V_BYTES: gl.constexpr = v_desc.block_type.nbytes if UPDATES else 0
     block_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes + V_BYTES
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -97,7 +101,7 @@ def _loader(
                 tma.async_copy_global_to_shared(
                     k_desc, [b * k_batch_rows + t, h * HEAD_DIM + c * HALF], bar, k_smem.index(s * 2 + c)
                 )
-            if not GRAM:
+            if UPDATES:
                 v_coord = [b * v_batch_rows + t, h * HEAD_DIM]
                 tma.async_copy_global_to_shared(v_desc, v_coord, bar, v_smem.index(s))
             j += 1
@@ -111,8 +115,9 @@ def _gram_block(phi, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w: gl.c
     halves' row sums through ``den_smem`` (two slots per block parity: the other warpgroup reads
     this block's before either writes the next but one); then (wt sigma(K))^T over the two k
     tiles of sigma(K). Operands bf16 as the Triton kernel's (sigma(K) and wt sigma(K) rounded).
-    The products stay in flight while the next block's elementwise work runs: on return the
-    block before's are done (its stage can go, its wt sigma(K) buffer of two be rewritten)."""
+    The products stay in flight while the next block's elementwise work runs: the caller waits
+    until they are the last two outstanding, so that the block before's are done (its stage can
+    go, its wt sigma(K) buffer of two be rewritten)."""
     part = gl.sum(phi * z_half[None, :], axis=1)
     den_smem.index((j % 2) * 2 + w).store(part)
     named_barriers.sync(GRAM_READY, 256)  # both halves of sigma(K) and of the row sums written
@@ -123,16 +128,16 @@ def _gram_block(phi, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w: gl.c
     operand = a_tile.permute((1, 0))  # (wt sigma(K))^T: (64 of head_dim, 64 tokens)
     acc0 = warpgroup_mma(operand, k_smem.index(s * 2), acc0, is_async=True)
     acc1 = warpgroup_mma(operand, k_smem.index(s * 2 + 1), acc1, is_async=True)
-    return warpgroup_mma_wait(2, deps=(acc0, acc1))
+    return acc0, acc1
 
 
 @gluon.jit
 def _compute(
-    k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg, segment_len,
-    kv_heads, n_items, w: gl.constexpr, GRAM: gl.constexpr,
+    k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen, n_seg, segment_len,
+    kv_heads, n_items, w: gl.constexpr, UPDATES: gl.constexpr, GRAM: gl.constexpr,
 ):  # fmt: skip
-    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz, or with GRAM of
-    its A_s (``_gram_block``; Z: z before each segment, float32; dz not written)."""
+    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz (UPDATES) and of
+    its A_s (GRAM: ``_gram_block``; Z: z before each segment, float32), from one sigma(K)."""
     dtype: gl.constexpr = k_smem.dtype
     tile_l: gl.constexpr = block_layout(HALF)
     acc_l: gl.constexpr = block_layout(HEAD_DIM)
@@ -154,7 +159,7 @@ def _compute(
             z_half = gl.load(Z + state * HEAD_DIM + w * HALF + half_cols)
             acc0 = gl.zeros([HALF, HALF], gl.float32, tile_l)
             acc1 = gl.zeros([HALF, HALF], gl.float32, tile_l)
-        else:
+        if UPDATES:
             acc = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_l)
             dz = gl.zeros([HALF, ONES], gl.float32, dz_l)
         for t in range(start, end, BLOCK_T):
@@ -167,33 +172,45 @@ def _compute(
             x = gl.where(((t + tokens) < end)[:, None], sigma(x), 0.0)
             k_tile.store(x.to(dtype))  # each thread rewrites what it read
             fence_async_shared()
-            if GRAM:
-                acc0, acc1 = _gram_block(x, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w)
-                if t > start:  # the block before's products are done
-                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
-            else:
+            if UPDATES:
                 operand = k_tile.permute((1, 0))  # sigma(K)^T: (64 of head_dim, 64 tokens)
                 acc = warpgroup_mma(operand, v_smem.index(s), acc, is_async=True)
                 dz = warpgroup_mma(operand, ones, dz, is_async=True)
-                acc, dz = warpgroup_mma_wait(0, deps=(acc, dz))
-                mbarrier.arrive(empty.index(s), count=1)
+                if not GRAM:
+                    acc, dz = warpgroup_mma_wait(0, deps=(acc, dz))
+                    mbarrier.arrive(empty.index(s), count=1)
+            if GRAM:  # this block's Gram products stay in flight, the rest done
+                acc0, acc1 = _gram_block(x, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w)
+                if UPDATES:
+                    acc, dz, acc0, acc1 = warpgroup_mma_wait(2, deps=(acc, dz, acc0, acc1))
+                else:
+                    acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+                if t > start:  # the block before's products are done
+                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
             j += 1
         if GRAM:
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            if UPDATES:
+                acc, dz, acc0, acc1 = warpgroup_mma_wait(0, deps=(acc, dz, acc0, acc1))
+            else:
+                acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
-            rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, tile_l))
-            offs = (state * HEAD_DIM + rows)[:, None] * HEAD_DIM + half_cols[None, :]
-            gl.store(DM + offs, acc0)
-            gl.store(DM + offs + HALF, acc1)
-        else:
+            # A_s (bf16) stored from a blocked layout: converted to bf16 in the products'
+            # registers, ptxas serialized every wgmma of the kernel.
+            out_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+            rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_l))
+            ocols = gl.arange(0, HALF, layout=gl.SliceLayout(0, out_l))
+            offs = (state * HEAD_DIM + rows)[:, None] * HEAD_DIM + ocols[None, :]
+            gl.store(A + offs, gl.convert_layout(acc0, out_l).to(A.dtype.element_ty))
+            gl.store(A + offs + HALF, gl.convert_layout(acc1, out_l).to(A.dtype.element_ty))
+        if UPDATES:
             gl.store(DM + (state * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
             gl.store(DZ + state * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
 
 
 @gluon.jit
 def updates_kernel(
-    k_desc, v_desc, DM, DZ, Z, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
-    GRAM: gl.constexpr,
+    k_desc, v_desc, DM, DZ, Z, A, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
+    UPDATES: gl.constexpr, GRAM: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = k_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_T, HALF], k_desc.layout)
@@ -211,12 +228,12 @@ def updates_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg,
-                        segment_len, kv_heads, n_items, 0, GRAM)),
-            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, seqlen, n_seg,
-                        segment_len, kv_heads, n_items, 1, GRAM)),
+            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen,
+                        n_seg, segment_len, kv_heads, n_items, 0, UPDATES, GRAM)),
+            (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen,
+                        n_seg, segment_len, kv_heads, n_items, 1, UPDATES, GRAM)),
             (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads,
-                       k_batch_rows, v_batch_rows, n_items, GRAM)),
+                       k_batch_rows, v_batch_rows, n_items, UPDATES)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -261,14 +278,15 @@ def allocate_stream(a_desc, b_desc, m_desc):
 @gluon.jit
 def stream_loader(
     a_desc, b_desc, m_desc, a_smem, b_smem, m_smem, ready, empty, m_ready, m_empty, seqlen, n_seg,
-    segment_len, kv_heads, group, chunk, n_chunks, a_batch_rows, b_batch_rows, n_items,
+    segment_len, kv_heads, group, chunk, n_chunks, a_batch_rows, b_batch_rows, n_items, B_TILE: gl.constexpr,
 ):  # fmt: skip
     """The loader of an item stream (``chunk_item``'s items): per item the state's 128 x 128
     matrix into buffer i % 2, then per head of the group (the kv head's query heads in a, b;
-    group 1: the kv head's own) and 64-token block the block's a and b tiles into ring stage
-    j % STAGES. The memory updates' backward streams k, v and gdM; the retrieval q, local and
-    M (infini_retrieval.py)."""
-    block_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    group 1: the kv head's own) and 64-token block the block's a and (``B_TILE``) b tiles into
+    ring stage j % STAGES. The memory updates' backward streams k, v and gdM; the retrieval q,
+    local and M (infini_retrieval.py); the delta rule's z gradient k and S
+    (infini_gram_den.py)."""
+    block_bytes: gl.constexpr = a_desc.block_type.nbytes + (b_desc.block_type.nbytes if B_TILE else 0)
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -286,7 +304,8 @@ def stream_loader(
                 bar = ready.index(s)
                 mbarrier.expect(bar, block_bytes)
                 tma.async_copy_global_to_shared(a_desc, [b * a_batch_rows + t, col], bar, a_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [b * b_batch_rows + t, col], bar, b_smem.index(s))
+                if B_TILE:
+                    tma.async_copy_global_to_shared(b_desc, [b * b_batch_rows + t, col], bar, b_smem.index(s))
                 j += 1
         i += 1
 
@@ -378,7 +397,7 @@ def updates_backward_kernel(
                             stride_dvh, 1)),
             (stream_loader, (k_desc, v_desc, g_desc, k_smem, v_smem, g_smem, ready, empty, g_ready, g_empty,
                              seqlen, n_seg, segment_len, kv_heads, 1, chunk, n_chunks, k_batch_rows,
-                             v_batch_rows, n_items)),
+                             v_batch_rows, n_items, True)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -455,23 +474,25 @@ def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
 
 
 def launch_updates(
-    k: torch.Tensor, v: torch.Tensor, dm: torch.Tensor, dz: torch.Tensor, segment_len: int,
-    z_before: torch.Tensor | None = None,
+    k: torch.Tensor, v: torch.Tensor, segment_len: int, dm: torch.Tensor | None, dz: torch.Tensor | None,
+    z_before: torch.Tensor | None = None, gram: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Write ``memory.memory_updates``'s outputs: k, v (batch, seqlen, kv_heads, 128) bf16 in
-    layouts ``dispatch.uses_infini_updates`` accepts; dm (batch, segments, kv_heads, 128, 128)
-    and dz (batch, segments, kv_heads, 128), float32, contiguous. With ``z_before`` (dz's shape,
-    float32, contiguous: z before each segment) dm gets ``memory.memory_gram``'s A_s instead,
-    v is not read and dz not written."""
+    """Write ``memory.memory_updates``' outputs, ``memory.memory_gram``'s or both from one read of
+    k: k, v (batch, seqlen, kv_heads, 128) bf16 in layouts ``dispatch.uses_infini_updates``
+    accepts; dm (batch, segments, kv_heads, 128, 128) and dz (batch, segments, kv_heads, 128),
+    float32, contiguous, or both None (v not read); with ``z_before`` (dz's shape, float32,
+    contiguous: z before each segment) A_s into ``gram`` (dm's shape, bf16, contiguous)."""
     b, s, kv_heads, _ = k.shape
-    n_seg = dm.shape[1]
+    out = dm if dm is not None else gram
+    n_seg = out.shape[1]
     n_items = b * n_seg * kv_heads
     (kd, k_rows), (vd, v_rows) = token_descriptor(k, HALF.value), token_descriptor(v, HEAD_DIM.value)
     programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
-    gram = z_before is not None
+    updates, with_gram = dm is not None, z_before is not None
+    dm, dz, z_before, gram = (out if t is None else t for t in (dm, dz, z_before, gram))  # unused pointers
     updates_kernel[(programs,)](
-        kd, vd, dm, dz, z_before if gram else dz, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
-        GRAM=gram, num_warps=4, maxnreg=MAX_REGISTERS,
+        kd, vd, dm, dz, z_before, gram, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
+        UPDATES=updates, GRAM=with_gram, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 

@@ -27,8 +27,10 @@ over the segments). The caller keeps or rebuilds the M_s (from k, v and the memo
 and rebuilds A_s from k.
 
 Precision: B_s and A_s take the token kernels' operands (bf16 for bf16 inputs, float32
-otherwise); the recurrence's products and S's take float32 operands, exact ("ieee") for float32
-inputs and TF32 otherwise; sums and states are float32.
+otherwise). For bf16 inputs A_s is stored in bf16 and the recurrence's products take bf16
+operands (the state rounded for the product only: A_s x is a correction to x); otherwise A_s is
+float32 and the products exact ("ieee") for float32 inputs, TF32 for float16. S's products take
+float32 operands (TF32 but for float32 inputs); sums and states are float32.
 
 Tensors: k, v (batch, seqlen, kv_heads, head_dim) with a contiguous last dim; per-segment states
 (batch, segments, kv_heads, head_dim[, head_dim]) and memories (batch, kv_heads, head_dim[,
@@ -48,6 +50,7 @@ from .memory import (
     memory_gram_den_backward,
     memory_scan,
     memory_updates,
+    operand_dtype,
 )
 
 
@@ -71,10 +74,12 @@ def _delta_scan_kernel(
     U, A, INIT, OUT, FINAL, n_seg, kv_heads,
     HAS_INIT: tl.constexpr, TRANSPOSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    BF16_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, kv head, column block), segments in order (reversed with TRANSPOSE):
     OUT[s] = x, then x += U[s] - A[s] x (A[s]^T x with TRANSPOSE); FINAL = x at the end. x starts
-    at INIT (zeros without), float32. With BLOCK_R == BLOCK_D x stays in registers and the loads
+    at INIT (zeros without), float32. BF16_PRODUCTS: A is bf16 and x is rounded to bf16 for the
+    product. With BLOCK_R == BLOCK_D x stays in registers and the loads
     of A and U, which do not depend on x, are pipelined ahead of the chain; with TRANSPOSE the
     program holds x^T and computes x^T A, so that A is read as stored (a transposed read of A
     was 5x slower). With smaller row tiles (head_dim 256) x's rows pass through OUT in global
@@ -104,10 +109,11 @@ def _delta_scan_kernel(
             a = tl.load(A + state * width + a_offs, mask=a_mask, other=0.0)
             u = tl.load(U + state * width + offs, mask=mask, other=0.0)
             tl.store(OUT + state * width + offs, x, mask=mask)
+            operand = x.to(tl.bfloat16) if BF16_PRODUCTS else x
             if TRANSPOSE:
-                x = x + u - tl.dot(x, a, input_precision=DOT_PRECISION)
+                x = x + u - tl.dot(operand, a, input_precision=DOT_PRECISION)
             else:
-                x = x + u - tl.dot(a, x, input_precision=DOT_PRECISION)
+                x = x + u - tl.dot(a, operand, input_precision=DOT_PRECISION)
         tl.store(FINAL + pid * width + offs, x, mask=mask)
     else:
         first = n_seg - 1 if TRANSPOSE else 0
@@ -143,29 +149,39 @@ def _delta_scan_kernel(
                     a = _load_tile(A + state * width, rows_i, rows_j, TRANSPOSE, HEAD_DIM)
                     x_j = tl.load(x_base + rows_j[:, None] * HEAD_DIM + cols[None, :],
                                   mask=j_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+                    if BF16_PRODUCTS:
+                        x_j = x_j.to(tl.bfloat16)
                     acc -= tl.dot(a, x_j, input_precision=DOT_PRECISION)
                 tl.store(dst + offs_i, acc, mask=mask_i)
 
 
 # Columns of M per scan program: the scan is a chain of n_seg dependent steps per program, each a
-# (head_dim x head_dim) @ (head_dim x DELTA_COLUMNS) product, so narrow blocks give more programs
-# and shorter steps. x stays in registers up to DELTA_REGISTER_ROWS rows (the A tile's loads
-# pipelined DELTA_STAGES deep), else it goes through global memory in tiles of DELTA_ROWS rows.
-# 16 columns and 3 stages: 0.62 ms at 512 segments x 8 heads of 128 on an H200, against 1.07 for
-# 32 columns and 2 stages (32 columns x 3 stages overflow shared memory).
+# (head_dim x head_dim) @ (head_dim x columns) product whose A tile (64 KB in float32, 32 KB in
+# bf16 at head_dim 128) comes from L2, so the step's time is that load's; narrow blocks give more
+# programs on as many SMs. x stays in registers up to DELTA_REGISTER_ROWS rows (the A tile's loads
+# pipelined ahead), else it goes through global memory in tiles of DELTA_ROWS rows. float32 A: 16
+# columns, 3 stages, 8 warps, 0.61 / 0.85 ms (forward / transposed) at 512 segments x 8 heads of
+# 128 on an H200, against 1.07 for 32 columns and 2 stages (32 x 3 overflow shared memory); bf16 A:
+# 8 columns, 4 stages, 4 warps, 0.33 / 0.42 ms (16 columns: 0.37 / 0.49).
 DELTA_COLUMNS = 16
+DELTA_COLUMNS_BF16 = 8
 DELTA_REGISTER_ROWS = 128
 DELTA_ROWS = 64
 DELTA_STAGES = 3
+DELTA_STAGES_BF16 = 4
 
 
 def scan_tiles(head_dim: int, dtype: torch.dtype) -> dict:
-    """The recurrence kernel's constexprs and launch options for head_dim and the inputs' dtype."""
+    """The recurrence kernel's constexprs and launch options for head_dim and the inputs' dtype
+    (bf16: A in bf16, bf16 products)."""
     bd = block_d(head_dim)
     rows = bd if bd <= DELTA_REGISTER_ROWS else min(DELTA_ROWS, bd)
+    bf16 = dtype == torch.bfloat16
+    columns, stages = (DELTA_COLUMNS_BF16, DELTA_STAGES_BF16) if bf16 else (DELTA_COLUMNS, DELTA_STAGES)
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_R=rows, BLOCK_N=min(DELTA_COLUMNS, bd), STAGES=DELTA_STAGES,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=8 if rows >= 128 else 4,
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_R=rows, BLOCK_N=min(columns, bd), STAGES=stages,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BF16_PRODUCTS=bf16,
+        num_warps=8 if rows >= 128 and not bf16 else 4,
     )  # fmt: skip
 
 
@@ -177,9 +193,9 @@ def delta_scan(
     (reversed, with gram[s]^T, when ``transpose``): updates and gram (batch, segments, kv_heads,
     head_dim, head_dim), initial (batch, kv_heads, head_dim, head_dim) or None (zeros) ->
     (OUT, the x after the last step), float32. ``dtype`` (the inputs') sets the products'
-    precision."""
+    precision and gram's dtype (``operand_dtype``: bf16 for bf16 inputs, else float32)."""
     b, n_seg, kv_heads, d = updates.shape[:4]
-    updates, gram = updates.float().contiguous(), gram.float().contiguous()
+    updates, gram = updates.float().contiguous(), gram.to(operand_dtype(dtype)).contiguous()
     out = torch.empty_like(updates)
     final = torch.empty(b, kv_heads, d, d, device=updates.device, dtype=torch.float32)
     init = final if initial is None else initial.float().contiguous()
@@ -216,8 +232,9 @@ def delta_scan_backward(
     """Gradients of ``delta_scan`` given those of its two outputs (None: zero) and its output
     m_before (float32, or kept in the products' operand dtype): (that of the updates, S = dA +
     dA^T with dA = -X_s M_s^T the gram's gradient (X_s: the gradient of the memory after segment
-    s; S is what the keys' gradient reads, ``delta_gram_grads``), that of the initial memory),
-    float32: the scan reversed with gram transposed, then ``gram_gradient``."""
+    s; S is what the keys' gradient reads, ``delta_gram_grads``; in ``operand_dtype``), that of
+    the initial memory), float32 but for S: the scan reversed with gram transposed, then
+    ``gram_gradient``."""
     if grad_m_before is None:
         grad_m_before = torch.zeros(m_before.shape, device=m_before.device, dtype=torch.float32)
     grad_updates, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, dtype, transpose=True)
@@ -247,7 +264,8 @@ def _gram_gradient_kernel(
         x_cols = tl.load(X + base + col_offs, mask=col_mask, other=0.0)
         acc = tl.dot(m_rows, tl.trans(x_cols), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[:, None] < HEAD_DIM) & (cols[None, :] < HEAD_DIM)
-    tl.store(OUT + base + rows[:, None] * HEAD_DIM + cols[None, :], -acc, mask=out_mask)
+    out = (-acc).to(OUT.dtype.element_ty)
+    tl.store(OUT + base + rows[:, None] * HEAD_DIM + cols[None, :], out, mask=out_mask)
 
 
 # Tiles of the Gram gradient: 64 x 64 outputs (four programs per state at head_dim 128), the
@@ -267,11 +285,12 @@ def gram_gradient_tiles(head_dim: int, dtype: torch.dtype) -> dict:
 def gram_gradient(x: torch.Tensor, m_before: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """S = dA + dA^T = -(X M^T + M X^T) per state (dA_s = -X_s M_s^T: the gradient of A_s through
     the recurrence) in one pass: x (the reversed scan's output) and m_before (..., head_dim,
-    head_dim), float32 (m_before also in the operand dtype) -> float32 of x's shape. ``dtype``
-    (the inputs') sets the products' precision, as the recurrence's."""
+    head_dim), float32 (m_before also in the operand dtype) -> x's shape in ``operand_dtype``
+    (bf16 for bf16 inputs: every reader of S takes it as a bf16 operand). ``dtype`` (the
+    inputs') sets the products' precision, as the recurrence's."""
     x, m_before = x.contiguous(), m_before.contiguous()
     d = x.shape[-1]
-    out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    out = torch.empty(x.shape, device=x.device, dtype=operand_dtype(dtype))
     t = gram_gradient_tiles(d, dtype)
     n = triton.cdiv(d, t["BLOCK"])
     _gram_gradient_kernel[(x.numel() // (d * d), n, n)](x, m_before, out, **t)

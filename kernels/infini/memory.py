@@ -120,7 +120,7 @@ def _update_kernel(
             dz += tl.sum(keys, 0)
         acc = _dot(tl.trans(keys), v, acc, LOW_PRECISION, DOT_PRECISION)
     dm_ptrs = DM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
-    tl.store(dm_ptrs, acc, mask=d_ok[:, None] & (cols[None, :] < HEAD_DIM))
+    tl.store(dm_ptrs, acc.to(DM.dtype.element_ty), mask=d_ok[:, None] & (cols[None, :] < HEAD_DIM))
     if not GRAM:
         tl.store(DZ + state * HEAD_DIM + offs_d, dz, mask=d_ok & (pid_n == 0))
 
@@ -337,23 +337,36 @@ def _n_seg(seqlen: int, segment_len: int) -> int:
     return -(-seqlen // segment_len)
 
 
-def _launch_updates(k, v, z_before, segment_len: int, gram: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_updates(
+    k: torch.Tensor, v: torch.Tensor, segment_len: int, updates: bool, z_before: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(dM, dz) with ``updates``, A_s with ``z_before``; None for those not asked for."""
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     b, s, kv_heads, d = k.shape
     n_seg = _n_seg(s, segment_len)
-    dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
-    dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
-    if uses_infini_updates(k, v):
-        hopper_module("infini_updates").launch_updates(k, v, dm, dz, segment_len, z_before if gram else None)
-        return dm, dz
+    dm = dz = gram = None
+    if updates:
+        dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
+        dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
+    if z_before is not None:
+        z_before = z_before.float().contiguous()
+        # A_s only feeds the recurrence's products: in their operand dtype
+        gram = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=operand_dtype(k.dtype))
+    if uses_infini_updates(k, v):  # one pass for both
+        hopper_module("infini_updates").launch_updates(k, v, segment_len, dm, dz, z_before, gram)
+        return dm, dz, gram
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
-    t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if gram else "updates")
-    grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
-    _update_kernel[grid](
-        k, v, dz if z_before is None else z_before, dm, dz, s, n_seg, segment_len, kv_heads,
-        *k.stride()[:3], *v.stride()[:3], GRAM=gram, **t,
-    )  # fmt: skip
-    return dm, dz
+    for out, is_gram in ((dm, False), (gram, True)):
+        if out is None:
+            continue
+        t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if is_gram else "updates")
+        grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
+        _update_kernel[grid](
+            k, k if is_gram else v, z_before if is_gram else dz, out, dz if dz is not None else z_before,
+            s, n_seg, segment_len, kv_heads, *k.stride()[:3], *(k if is_gram else v).stride()[:3],
+            GRAM=is_gram, **t,
+        )  # fmt: skip
+    return dm, dz, gram
 
 
 def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,15 +374,23 @@ def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[
     (sigma(K_s)^T V_s (batch, segments, kv_heads, head_dim, head_dim), sum of sigma(K_s)
     (batch, segments, kv_heads, head_dim)), float32. On an H100/H200 with bf16 inputs of head_dim
     128, the Hopper kernel (``hopper/infini_updates.py``, ``dispatch.uses_infini_updates``)."""
-    return _launch_updates(k, v, None, segment_len, gram=False)
+    return _launch_updates(k, v, segment_len, True, None)[:2]
 
 
 def memory_gram(k: torch.Tensor, z_before: torch.Tensor, segment_len: int) -> torch.Tensor:
     """The delta rule's per-segment A_s = sigma(K_s)^T diag(w) sigma(K_s), w = 1 / (sigma(K_s)
     z_s) per token (0 where that is 0): k (batch, seqlen, kv_heads, head_dim), z_before (batch,
-    segments, kv_heads, head_dim) float32 -> (batch, segments, kv_heads, head_dim, head_dim)
-    float32."""
-    return _launch_updates(k, k, z_before.float().contiguous(), segment_len, gram=True)[0]
+    segments, kv_heads, head_dim) float32 -> (batch, segments, kv_heads, head_dim, head_dim) in
+    ``operand_dtype`` (bf16 for bf16 k: it only feeds the recurrence's products)."""
+    return _launch_updates(k, k, segment_len, False, z_before)[2]
+
+
+def memory_updates_and_gram(
+    k: torch.Tensor, v: torch.Tensor, z_before: torch.Tensor, segment_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``memory_updates``' two outputs and ``memory_gram``'s, from one read of k and v on the
+    Hopper kernel (the delta rule's backward rebuilds its memories with both)."""
+    return _launch_updates(k, v, segment_len, True, z_before)
 
 
 def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den_only):
@@ -387,6 +408,9 @@ def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den
         s_grad = gram_grad[0].to(matrix_dtype).contiguous()
         z_before = gram_grad[1].float().contiguous()
     if den_only:
+        if uses_infini_updates(k, k):
+            chunk = row_chunk(min(segment_len, s), b * n_seg * kv_heads, 64)[0]
+            return hopper_module("infini_gram_den").launch_gram_den(k, s_grad, z_before, segment_len, chunk)
         dk = dv = grad_dm = grad_dz = k
         gz_part = torch.empty(chunks, b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
     else:
@@ -427,7 +451,8 @@ def memory_gram_den_backward(
     k: torch.Tensor, segment_len: int, s_grad: torch.Tensor, z_before: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of z_before (batch, segments, kv_heads, head_dim), float32, through
-    ``memory_gram``'s weights w, given S = dA + dA^T."""
+    ``memory_gram``'s weights w, given S = dA + dA^T. The Hopper kernel
+    (``hopper/infini_gram_den.py``) runs where ``memory_updates``' does."""
     return _launch_updates_backward(k, k, segment_len, None, None, (s_grad, z_before), den_only=True)
 
 
