@@ -35,8 +35,8 @@ from .infini_updates import (
     MAX_REGISTERS,
     STAGES,
     allocate_stream,
+    await_item_matrix,
     block_layout,
-    chunk_item,
     inverse,
     matrix_descriptor,
     sigma,
@@ -59,11 +59,8 @@ def _den_compute(
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
-        buf = i % 2
-        # Waited by both warpgroups, blocks or not (``_bwd_compute``'s rule for its gdM).
-        mbarrier.wait(s_ready.index(buf), (i // 2) & 1)
-        s_mat = s_smem.index(buf)
+        args = (seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, h, lo, hi, s_mat = await_item_matrix(item, i, s_smem, s_ready, *args)
         z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
         part = gl.zeros([BLOCK_T, HEAD_DIM], gl.float32, acc_l)
         for t in range(lo, hi, BLOCK_T):
@@ -84,7 +81,7 @@ def _den_compute(
                 dden = -0.5 * weights * weights * gl.sum(p * sig, 1)
                 part += sig * dden[:, None]
             j += 1
-        mbarrier.arrive(s_empty.index(buf), count=1)
+        mbarrier.arrive(s_empty.index(i % 2), count=1)
         gl.store(PARTS + (item.to(gl.int64) * 2 + w) * HEAD_DIM + cols, gl.sum(part, 0))
         i += 1
 

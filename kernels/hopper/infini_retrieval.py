@@ -58,8 +58,8 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     LOADER_REGS,
     MAX_REGISTERS,
     allocate_stream,
+    await_item_matrix,
     block_layout,
-    chunk_item,
     inverse,
     matrix_descriptor,
     sigma,
@@ -95,11 +95,8 @@ def _fwd_compute(
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, kvh, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
-        buf = i % 2
-        # Waited by both warpgroups, blocks or not (as in infini_updates.py's backward).
-        mbarrier.wait(m_ready.index(buf), (i // 2) & 1)
-        m = m_smem.index(buf)
+        args = (seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, kvh, lo, hi, m = await_item_matrix(item, i, m_smem, m_ready, *args)
         for g in range(group):
             h = kvh * group + g
             gate = gl.load(GATE + h)
@@ -123,7 +120,7 @@ def _fwd_compute(
                     tma.store_wait(0)  # the tile read: the stage can be reloaded
                     mbarrier.arrive(empty.index(s), count=1)
                 j += 1
-        mbarrier.arrive(m_empty.index(buf), count=1)
+        mbarrier.arrive(m_empty.index(i % 2), count=1)
         i += 1
 
 

@@ -254,6 +254,17 @@ def chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
 
 
 @gluon.jit
+def await_item_matrix(item, i, m_smem, m_ready, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks):
+    """A compute warpgroup of an item stream at its program's i-th item: (state, batch row, kv
+    head, first token, end token, the item's matrix in shared memory) once the matrix has landed.
+    Both warpgroups wait, blocks or not: an arrival on the matrix's empty barrier before it
+    arrived could release the buffer while the other warpgroup still reads it."""
+    state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+    mbarrier.wait(m_ready.index(i % 2), (i // 2) & 1)
+    return state, b, h, lo, hi, m_smem.index(i % 2)
+
+
+@gluon.jit
 def allocate_stream(a_desc, b_desc, m_desc):
     """Shared memory of an item stream (``stream_loader``), its mbarriers initialized: a ring of
     STAGES blocks of two 64 x 128 tiles (ready, empty: one warpgroup's each) and two buffers of
@@ -344,12 +355,8 @@ def _bwd_compute(
     i = 0
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        state, b, h, lo, hi = chunk_item(item, seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
-        buf = i % 2
-        # Waited by both warpgroups, blocks or not: an arrival on g_empty before the item's
-        # gdM arrived could release the buffer while the other warpgroup still reads it.
-        mbarrier.wait(g_ready.index(buf), (i // 2) & 1)
-        gm = g_smem.index(buf)
+        args = (seqlen, n_seg, segment_len, kv_heads, chunk, n_chunks)
+        state, b, h, lo, hi, gm = await_item_matrix(item, i, g_smem, g_ready, *args)
         for t in range(lo, hi, BLOCK_T):
             if j % 2 == w:
                 s = j % STAGES
@@ -373,7 +380,7 @@ def _bwd_compute(
                 tma.store_wait(0)  # the tiles read: the stage can be reloaded
                 mbarrier.arrive(empty.index(s), count=1)
             j += 1
-        mbarrier.arrive(g_empty.index(buf), count=1)
+        mbarrier.arrive(g_empty.index(i % 2), count=1)
         i += 1
 
 
