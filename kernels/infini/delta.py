@@ -79,11 +79,11 @@ def _delta_scan_kernel(
     """One (batch row, kv head, column block), segments in order (reversed with TRANSPOSE):
     OUT[s] = x, then x += U[s] - A[s] x (A[s]^T x with TRANSPOSE); FINAL = x at the end. x starts
     at INIT (zeros without), float32. BF16_PRODUCTS: A is bf16 and x is rounded to bf16 for the
-    product. With BLOCK_R == BLOCK_D x stays in registers and the loads
-    of A and U, which do not depend on x, are pipelined ahead of the chain; with TRANSPOSE the
-    program holds x^T and computes x^T A, so that A is read as stored (a transposed read of A
-    was 5x slower). With smaller row tiles (head_dim 256) x's rows pass through OUT in global
-    memory (a step reads the x it has just stored, after a barrier)."""
+    product. With BLOCK_R == BLOCK_D x stays in registers and the loads of A and U, which do not
+    depend on x, are pipelined ahead of the chain; with TRANSPOSE the program holds x^T and
+    computes x^T A, so that A is read as stored (a transposed read of A was 5x slower). With
+    smaller row tiles (head_dim 256) x's rows pass through OUT in global memory (a step reads the
+    x it has just stored, after a barrier)."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = pid // kv_heads, pid % kv_heads
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

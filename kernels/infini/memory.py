@@ -13,8 +13,9 @@ head:
 sigma and the casts stay in registers; the head_dim x head_dim products run on tensor cores with
 bf16 operands and float32 accumulation for bf16 inputs, and with float32 operands otherwise
 (exact for float32, TF32 for float16, whose inputs carry no more bits). Sums over segments are
-float32; the memories that only feed products (the retrieval's M, the updates' backward's dM
-gradient) are written as the products' operand dtype (``operand_dtype``): bf16 for bf16 inputs.
+float32; the matrices that only feed products (the retrieval's M, the updates' backward's dM
+gradient, the delta rule's A_s and S) are written as the products' operand dtype
+(``operand_dtype``): bf16 for bf16 inputs.
 
 Tensors: k, v (batch, seqlen, kv_heads, head_dim) with a contiguous last dim; per-segment
 states (batch, segments, kv_heads, head_dim[, head_dim]), contiguous. Segment s covers tokens
@@ -356,15 +357,16 @@ def _launch_updates(
         hopper_module("infini_updates").launch_updates(k, v, segment_len, dm, dz, z_before, gram)
         return dm, dz, gram
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
-    for out, is_gram in ((dm, False), (gram, True)):
+    for out, is_gram in ((dm, False), (gram, True)):  # two passes: Triton's kernel makes one or the other
         if out is None:
             continue
         t = tiles(d, k.dtype, 128 if wide else 64, row_tile(d), "gram" if is_gram else "updates")
         grid = (b * n_seg, kv_heads, triton.cdiv(d, t["BLOCK_N"]))
+        values = k if is_gram else v
+        z_in, dz_out = (z_before, out) if is_gram else (out, dz)  # the Gram reads z, writes no dz
         _update_kernel[grid](
-            k, k if is_gram else v, z_before if is_gram else dz, out, dz if dz is not None else z_before,
-            s, n_seg, segment_len, kv_heads, *k.stride()[:3], *(k if is_gram else v).stride()[:3],
-            GRAM=is_gram, **t,
+            k, values, z_in, out, dz_out, s, n_seg, segment_len, kv_heads, *k.stride()[:3],
+            *values.stride()[:3], GRAM=is_gram, **t,
         )  # fmt: skip
     return dm, dz, gram
 
