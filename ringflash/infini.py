@@ -52,9 +52,10 @@ update (``_ranks_grads``). Delta: z is such a prefix sum too, so every rank comp
 A_s in parallel; M_s depends on rank r - 1's final memory, so the memory is relayed rank to rank
 (``comm.relay_receive``/``relay_send``, one kv_heads x head_dim^2 message per hop) and the ranks'
 head_dim x head_dim recurrences run one after another: about world_size x one rank's recurrence
-(0.3 ms forward, 0.9 ms backward with S at 1M tokens per rank, segment 2048, 8 heads of 128, on
-an H200) on top of the parallel work. The backward relays the memory's gradient back from the
-last rank the same way, each rank's reversed recurrence waiting for the next rank's, then
+(0.3 ms forward, 0.4 ms backward at 1M tokens per rank, segment 2048, 8 heads of 128, on an
+H200) on top of the parallel work; A_s is built before the wait, the retrieval runs before the
+final memory's broadcast. The backward relays the memory's gradient back from the last rank the
+same way, each rank's reversed recurrence waiting for the next rank's (S after the send), then
 gathers z's gradients as the linear rule does.
 """
 
@@ -79,7 +80,7 @@ from .kernels.infini.delta import (
     delta_gram_grads,
     delta_memories,
     delta_scan,
-    delta_scan_backward,
+    gram_gradient,
 )
 from .kernels.infini.local import local_backward
 from .kernels.infini.memory import (
@@ -336,17 +337,20 @@ class _GatedMemory(torch.autograd.Function):
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
         else:
             z_before = memory_scan(dz, z, torch.float32)[0]
+            # A_s before the wait: only the recurrence is on the ranks' chain
+            gram = memory_gram(k, z_before, segment_len)
             received = comm.relay_receive(m, group)
             m = m if received is None else received
-            m_before, m_last = delta_scan(dm, memory_gram(k, z_before, segment_len), m, q.dtype)
+            m_before, m_last = delta_scan(dm, gram, m, q.dtype)
             comm.relay_send(m_last, group)
-            m_final = comm.broadcast_from_last(m_last, group)
         b, s, heads, d = q.shape
         kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
         ctx.kept = kept_bytes > 0
         kept = m_before.to(operand_dtype(q.dtype)) if ctx.kept else m
         ctx.save_for_backward(q, k, v, local, lse, gate, kept, z_before)
         out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+        if group is not None and rule == "delta":  # after the retrieval, which does not wait for it
+            m_final = comm.broadcast_from_last(m_last, group)
         return out, m_final, z_final
 
     @staticmethod
@@ -385,11 +389,12 @@ class _GatedMemory(torch.autograd.Function):
                 shared = comm.sum_over_ranks(shared, group)
                 g_mfinal = comm.relay_receive(shared, group, backward=True)
                 g_mfinal = shared if g_mfinal is None else g_mfinal
-            grad_dm, s_grad, gm = delta_scan_backward(m_before, gram, gm, g_mfinal, k.dtype)
-            del m_before, gram
-            if group is not None:
+            grad_dm, gm = delta_scan(gm, gram, g_mfinal, k.dtype, transpose=True)
+            if group is not None:  # before S: only the reversed recurrence is on the ranks' chain
                 comm.relay_send(gm, group, backward=True)
                 gm_given = gm if dist.get_rank(group) == 0 else torch.zeros_like(gm)  # m entered rank 0 only
+            s_grad = gram_gradient(grad_dm, m_before, k.dtype)
+            del m_before, gram
             gz = delta_gram_grads(k, z_before, seg, s_grad, gz)
             if group is not None:
                 (gz_given,), (g_zfinal,) = _ranks_grads([(gz, g_zfinal)], group)

@@ -16,7 +16,7 @@ block c of M_s and B_s.
 Backward, with X_s = dL/dM_{s+1} (X_last = the final memory's gradient) and G_s the retrieval's
 gradient of M_s:
 
-    dL/dM_s = G_s + X_s - A_s^T X_s         (the same scan, reversed, A transposed)
+    dL/dM_s = G_s + X_s - A_s^T X_s         (``delta_scan`` reversed, A transposed)
     dB_s = X_s,   dA_s = -X_s M_s^T         (the keys' gradient reads S = dA + dA^T, which
                                              ``gram_gradient`` writes in one pass)
 
@@ -222,25 +222,6 @@ def delta_memories(
     return m_before, m_final, z_before, z_final
 
 
-def delta_scan_backward(
-    m_before: torch.Tensor,
-    gram: torch.Tensor,
-    grad_m_before: torch.Tensor | None,
-    grad_m_final: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``delta_scan`` given those of its two outputs (None: zero) and its output
-    m_before (float32, or kept in the products' operand dtype): (that of the updates, S = dA +
-    dA^T with dA = -X_s M_s^T the gram's gradient (X_s: the gradient of the memory after segment
-    s; S is what the keys' gradient reads, ``delta_gram_grads``; in ``operand_dtype``), that of
-    the initial memory), float32 but for S: the scan reversed with gram transposed, then
-    ``gram_gradient``."""
-    if grad_m_before is None:
-        grad_m_before = torch.zeros(m_before.shape, device=m_before.device, dtype=torch.float32)
-    grad_updates, grad_m_in = delta_scan(grad_m_before, gram, grad_m_final, dtype, transpose=True)
-    return grad_updates, gram_gradient(grad_updates, m_before, dtype), grad_m_in
-
-
 @triton.jit
 def _gram_gradient_kernel(
     X, MEMORY, OUT, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -303,7 +284,7 @@ def delta_gram_grads(
 ) -> torch.Tensor:  # fmt: skip
     """The gradient of z before each segment (batch, segments, kv_heads, head_dim), float32:
     ``grad_z_before`` (the retrieval's; None: zero) plus that through A_s's weights w given S =
-    dA + dA^T (``delta_scan_backward``). The reverse scan over the segments (``memory_scan``)
+    dA + dA^T (``gram_gradient``). The reverse scan over the segments (``memory_scan``)
     turns it into the gradient of each segment's z update, which the dk/dv pass takes with S (in
     the local attention's backward, ``local.local_backward``, or ``memory_updates_backward``)."""
     grad_z = memory_gram_den_backward(k, segment_len, s_grad, z_before)
