@@ -450,6 +450,31 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
 
 
 # The Hopper updates kernel's cases (the updates, their backward, the Gram matrices).
+def _hopper_keys_values(batch, seqlen, kv_heads, packed, seed):
+    """(k, v, the generator that drew them, for the test's further inputs): bf16 (batch, seqlen,
+    kv_heads, 128) on the GPU, with ``packed`` strided views of one (batch, seqlen, 2 * kv_heads,
+    128) tensor, else contiguous copies."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
+    k, v = kv[:, :, :kv_heads], kv[:, :, kv_heads:]
+    return (k, v, g) if packed else (k.contiguous(), v.contiguous(), g)
+
+
+def _gram_weights(k, segment_len, g):
+    """(z before each segment, float64 sigma(K) per segment (batch, segments, segment_len, kv_heads,
+    128; zero rows past the sequence), the Gram weights w = 1 / (sigma(K) z), 0 where z = 0): z
+    grows with the tokens before the segment (a sum of sigma(K) > 0), 0 before the first, with a
+    spread across entries so that w differs from token to token."""
+    batch, seqlen, kv_heads = k.shape[:3]
+    n_seg = -(-seqlen // segment_len)
+    z_before = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 2 * segment_len
+    z_before *= torch.arange(n_seg, device="cuda")[None, :, None, None]
+    pad = n_seg * segment_len - seqlen
+    sk_s = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1))
+    den = torch.einsum("bstkd,bskd->bstk", sk_s, z_before.double())
+    return z_before, sk_s, torch.where(den > 0, 1 / den.clamp_min(1e-300), 0.0)
+
+
 UPDATE_SHAPES = pytest.mark.parametrize(
     "batch, seqlen, kv_heads, segment_len, packed",
     [
@@ -470,12 +495,7 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import infini_updates
 
-    g = torch.Generator(device="cuda").manual_seed(7)
-    kv = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    if packed:
-        k, v = kv[:, :, :kv_heads], kv[:, :, kv_heads:]
-    else:
-        k, v = kv[:, :, :kv_heads].contiguous(), kv[:, :, kv_heads:].contiguous()
+    k, v, g = _hopper_keys_values(batch, seqlen, kv_heads, packed, seed=7)
     n_seg = -(-seqlen // segment_len)
     grad_dm = (torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g) / 100).bfloat16()
     grad_dz = torch.randn(batch, n_seg, kv_heads, 128, device="cuda", generator=g) / 100
@@ -525,21 +545,8 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import infini_updates
 
-    g = torch.Generator(device="cuda").manual_seed(11)
-    kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    if packed:
-        k, v = kk[:, :, :kv_heads], kk[:, :, kv_heads:]
-    else:
-        k, v = kk[:, :, :kv_heads].contiguous(), kk[:, :, kv_heads:].contiguous()
-    n_seg = -(-seqlen // segment_len)
-    # z grows with the tokens before the segment (a sum of sigma(K) > 0); a spread across
-    # entries makes w differ from token to token
-    z_before = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 2 * segment_len
-    z_before *= torch.arange(n_seg, device="cuda")[None, :, None, None]
-    pad = n_seg * segment_len - seqlen
-    sk_s = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1))
-    den = torch.einsum("bstkd,bskd->bstk", sk_s, z_before.double())
-    w = torch.where(den > 0, 1 / den.clamp_min(1e-300), 0.0)
+    k, v, g = _hopper_keys_values(batch, seqlen, kv_heads, packed, seed=11)
+    z_before, sk_s, w = _gram_weights(k, segment_len, g)
     want = torch.einsum("bstkd,bstk,bstke->bskde", sk_s, w, sk_s)
     calls = []
     launch = infini_updates.launch_updates
@@ -581,18 +588,10 @@ def test_hopper_gram_den_matches_float64(monkeypatch, batch, seqlen, kv_heads, s
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import infini_gram_den
 
-    g = torch.Generator(device="cuda").manual_seed(12)
-    kk = torch.randn(batch, seqlen, 2 * kv_heads, 128, device="cuda", generator=g).bfloat16()
-    k = kk[:, :, :kv_heads] if packed else kk[:, :, :kv_heads].contiguous()
-    n_seg = -(-seqlen // segment_len)
-    z_before = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 2 * segment_len
-    z_before *= torch.arange(n_seg, device="cuda")[None, :, None, None]
-    s_grad = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g)
+    k, _, g = _hopper_keys_values(batch, seqlen, kv_heads, packed, seed=12)
+    z_before, sk_s, w = _gram_weights(k, segment_len, g)
+    s_grad = torch.randn(*z_before.shape, 128, device="cuda", generator=g)
     s_grad = s_grad + s_grad.transpose(-1, -2)  # S is symmetric, of either sign
-    pad = n_seg * segment_len - seqlen
-    sk_s = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, -1))
-    den = torch.einsum("bstkd,bskd->bstk", sk_s, z_before.double())
-    w = torch.where(den > 0, 1 / den.clamp_min(1e-300), 0.0)
     quad = torch.einsum("bstkd,bskde,bstke->bstk", sk_s, s_grad.double(), sk_s)
     want = torch.einsum("bstk,bstkd->bskd", -0.5 * w * w * quad, sk_s)
     calls = []
