@@ -312,9 +312,16 @@ class _GatedMemory(torch.autograd.Function):
         ctx.rule, ctx.segment_len, ctx.scale, ctx.fused_local = rule, segment_len, scale, local is None
         ctx.group = group
         ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
-        if rule == "linear" or group is not None:
+        # On one device the memories come before the local attention, which spends about a
+        # millisecond of host time before its kernel starts: the GPU runs them meanwhile.
+        if group is None and rule == "linear":
             dm, dz = memory_updates(k, v, segment_len)
-        if group is not None:  # the earlier ranks' totals, in flight during the local attention
+            m_before, m_final = memory_scan(dm, m, operand_dtype(q.dtype))
+            z_before, z_final = memory_scan(dz, z, torch.float32)
+        elif group is None:
+            m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
+        else:  # the earlier ranks' totals, in flight during the local attention
+            dm, dz = memory_updates(k, v, segment_len)
             totals = dz.sum(1) if rule == "delta" else torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
             pending = comm.exclusive_prefix_sum(totals, group)
         lse = None
@@ -327,22 +334,16 @@ class _GatedMemory(torch.autograd.Function):
             if rule == "linear":
                 (prefix_m, prefix), (total_m, total) = (_split_memory(t, q.shape[3]) for t in (prefix, total))
                 m, m_final = m + prefix_m, m + total_m
+                m_before = memory_scan(dm, m, operand_dtype(q.dtype))[0]
             z, z_final = z + prefix, z + total
-        if rule == "linear":
-            m_before, m_last = memory_scan(dm, m, operand_dtype(q.dtype))
-            z_before, z_last = memory_scan(dz, z, torch.float32)
-            if group is None:
-                m_final, z_final = m_last, z_last
-        elif group is None:
-            m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
-        else:
             z_before = memory_scan(dz, z, torch.float32)[0]
-            # A_s before the wait: only the recurrence is on the ranks' chain
-            gram = memory_gram(k, z_before, segment_len)
-            received = comm.relay_receive(m, group)
-            m = m if received is None else received
-            m_before, m_last = delta_scan(dm, gram, m, q.dtype)
-            comm.relay_send(m_last, group)
+            if rule == "delta":
+                # A_s before the wait: only the recurrence is on the ranks' chain
+                gram = memory_gram(k, z_before, segment_len)
+                received = comm.relay_receive(m, group)
+                m = m if received is None else received
+                m_before, m_last = delta_scan(dm, gram, m, q.dtype, out_dtype=operand_dtype(q.dtype))
+                comm.relay_send(m_last, group)
         b, s, heads, d = q.shape
         kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
         ctx.kept = kept_bytes > 0
@@ -367,7 +368,7 @@ class _GatedMemory(torch.autograd.Function):
             gram, m_before = memory_gram(k, z_before, seg), m
         else:
             dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
-            m_before = delta_scan(dm, gram, m, q.dtype)[0]
+            m_before = delta_scan(dm, gram, m, q.dtype, out_dtype=matrix_dtype)[0]
             del dm
         delta = torch.empty_like(lse) if ctx.fused_local else None
         # The local attention's fused backward adds its dQ into a float32 buffer: the memory
@@ -389,7 +390,7 @@ class _GatedMemory(torch.autograd.Function):
                 shared = comm.sum_over_ranks(shared, group)
                 g_mfinal = comm.relay_receive(shared, group, backward=True)
                 g_mfinal = shared if g_mfinal is None else g_mfinal
-            grad_dm, gm = delta_scan(gm, gram, g_mfinal, k.dtype, transpose=True)
+            grad_dm, gm = delta_scan(gm, gram, g_mfinal, k.dtype, transpose=True, out_dtype=matrix_dtype)
             if group is not None:  # before S: only the reversed recurrence is on the ranks' chain
                 comm.relay_send(gm, group, backward=True)
                 gm_given = gm if dist.get_rank(group) == 0 else torch.zeros_like(gm)  # m entered rank 0 only
