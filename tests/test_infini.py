@@ -267,9 +267,11 @@ for d in (64, 128, 256):
     if not one_pass:
         build(retrieval._retrieval_state_backward_kernel, t, GROUP=2)
     for transpose in (False, True):
-        t = delta.scan_tiles(d, torch.bfloat16)  # A in bf16
-        build(delta._delta_scan_kernel, t, FLOAT32 - {"A"}, HAS_INIT=True, TRANSPOSE=transpose)
-    build(delta._gram_gradient_kernel, delta.gram_gradient_tiles(d, torch.bfloat16))
+        t = delta.scan_tiles(d, torch.bfloat16)  # A in bf16, and OUT where the state stays in registers
+        bf16 = {"A", "OUT"} if t["BLOCK_R"] == t["BLOCK_D"] else {"A"}
+        build(delta._delta_scan_kernel, t, FLOAT32 - bf16, HAS_INIT=True, TRANSPOSE=transpose)
+    t = delta.gram_gradient_tiles(d, torch.bfloat16)
+    build(delta._gram_gradient_kernel, t, FLOAT32 - {"X", "MEMORY", "OUT"})  # all three bf16
 print("infini ok")
 """
 
