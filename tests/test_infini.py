@@ -451,6 +451,45 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
         _check(name, got, want, 1e-2)
 
 
+@pytest.mark.gpu
+def test_hopper_retrieval_backward_is_deterministic(monkeypatch):
+    """The Hopper retrieval backward's warpgroups hand each step's tiles over by named barriers
+    and reuse the z operand's buffer every other step (kernels/hopper/infini_retrieval.py): a
+    hand-over out of order would read a tile being rewritten. Eight runs over 128 programs of 32
+    steps (GQA: two query heads per program) give the same bits (the kernel has no atomics)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90")
+    from ringflash.kernels.hopper import infini_retrieval
+    from ringflash.kernels.infini import retrieval
+
+    calls, launch = [], infini_retrieval.launch_retrieval_backward
+    counted = lambda *args: calls.append(args) or launch(*args)  # noqa: E731
+    monkeypatch.setattr(infini_retrieval, "launch_retrieval_backward", counted)
+    batch, seqlen, heads, kv_heads, segment_len = 2, 32768, 8, 4, 2048
+    g = torch.Generator(device="cuda").manual_seed(41)
+    q, local, dout = (
+        torch.randn(batch, seqlen, heads, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    k, v = (
+        torch.randn(batch, seqlen, kv_heads, 128, device="cuda", generator=g).bfloat16() for _ in range(2)
+    )
+    dm, dz = infini_memory.memory_updates(k, v, segment_len)
+    m_before = infini_memory.memory_scan(dm, None, torch.bfloat16)[0]
+    z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
+    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    runs = []
+    for _ in range(8):
+        delta = torch.empty(heads, batch * seqlen, device="cuda")
+        dq, _, *grads = retrieval.memory_retrieval_backward(
+            q, local, gate, m_before, z_before, segment_len, dout, delta, torch.float32
+        )
+        runs.append((dq, *grads, delta))
+    assert len(calls) == 8  # the Hopper kernel ran
+    for name, *results in zip(("dq", "dgate", "d memory", "d normalizer", "delta"), *runs):
+        assert torch.isfinite(results[0]).all(), name
+        assert all(torch.equal(results[0], r) for r in results[1:]), name
+
+
 # The Hopper updates kernel's cases (the updates, their backward, the Gram matrices).
 def _hopper_keys_values(batch, seqlen, kv_heads, packed, seed):
     """(k, v, the generator that drew them, for the test's further inputs): bf16 (batch, seqlen,
