@@ -396,6 +396,23 @@ def test_hopper_updates_backward_fused_into_local(
         _check(name + " (separate kernels)", fused, separate, 1e-2)
 
 
+def _retrieval_backward_inputs(batch, seqlen, heads, kv_heads, segment_len, seed):
+    """q, local, dout (batch, seqlen, heads, 128) bf16 on the GPU, the memories before each
+    segment of random keys and values (M in bf16, z float32) and gates in (0.1, 0.9) that bite."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, local, dout = (
+        torch.randn(batch, seqlen, heads, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    k, v = (
+        torch.randn(batch, seqlen, kv_heads, 128, device="cuda", generator=g).bfloat16() for _ in range(2)
+    )
+    dm, dz = infini_memory.memory_updates(k, v, segment_len)
+    m_before = infini_memory.memory_scan(dm, None, torch.bfloat16)[0]
+    z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
+    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    return q, local, dout, m_before, z_before, gate
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("batch", "seqlen", "heads", "kv_heads", "segment_len", "whole_segments"),
@@ -417,17 +434,9 @@ def test_hopper_retrieval_backward_matches_triton(monkeypatch, batch, seqlen, he
 
     if whole_segments:
         monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
-    g = torch.Generator(device="cuda").manual_seed(31)
-    q, local, dout = (
-        torch.randn(batch, seqlen, heads, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    q, local, dout, m_before, z_before, gate = _retrieval_backward_inputs(
+        batch, seqlen, heads, kv_heads, segment_len, seed=31
     )
-    k, v = (
-        torch.randn(batch, seqlen, kv_heads, 128, device="cuda", generator=g).bfloat16() for _ in range(2)
-    )
-    dm, dz = infini_memory.memory_updates(k, v, segment_len)
-    m_before = infini_memory.memory_scan(dm, None, torch.bfloat16)[0]
-    z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
-    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
     calls = []
     launch = infini_retrieval.launch_retrieval_backward
 
@@ -466,17 +475,9 @@ def test_hopper_retrieval_backward_is_deterministic(monkeypatch):
     counted = lambda *args: calls.append(args) or launch(*args)  # noqa: E731
     monkeypatch.setattr(infini_retrieval, "launch_retrieval_backward", counted)
     batch, seqlen, heads, kv_heads, segment_len = 2, 32768, 8, 4, 2048
-    g = torch.Generator(device="cuda").manual_seed(41)
-    q, local, dout = (
-        torch.randn(batch, seqlen, heads, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    q, local, dout, m_before, z_before, gate = _retrieval_backward_inputs(
+        batch, seqlen, heads, kv_heads, segment_len, seed=41
     )
-    k, v = (
-        torch.randn(batch, seqlen, kv_heads, 128, device="cuda", generator=g).bfloat16() for _ in range(2)
-    )
-    dm, dz = infini_memory.memory_updates(k, v, segment_len)
-    m_before = infini_memory.memory_scan(dm, None, torch.bfloat16)[0]
-    z_before = infini_memory.memory_scan(dz, None, torch.float32)[0]
-    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
     runs = []
     for _ in range(8):
         delta = torch.empty(heads, batch * seqlen, device="cuda")
