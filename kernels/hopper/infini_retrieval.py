@@ -313,7 +313,8 @@ def _compute(
             # by step parity: the other warpgroup's product may still read step j - 1's
             da_smem.index((j % 2) * 2 + w).store(gl.where(da_cols[None, :] == 0, da[:, None], 0.0).to(dtype))
             fence_async_shared()
-            # The other warpgroup may take this step's tiles; dq is stored while it catches up.
+            # The other warpgroup may take this step's tiles; dq is stored while it catches up
+            # (every step arrives: the predicate is always true).
             named_barriers.arrive(TILES_READY + 2 * w + j % 2, 256, j >= 0)
             x = q_s1.load(half_l).to(gl.float32)
             dq = (dp1 - c[:, None] * z1[None, :]) * gl.minimum(x, 1.0)  # sigma' = min(sigma, 1)
