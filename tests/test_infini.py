@@ -474,6 +474,7 @@ def test_hopper_retrieval_backward_is_deterministic(monkeypatch):
     calls, launch = [], infini_retrieval.launch_retrieval_backward
     counted = lambda *args: calls.append(args) or launch(*args)  # noqa: E731
     monkeypatch.setattr(infini_retrieval, "launch_retrieval_backward", counted)
+    monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)  # whole segments: 32 steps per program
     batch, seqlen, heads, kv_heads, segment_len = 2, 32768, 8, 4, 2048
     q, local, dout, m_before, z_before, gate = _retrieval_backward_inputs(
         batch, seqlen, heads, kv_heads, segment_len, seed=41
@@ -485,7 +486,7 @@ def test_hopper_retrieval_backward_is_deterministic(monkeypatch):
             q, local, gate, m_before, z_before, segment_len, dout, delta, torch.float32
         )
         runs.append((dq, *grads, delta))
-    assert len(calls) == 8  # the Hopper kernel ran
+    assert len(calls) == 8 and calls[0][-1] == segment_len  # the Hopper kernel, whole segments
     for name, *results in zip(("dq", "dgate", "d memory", "d normalizer", "delta"), *runs):
         assert torch.isfinite(results[0]).all(), name
         assert all(torch.equal(results[0], r) for r in results[1:]), name
