@@ -342,7 +342,7 @@ class _GatedMemory(torch.autograd.Function):
                 gram = memory_gram(k, z_before, segment_len)
                 received = comm.relay_receive(m, group)
                 m = m if received is None else received
-                m_before, m_last = delta_scan(dm, gram, m, q.dtype, out_dtype=operand_dtype(q.dtype))
+                m_before, m_last = delta_scan(dm, gram, m, q.dtype)
                 comm.relay_send(m_last, group)
         b, s, heads, d = q.shape
         kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
@@ -368,7 +368,7 @@ class _GatedMemory(torch.autograd.Function):
             gram, m_before = memory_gram(k, z_before, seg), m
         else:
             dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
-            m_before = delta_scan(dm, gram, m, q.dtype, out_dtype=matrix_dtype)[0]
+            m_before = delta_scan(dm, gram, m, q.dtype)[0]
             del dm
         delta = torch.empty_like(lse) if ctx.fused_local else None
         # The local attention's fused backward adds its dQ into a float32 buffer: the memory
@@ -390,7 +390,7 @@ class _GatedMemory(torch.autograd.Function):
                 shared = comm.sum_over_ranks(shared, group)
                 g_mfinal = comm.relay_receive(shared, group, backward=True)
                 g_mfinal = shared if g_mfinal is None else g_mfinal
-            grad_dm, gm = delta_scan(gm, gram, g_mfinal, k.dtype, transpose=True, out_dtype=matrix_dtype)
+            grad_dm, gm = delta_scan(gm, gram, g_mfinal, k.dtype, transpose=True)
             if group is not None:  # before S: only the reversed recurrence is on the ranks' chain
                 comm.relay_send(gm, group, backward=True)
                 gm_given = gm if dist.get_rank(group) == 0 else torch.zeros_like(gm)  # m entered rank 0 only

@@ -190,19 +190,21 @@ def scan_tiles(head_dim: int, dtype: torch.dtype) -> dict:
 
 def delta_scan(
     updates: torch.Tensor, gram: torch.Tensor, initial: torch.Tensor | None, dtype: torch.dtype,
-    transpose: bool = False, out_dtype: torch.dtype = torch.float32,
+    transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x_0 = initial, OUT[s] = x_s, x_{s+1} = x_s + updates[s] - gram[s] x_s over the segments
     (reversed, with gram[s]^T, when ``transpose``): updates and gram (batch, segments, kv_heads,
     head_dim, head_dim), initial (batch, kv_heads, head_dim, head_dim) or None (zeros) ->
-    (OUT in ``out_dtype``, the x after the last step in float32). ``dtype`` (the inputs') sets
-    the products' precision and gram's dtype (``operand_dtype``: bf16 for bf16 inputs, else
-    float32). The state is float32 whatever OUT's dtype (a bf16 OUT is rounded as stored)."""
+    (OUT, the x after the last step in float32). ``dtype`` (the inputs') sets the products'
+    precision and the dtype of gram and OUT (``operand_dtype``: bf16 for bf16 inputs, else
+    float32; OUT's readers take it as a product's operand). The state is float32 whatever OUT's
+    dtype (a bf16 OUT is rounded as stored)."""
     b, n_seg, kv_heads, d = updates.shape[:4]
     updates, gram = updates.float().contiguous(), gram.to(operand_dtype(dtype)).contiguous()
     t = scan_tiles(d, dtype)
     # Row tiles smaller than the state pass it through OUT, which must then hold float32.
     through_out = t["BLOCK_R"] < t["BLOCK_D"]
+    out_dtype = operand_dtype(dtype)
     out = torch.empty(updates.shape, device=updates.device, dtype=torch.float32 if through_out else out_dtype)
     final = torch.empty(b, kv_heads, d, d, device=updates.device, dtype=torch.float32)
     init = final if initial is None else initial.float().contiguous()
@@ -224,7 +226,7 @@ def delta_memories(
     dm, dz = memory_updates(k, v, segment_len)
     z_before, z_final = memory_scan(dz, z_in, torch.float32)
     gram = memory_gram(k, z_before, segment_len)
-    m_before, m_final = delta_scan(dm, gram, m_in, k.dtype, out_dtype=operand_dtype(k.dtype))
+    m_before, m_final = delta_scan(dm, gram, m_in, k.dtype)
     return m_before, m_final, z_before, z_final
 
 
