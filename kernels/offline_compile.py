@@ -224,29 +224,34 @@ def compile_fused_backward(
 def compile_fused_forward(
     causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
     head_dim: int = 128, window: bool = False, varlen: bool = False, target: GPUTarget = HOPPER,
-    tensor_dim: int | None = None,
+    tensor_dim: int | None = None, memory: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/forward.py's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
     output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap, ALiBi,
     a left window bound (``window``) and packed documents (``varlen``); with ``tensor_dim`` below
-    head_dim, on tensors of a head_dim between two builds."""
+    head_dim, on tensors of a head_dim between two builds. ``memory``: the MEMORY epilogue
+    (Infini-attention's retrieval; packed segments at head_dim 128)."""
+    import torch
+
     from .hopper import forward as hf
     from .hopper import query_tiles as qt
+    from .hopper.infini_updates import matrix_descriptor
 
     block_n = hf.BLOCK_N[head_dim]
     kv = _example_descriptor(1, block_n, head_dim=head_dim, tensor_dim=tensor_dim)
     q = _example_descriptor(group, qt.HALF_M, head_dim=head_dim, tensor_dim=tensor_dim)
-    descs = dict(q_desc=q, k_desc=kv, v_desc=kv)
+    m = matrix_descriptor(torch.empty(1, 1, 128, 128, dtype=torch.bfloat16)) if memory else q
+    descs = dict(q_desc=q, k_desc=kv, v_desc=kv, m_desc=m, o_desc=q, out_desc=q)
     consts = dict(
         GROUP=group, BLOCK_M=qt.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen, HAS_LEFT=window, HAS_RIGHT=causal,
-        SOFTCAP=softcap, HAS_ALIBI=alibi, Q_STAGES=hf.Q_STAGES[head_dim], **_UNIT_STRIDES,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, Q_STAGES=hf.Q_STAGES[head_dim], MEMORY=memory, **_UNIT_STRIDES,
     )  # fmt: skip
     if varlen:
         consts["n_b"] = 1  # a packed grid's one sequence, specialized as a launch does
     pointers = {
         "O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
-        "TILE_COUNTER": "*i32",
+        "TILE_COUNTER": "*i32", "OUT": f"*{out_dtype}" if memory else "*fp32", "Z": "*fp32", "GATE": "*fp32",
     }  # fmt: skip
     options = {"num_warps": qt.NUM_WARPS, "maxnreg": qt.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)

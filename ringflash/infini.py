@@ -71,7 +71,6 @@ import torch.distributed as dist
 from . import comm
 from .consistency import call_signature, check_ranks_agree
 from .kernels import (
-    attention_forward,
     build_problem,
     cu_seqlens_tensor,
     flash_attn_varlen_func,
@@ -82,7 +81,7 @@ from .kernels.infini.delta import (
     delta_scan,
     gram_gradient,
 )
-from .kernels.infini.local import local_backward
+from .kernels.infini.local import local_backward, local_forward
 from .kernels.infini.memory import (
     memory_gram,
     memory_scan,
@@ -324,10 +323,11 @@ class _GatedMemory(torch.autograd.Function):
             dm, dz = memory_updates(k, v, segment_len)
             totals = dz.sum(1) if rule == "delta" else torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
             pending = comm.exclusive_prefix_sum(totals, group)
-        lse = None
-        if local is None:
+        lse = out = None
+        if local is None:  # on one device the retrieval comes out of the attention's epilogue
             flat, problem = _local_problem(q, k, v, segment_len, scale)
-            local, lse = attention_forward(*flat, problem)
+            memory = (gate, m_before, z_before) if group is None else None
+            local, lse, out = local_forward(*flat, problem, memory)
             local = local.view(q.shape)
         if group is not None:
             prefix, total = pending.wait()
@@ -349,7 +349,9 @@ class _GatedMemory(torch.autograd.Function):
         ctx.kept = kept_bytes > 0
         kept = m_before.to(operand_dtype(q.dtype)) if ctx.kept else m
         ctx.save_for_backward(q, k, v, local, lse, gate, kept, z_before)
-        out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+        if out is None:
+            out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
+        out = out.view(q.shape)
         if group is not None and rule == "delta":  # after the retrieval, which does not wait for it
             m_final = comm.broadcast_from_last(m_last, group)
         return out, m_final, z_final

@@ -213,6 +213,7 @@ for kw in (
     dict(causal=False, head_dim=64),
     dict(causal=False, head_dim=128, tensor_dim=96, window=True, varlen=True),
     dict(causal=True, head_dim=256, tensor_dim=192),
+    dict(causal=True, varlen=True, group=4, memory=True),
 ):
     k = compile_fused_forward(**kw)
     ptx = k.asm["ptx"]
@@ -224,11 +225,16 @@ for kw in (
     sass = disassemble(k)
     assert not serialized_wgmma(sass), kw
     # P V (block_n / 16 k-steps) takes P from registers; at head_dim 64 QK^T (head_dim / 16)
-    # takes Q from them too.
+    # takes Q from them too; with memory the retrieval's sigma(q) M (8 per warpgroup) its sigma(q).
     in_regs, hgmma = wgmma_operands(sass)
     d = kw.get("head_dim", 128)
     pv = BLOCK_N[d] // 16
-    assert in_regs == (hgmma if d == 64 else hgmma * pv // (pv + d // 16)), (kw, in_regs, hgmma)
+    retrieval = 16 if kw.get("memory") else 0
+    attention = hgmma - retrieval
+    want = attention if d == 64 else attention * pv // (pv + d // 16)
+    assert in_regs == want + retrieval, (kw, in_regs, hgmma)
+    # the retrieval's two outputs go out by TMA (st.global only where a half is cut by its sequence)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == kw.get("memory", False), kw
     stores, loads = tile_loop_spills(sass)
     assert stores <= 4 and loads <= 8, (kw, stores, loads)
     assert k.metadata.shared <= SHARED_MEMORY_LIMIT[90], k.metadata.shared

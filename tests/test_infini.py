@@ -711,6 +711,63 @@ def test_hopper_retrieval_matches_float64(monkeypatch, batch, seqlen, heads, kv_
     _check("out (Triton)", results[0], results[1], 1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, seqlen, heads, kv_heads, segment_len",
+    [
+        (2, 1000, 4, 2, 256),  # GQA; a shorter last segment: a query tile's second half past its end
+        (1, 4096, 8, 2, 2048),  # whole 128-row query tiles, several items per (segment, kv head)
+        (3, 300, 2, 1, 100),  # MQA; segments shorter than a query tile
+    ],
+)
+def test_hopper_retrieval_fused_into_local_forward(monkeypatch, batch, seqlen, heads, kv_heads, segment_len):
+    """The retrieval in the fused Hopper forward's epilogue (forward.py's MEMORY,
+    ``infini.local.local_forward``) against float64 from the attention output it writes, and that
+    output and its LSE against the plain forward's: memories of random matrices, normalizers
+    that are 0 before the first segment (an empty memory retrieves 0), gates that bite."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm_90")
+    from ringflash.kernels import attention_forward
+    from ringflash.kernels.hopper import forward as hopper_forward
+    from ringflash.kernels.infini.local import local_forward
+
+    q, k, v, _, _ = (t.cuda() for t in _inputs(batch, seqlen, heads, kv_heads, 128, torch.bfloat16, seed=3))
+    g = torch.Generator(device="cuda").manual_seed(12)
+    n_seg = -(-seqlen // segment_len)
+    m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g).bfloat16()
+    z = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 10
+    z[:, 0] = 0
+    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    calls = []
+    fused_forward = hopper_forward.fused_forward
+
+    def poisoned(q, k, v, problem, out, lse, retrieval=None):  # every output row must be written
+        calls.append(retrieval is not None)
+        for t in (out, *(retrieval or ())[:1]):
+            t.fill_(float("nan"))
+        return fused_forward(q, k, v, problem, out, lse, retrieval)
+
+    monkeypatch.setattr(hopper_forward, "fused_forward", poisoned)
+    flat, problem = infini._local_problem(q, k, v, segment_len, 1 / math.sqrt(128))
+    local, lse, out = local_forward(*flat, problem, (gate, m, z))
+    plain, plain_lse = attention_forward(*flat, problem)
+    assert calls == [True, False]
+    assert out is not None and torch.isfinite(out).all() and torch.isfinite(local).all()
+    assert torch.equal(local, plain) and torch.equal(lse, plain_lse)
+    local, out = local.view(q.shape), out.view(q.shape)
+    pad = n_seg * segment_len - seqlen
+    sq = F.pad(F.elu(q.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, segment_len))
+    m_h, z_h = (x.double().repeat_interleave(heads // kv_heads, 2) for x in (m, z))  # per query head
+    den = torch.einsum("bnthd,bnhd->bnth", sq, z_h)
+    inv = torch.where(den > 0, 1 / den, 0.0)
+    a_mem = (torch.einsum("bnthd,bnhde->bnthe", sq, m_h) * inv[..., None]).flatten(1, 2)[:, :seqlen]
+    want = gate.double()[:, None] * a_mem + (1 - gate.double())[:, None] * local.double()
+    _check("out", out, want, 1e-2)  # bf16 operands and output
+    first = min(segment_len, seqlen)  # an empty memory: the attention alone
+    alone = (1 - gate.double())[:, None] * local[:, :first].double()
+    _check("out of the first segment", out[:, :first], alone, 1e-2)
+
+
 # A process's first backward, where the linear rule's first launch is the Hopper updates kernel.
 _FIRST_BACKWARD = """
 import torch, ringflash

@@ -172,6 +172,20 @@ def uses_fused_updates_backward(
     return dq_ok and hopper_module("infini_updates") is not None
 
 
+def uses_fused_retrieval_forward(
+    problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:  # fmt: skip
+    """Whether Infini-attention's local attention forward (``infini.local.local_forward``) runs
+    the memory retrieval in the fused Hopper forward's epilogue (forward.py's MEMORY): the
+    fused forward runs (``uses_fused_forward``) on packed segments of bf16 q, k, v at head_dim
+    128, and ``RINGFLASH_HOPPER_INFINI`` is not 0 in the environment."""
+    if not (problem.varlen and problem.head_dim == 128 and q.dtype == torch.bfloat16):
+        return False
+    if not enabled("RINGFLASH_HOPPER_INFINI") or not uses_fused_forward(problem, q, k, v):
+        return False
+    return hopper_module("infini_retrieval") is not None
+
+
 def _infini_ok(*tensors: torch.Tensor) -> bool:
     """What the Infini-attention Hopper kernels need: an sm_90 GPU, bf16 (batch, seqlen, heads,
     128) tensors, and ``RINGFLASH_HOPPER_INFINI`` not 0 in the environment."""

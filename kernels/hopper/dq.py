@@ -55,7 +55,7 @@ def _load_partition(p: Shared, do_desc, do_smem, do_row, HALF_M: gl.constexpr, B
         mbarrier.expect(bar, tile_bytes)
         load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.rings.q_smem.index(p.q_slot + w))
         load_tile(do_desc, do_row + w * HALF_M, p.q_head, bar, do_smem.index(w))
-    load_key_tiles(p, BLOCK_N)
+    load_key_tiles(p, BLOCK_N, 0, p.n_tiles)
 
 
 @gluon.jit

@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
+from .infini_retrieval import allocate_memory_barriers, load_memory, retrieve_rows
+from .infini_updates import matrix_descriptor
 from .query_tiles import (
     COMPUTE_REGS,
     HEAD_DIMS,
@@ -64,8 +66,9 @@ from .query_tiles import (
     store_rows,
     tile_of_item,
 )
+from .query_tiles import HALF_M as HALF_ROWS
 from .scores import Mask, logits, mask_scores, score_scales
-from .tma import load_tile
+from .tma import load_tile, rows_descriptor, tma_layout_ok
 
 # Key rows per tile, by build: at 256 two stages of 128-row K and V tiles (256 KiB) would not
 # fit beside Q in shared memory (227 KiB), so its tiles are 64 rows (Q 64 + K/V 128 KiB).
@@ -104,15 +107,16 @@ def _online_softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr, HAS_ALIBI: gl.c
 
 @gluon.jit
 def _load_partition(
-    qt: QueryTiles, rings: Rings, TILE_COUNTER, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr,
+    qt: QueryTiles, rings: Rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, MEMORY: gl.constexpr,
 ):  # fmt: skip
     """The program's work items in turn (the first its program id, each next one claimed from
     ``TILE_COUNTER`` as the last starts): the item published with its Q stage, each half of Q
     loaded once the stage is released, then the key tiles. The rings run on across items, so an
     item's loads overlap the last one's end. Past the last item, a stage published with
-    ``n_items`` and no Q tells the compute warpgroups to stop."""
+    ``n_items`` and no Q tells the compute warpgroups to stop. MEMORY: after the first two key
+    tiles, the item's memory matrix once both warpgroups are done with the last one's."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     n_items = qt.n_m * qt.n_h * qt.n_b
     k = gl.program_id(0) * 0
@@ -132,7 +136,15 @@ def _load_partition(
             bar = p.rings.q_bar.index(p.q_slot + w)
             mbarrier.expect(bar, p.q_desc.block_type.nbytes)
             load_tile(p.q_desc, p.q_row + w * HALF_M, p.q_head, bar, p.rings.q_smem.index(p.q_slot + w))
-        load_key_tiles(p, BLOCK_N)
+        if MEMORY:
+            # The rings hold two key tiles: with the item's first two loaded the loader would
+            # wait for the last item's end anyway, after which its memory matrix is free.
+            ahead = gl.minimum(p.n_tiles, 2)
+            load_key_tiles(p, BLOCK_N, 0, ahead)
+            load_memory(m_desc, Z, b * (qt.n_h // GROUP) + p.k_head, m_bar, m_smem, z_smem, k)
+            load_key_tiles(p, BLOCK_N, ahead, p.n_tiles)
+        else:
+            load_key_tiles(p, BLOCK_N, 0, p.n_tiles)
         k += 1
         ring += p.n_tiles
         item = next_item
@@ -245,15 +257,18 @@ def _attend(
 @gluon.jit
 def _compute_partition(
     qt: QueryTiles, rings: Rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-    tanh_scale, ALIBI, w: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, w: gl.constexpr,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MEMORY: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup w, for each of the program's query tiles: rows [q_row + w * HALF_M, + HALF_M)
     against the tile's key tiles, output and LSE stored for the rows below ``rows_left`` (the
     sequence's rows from the tile's first on). Under SOFTCAP each score tile becomes
     tanh(S * tanh_scale) before the mask (``score_scales``); under HAS_ALIBI the logits get
-    ALiBi's bias (slopes (batch, heads_q) at ``ALIBI``)."""
+    ALiBi's bias (slopes (batch, heads_q) at ``ALIBI``). MEMORY (Infini-attention: sequence b is
+    a segment): OUT gets the gated sum of the rows' memory retrieval and their output
+    (``infini_retrieval.retrieve_rows``), Q's half released only after it."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -295,18 +310,30 @@ def _compute_partition(
         l_i = gl.zeros([HALF_M], gl.float32, row_layout)
         if p.n_tiles > 0:
             o, m_i, l_i = _attend(
-                p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w, not Q_IN_REGS,
+                p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w, not (Q_IN_REGS or MEMORY),
                 HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M, BLOCK_N, HEAD_DIM,
             )  # fmt: skip
         else:
-            if not Q_IN_REGS:
+            if not (Q_IN_REGS or MEMORY):
                 mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
 
         # Rows that saw no key: l = 0, output 0, LSE -inf (m_i = -inf).
         h64 = p.q_head.to(gl.int64)
         o_off = ob.to(gl.int64) * stride_ob + h64 * stride_oh + q_tile_row.to(gl.int64) * stride_os
         l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
-        store_rows(O, o_off, stride_os, o / l_o[:, None], p, w, rows_left, False)
+        o = o / l_o[:, None]
+        if MEMORY:
+            whole = rows_left >= (w + 1) * HALF_M
+            row = p.q_row + w * HALF_M
+            gated = retrieve_rows(
+                q_s, o, m_smem, z_smem, m_bar, GATE, p.q_head, k, o_desc, out_desc, row, whole
+            )
+            mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
+            if not whole:
+                store_rows(O, o_off, stride_os, o, p, w, rows_left, False)
+                store_rows(OUT, o_off, stride_os, gated, p, w, rows_left, False)
+        else:
+            store_rows(O, o_off, stride_os, o, p, w, rows_left, False)
         # log2-domain max and sum back to a natural-log LSE (0.693... = ln 2).
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         rows = w * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
@@ -324,33 +351,43 @@ def _fused_fwd_kernel(
     seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows, v_batch_rows,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
     ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
-    TILE_COUNTER, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, Q_STAGES: gl.constexpr,
+    TILE_COUNTER, m_desc, o_desc, out_desc, OUT, Z, GATE, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    Q_STAGES: gl.constexpr, MEMORY: gl.constexpr,
 ):  # fmt: skip
     qt = query_tiles(
         q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
         v_batch_rows, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
     )  # fmt: skip
     rings = allocate_rings(q_desc, k_desc, v_desc, BLOCK_M // 2, BLOCK_N, HEAD_DIM, Q_STAGES)
+    if MEMORY:  # one memory (32.5 KiB: 225 of the 227 KiB with the rings at head_dim 128)
+        m_smem = gl.allocate_shared_memory(m_desc.dtype, m_desc.block_type.shape, m_desc.layout)
+        z_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        m_bar = allocate_memory_barriers()
+    else:  # stand-ins, never touched
+        m_smem = rings.q_smem
+        z_smem = rings.q_smem
+        m_bar = rings.q_bar
     # fmt: off
     gl.warp_specialize(
         [
             (
                 _compute_partition,
                 (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-                 tanh_scale, ALIBI, 0, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT,
-                 HAS_RIGHT, SOFTCAP, HAS_ALIBI),
+                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, 0, GROUP, BLOCK_M,
+                 BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, MEMORY),
             ),
             (
                 _compute_partition,
                 (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-                 tanh_scale, ALIBI, 1, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT,
-                 HAS_RIGHT, SOFTCAP, HAS_ALIBI),
+                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, 1, GROUP, BLOCK_M,
+                 BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, MEMORY),
             ),
             (
                 _load_partition,
-                (qt, rings, TILE_COUNTER, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT),
+                (qt, rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, GROUP, BLOCK_M, BLOCK_N,
+                 TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, MEMORY),
             ),
         ],
         [4, 1],
@@ -366,6 +403,7 @@ def fused_forward(
     problem: AttentionProblem,
     out: torch.Tensor,
     lse: torch.Tensor,
+    retrieval: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write attention's output into ``out`` and its row logsumexp into ``lse``.
 
@@ -377,17 +415,47 @@ def fused_forward(
     ``q_positions``/``k_positions``); a softcap (``problem.softcap``) is applied to the scaled
     scores before the mask, then ALiBi's bias (``problem.alibi_slopes``) in global positions.
     A head_dim between two builds runs the next larger one, its tiles zero-filled past the
-    tensors' head_dim by TMA (``tma.rows_descriptor``)."""
+    tensors' head_dim by TMA (``tma.rows_descriptor``).
+
+    ``retrieval`` (Infini-attention's local attention, ``infini.local.local_forward``: packed
+    segments, bf16, head_dim 128): (gated, M, z, gate), and ``gated`` (out's shape and strides)
+    gets gate * sigma(q) M / (sigma(q) z) + (1 - gate) * out per segment, in the epilogue
+    (``infini_retrieval.retrieve_rows``): M (segments * kv_heads, 128, 128) bf16 and z
+    (segments * kv_heads, 128) float32 before sequence b at state b * kv_heads + kv head, gate
+    (heads_q,) float32, contiguous."""
     build = run_head_dim(problem.head_dim, HEAD_DIMS)
     launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[build])
     programs = persistent_programs(launch.grid, q.device)
     if programs == 0:  # no query rows
         return
     o4 = out.unsqueeze(0) if problem.varlen else out
+    qd = launch.descriptors[0]
+    descs, memory = (qd, qd, qd), (lse, lse, lse)  # stand-ins, never read
+    if retrieval is not None:
+        gated, m, z, gate = retrieval
+        _check_retrieval(problem, q, out, gated, m, z, gate)
+        rows = [rows_descriptor(t.unsqueeze(0), HALF_ROWS, 128)[0] for t in (out, gated)]
+        descs, memory = (matrix_descriptor(m), *rows), (gated, z, gate)
     _fused_fwd_kernel[(programs,)](
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
         launch.slopes, *problem.position_args(), *launch.window, *launch.grid,
-        torch.zeros(1, dtype=torch.int32, device=q.device), Q_STAGES=Q_STAGES[build],
-        **launch.constexprs,
+        torch.zeros(1, dtype=torch.int32, device=q.device), *descs, *memory, Q_STAGES=Q_STAGES[build],
+        MEMORY=retrieval is not None, **launch.constexprs,
     )  # fmt: skip
+
+
+def _check_retrieval(problem: AttentionProblem, q, out, gated, m, z, gate) -> None:
+    """What ``fused_forward``'s ``retrieval`` must be (its callers check the user's inputs)."""
+    states = problem.batch * problem.heads_k
+    if not (problem.varlen and problem.head_dim == 128 and q.dtype == torch.bfloat16):
+        raise ValueError("retrieval needs packed segments of bf16 q, k, v at head_dim 128")
+    same = all(t.shape == q.shape and t.stride() == q.stride() and t.dtype == q.dtype for t in (out, gated))
+    if not same or not tma_layout_ok(q.unsqueeze(0)):
+        raise ValueError("retrieval: the output and the gated output must have q's shape, strides and dtype")
+    if m.shape[-2:] != (128, 128) or m.numel() != states * 128 * 128 or m.dtype != torch.bfloat16:
+        raise ValueError(f"retrieval: M must be {states} bf16 128 x 128 matrices, got {m.dtype} {m.shape}")
+    if z.numel() != states * 128 or z.dtype != torch.float32 or gate.shape != (problem.heads_q,):
+        raise ValueError("retrieval: z must be float32 with 128 values per state, gate (heads_q,) float32")
+    if gate.dtype != torch.float32 or not all(t.is_contiguous() for t in (m, z, gate)):
+        raise ValueError("retrieval: gate must be float32 and M, z, gate contiguous")

@@ -135,6 +135,67 @@ def _fwd_compute(
 
 
 @gluon.jit
+def allocate_memory_barriers():
+    """The mbarriers of the attention forward's memory buffers (hopper/forward.py's MEMORY): [0]
+    loaded, [1] released by both compute warpgroups."""
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=2)
+    return bars
+
+
+@gluon.jit
+def load_memory(m_desc, Z, state, bars, m_smem, z_smem, k):
+    """The forward's loader warp: M of ``state`` into ``m_smem`` by TMA and its z (float32 at Z)
+    into ``z_smem`` for the program's k-th query tile, once both warpgroups are done with the
+    (k-1)-th's. z passes through the warp's registers, written before the arrive that
+    completes with M's bytes (an arrive releases the warp's writes to the waiting warps)."""
+    mbarrier.wait(bars.index(1), (k & 1) ^ 1)  # mbarriers start in phase 1 complete
+    layout: gl.constexpr = gl.BlockedLayout([HEAD_DIM // 32], [32], [1], [0])
+    z_smem.store(gl.load(Z + state.to(gl.int64) * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=layout)))
+    mbarrier.expect(bars.index(0), m_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(m_desc, [state * HEAD_DIM, 0], bars.index(0), m_smem)
+
+
+@gluon.jit
+def retrieve_rows(q_s, local, m_smem, z_smem, bars, GATE, head, k, o_desc, out_desc, row, whole):
+    """The retrieval in the attention forward's epilogue (hopper/forward.py's MEMORY) for a
+    warpgroup's 64 rows of its k-th query tile: g sigma(q) M / (sigma(q) z) + (1 - g) local,
+    with q's rows from their Q stage (``q_s``), local (float32, the MMA accumulator's layout)
+    the normalized attention output, M and z in ``m_smem`` and ``z_smem`` (``bars``), the gate
+    from GATE (head's). The product takes (g / den) sigma(q) from registers and (1 - g) local as
+    its accumulator (rows with den = 0 retrieve 0, as ``_fwd_compute``'s).
+
+    With ``whole`` (all 64 rows in the sequence) local and then the result go out through the Q
+    stage by TMA, to ``o_desc`` and ``out_desc`` at ``row`` and the head's columns: st.global
+    from the accumulator's layout writes 16 of each 32-byte sector per instruction, and two
+    outputs so stored held the warps on their store queue (Nsight Compute). Else the caller
+    stores both with masks. Returns the result."""
+    layout: gl.constexpr = local.type.layout
+    x = sigma(q_s.load(layout).to(gl.float32))
+    if whole:  # each thread rewrites the elements it read
+        q_s.store(local.to(q_s.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row, head * HEAD_DIM], q_s)
+    mbarrier.wait(bars.index(0), k & 1)
+    z = z_smem.load(gl.SliceLayout(0, layout))
+    den = gl.sum(x * z[None, :], 1)
+    gate = gl.load(GATE + head)
+    x = x * (gate * inverse(den))[:, None]
+    x_op = gl.convert_layout(x.to(q_s.dtype), gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2))
+    out = warpgroup_mma(x_op, m_smem, local * (1.0 - gate), is_async=True)
+    out = warpgroup_mma_wait(0, deps=(out,))
+    mbarrier.arrive(bars.index(1), count=1)
+    if whole:
+        tma.store_wait(0)  # local read out of the stage
+        q_s.store(out.to(q_s.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, head * HEAD_DIM], q_s)
+        tma.store_wait(0)  # before the stage goes back to the loader
+    return out
+
+
+@gluon.jit
 def retrieval_kernel(
     q_desc, lo_desc, out_desc, m_desc, OUT, Z, GATE, seqlen, n_seg, segment_len, kv_heads, group, chunk,
     n_chunks, q_batch_rows, lo_batch_rows, out_batch_rows, n_items, stride_ob, stride_os, stride_oh,

@@ -260,11 +260,11 @@ class Shared:
 
 
 @gluon.jit
-def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr):
-    """The loader's walk over the tile's key tiles, the last first, into the K and V rings
-    (here and in dq.py)."""
+def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr, first, end):
+    """The loader's walk over steps [first, end) of the tile's key tiles (all: 0, p.n_tiles),
+    the last tile first, into the K and V rings (here and in dq.py)."""
     tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
-    for i in range(p.n_tiles):
+    for i in range(first, end):
         j = p.ring0 + i
         s = j % 2
         n0 = (p.t_last - i) * BLOCK_N  # last key tile first

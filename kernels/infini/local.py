@@ -1,4 +1,10 @@
-"""The backward of Infini-attention's local attention together with the memory updates'.
+"""Infini-attention's local attention with the memory's passes fused into it: the forward with
+the retrieval, the backward with the memory updates' backward.
+
+The forward (``local_forward``): where the fused Hopper forward runs, each query tile's rows
+get their memory retrieval and the gate in its epilogue while Q is in shared memory and the
+attention's output in registers (forward.py's MEMORY): no pass of its own over q and the local
+output. Elsewhere the caller runs ``memory_retrieval`` after it.
 
 The local attention (causal inside each segment: one varlen problem whose sequences are the
 segments) and the per-segment updates dM_s = sigma(K_s)^T V_s, dz_s = sum sigma(K_s) both give
@@ -15,9 +21,37 @@ from __future__ import annotations
 import torch
 
 from ..backward import attention_backward
-from ..hopper.dispatch import hopper_module, uses_fused_updates_backward
+from ..forward import attention_forward
+from ..hopper.dispatch import hopper_module, uses_fused_retrieval_forward, uses_fused_updates_backward
 from ..problem import AttentionProblem
 from .memory import memory_updates_backward
+
+
+def local_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: AttentionProblem,
+    memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The local attention's (output, LSE) and, where the fused Hopper forward takes the
+    retrieval (``uses_fused_retrieval_forward``) and ``memory`` is given, the gated output
+    ``memory_retrieval`` would return; else None for it.
+
+    q: (batch * seqlen, heads, head_dim), k, v: (batch * seqlen, kv_heads, head_dim), the
+    flattened views of (batch, seqlen, ...) tensors; ``problem``: the varlen problem over the
+    segments (sequence b * segments + s is segment s of batch row b); ``memory``: (gate (heads,),
+    M (batch, segments, kv_heads, head_dim, head_dim), z (batch, segments, kv_heads, head_dim))
+    before each segment, any float dtypes. The outputs come in q's flattened shape and dtype,
+    the LSE float32 in ``problem.lse_shape``."""
+    if memory is None or not uses_fused_retrieval_forward(problem, q, k, v):
+        return (*attention_forward(q, k, v, problem), None)
+    gate, m, z = memory
+    local, out = torch.empty_like(q), torch.empty_like(q)
+    lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
+    retrieval = (out, m.to(torch.bfloat16).contiguous(), z.float().contiguous(), gate.float().contiguous())
+    hopper_module("forward").fused_forward(q, k, v, problem, local, lse, retrieval)
+    return local, lse, out
 
 
 def local_backward(
