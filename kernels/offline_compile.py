@@ -204,6 +204,7 @@ def compile_fused_backward(
     dq = _example_descriptor(group, block_m, "float32", head_dim=head_dim, tensor_dim=tensor_dim)
     gdm = matrix_descriptor(torch.empty(1, 1, 128, 128, dtype=torch.bfloat16)) if memory else q
     descs = dict(q_desc=q, k_desc=kv, v_desc=kv, do_desc=q, dq_desc=dq, gdm_desc=gdm, s_desc=gdm)
+    descs.update(dk_desc=kv, dv_desc=kv)
     consts = dict(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, TENSOR_DIM=tensor_dim or head_dim,
         VARLEN=varlen, DIAGONAL=diagonal,

@@ -98,7 +98,7 @@ from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
 from .scores import score_scales, tanh_approx
 from .spans import count_at_or_before, first_at_or_after, query_span
-from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout
+from .tma import load_tile, reduce_add_tile, rows_descriptor, tile_layout, tma_layout_ok
 
 # head_dim -> (query rows per tile, key rows per program)
 TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
@@ -562,10 +562,10 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
 @gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, s_desc, DK, DV, LSE, DELTA, CU_Q, CU_K, ALIBI,
-    GDZ, ZB, seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows, k_batch_rows,
-    v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb,
-    stride_lh,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, s_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, CU_Q,
+    CU_K, ALIBI, GDZ, ZB, seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows,
+    k_batch_rows, v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
     win_left, win_right,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -743,6 +743,33 @@ def _fused_bwd_kernel(
         dk, dv = add_updates_backward(
             k_smem, v_smem, g_smem, s_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv, GRAM
         )
+        if keys_left >= BLOCK_N:
+            # A whole key tile goes out through its K and V tiles by TMA: st.global from the
+            # products' layout writes half of each 32-byte sector per instruction.
+            k_smem.store(dk.to(dtype))
+            v_smem.store(dv.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [key_row0, hk * HEAD_DIM], k_smem)
+            tma.async_copy_shared_to_global(dv_desc, [key_row0, hk * HEAD_DIM], v_smem)
+            tma.store_wait(0)
+        else:
+            _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks,
+                            stride_dkh, stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM,
+                            VARLEN, MASKED, ACCUMULATE)  # fmt: skip
+    else:
+        _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks, stride_dkh,
+                        stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, MASKED,
+                        ACCUMULATE)  # fmt: skip
+
+
+@gluon.jit
+def _store_key_tile(
+    DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+    stride_dvs, stride_dvh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, TENSOR_DIM: gl.constexpr,
+    VARLEN: gl.constexpr, MASKED: gl.constexpr, ACCUMULATE: gl.constexpr,
+):  # fmt: skip
+    """The key tile's dK and dV from registers: the rows in its sequence (MASKED), the columns
+    below the tensors' head_dim."""
     layout: gl.constexpr = dk.type.layout
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     rows = (key_row0 + offs_n).to(gl.int64)
@@ -868,7 +895,7 @@ def fused_backward(
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
-    gdm_desc = s_desc = qd  # stand-ins, never read without MEMORY (GRAM)
+    gdm_desc = s_desc = dkd = dvd = qd  # stand-ins, never read without MEMORY (GRAM)
     gdz = z_before = lse
     if updates_grads is not None:
         if len(updates_grads) not in (2, 4):
@@ -887,13 +914,16 @@ def fused_backward(
         if not all(t.is_contiguous() for t in updates_grads):
             raise ValueError("updates_grads must be contiguous")
         gdm_desc = matrix_descriptor(gdm)
+        if not (tma_layout_ok(dk) and tma_layout_ok(dv) and dk.dtype == dv.dtype == q.dtype) or accumulate:
+            raise ValueError("updates_grads: dk and dv are written in q's dtype, in layouts TMA writes")
+        dkd, dvd = (rows_descriptor(t, block_n, head_dim)[0] for t in (dk, dv))
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
     _fused_bwd_kernel[grid](
-        qd, kd, vd, dod, dqd, gdm_desc, s_desc, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz, z_before,
-        problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows, v_rows,
-        *dk_strides, *dv_strides, *lse_strides,
+        qd, kd, vd, dod, dqd, gdm_desc, s_desc, dkd, dvd, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
+        z_before, problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
+        v_rows, *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
         GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=problem.head_dim, VARLEN=varlen,
