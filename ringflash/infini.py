@@ -21,7 +21,8 @@ segments (a chunked linear-attention form); one more kernel does the retrieval, 
 the gate for every token (``kernels/infini/memory.py``, ``kernels/infini/retrieval.py``: bf16
 inputs run the head_dim x head_dim products on tensor cores with float32 accumulation; on an
 H100/H200 at head_dim 128 the updates, the retrieval and their backwards are Gluon kernels,
-``kernels/hopper/infini_*.py``). What
+``kernels/hopper/infini_*.py``, and on one device the retrieval runs in the epilogue of the local
+attention's forward, ``kernels/infini/local.py``). What
 stays for the backward is the inputs, the local attention's output and LSE, z before each
 segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
 v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward

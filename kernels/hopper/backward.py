@@ -20,7 +20,7 @@ docs/experiments.md §35).
 A softcap (SOFTCAP) and ALiBi (HAS_ALIBI) are built in as in the forward. For
 Infini-attention's local attention (MEMORY) the memory updates' backward of each key tile (GRAM:
 the delta rule's, with its Gram terms) is added into its dK and dV at the end, while K and V are
-still in shared memory.
+still in shared memory; a whole key tile's dK and dV then leave through those tiles by TMA.
 
 Masks. Each program computes, from its key tile's positions, the span of query tiles that see
 any of its keys (the ``tiling.visible_tiles`` rule, in non-negative integer math) and walks
@@ -584,7 +584,8 @@ def _fused_bwd_kernel(
     batch row): the memory updates' backward of the key tile is added into dK and dV,
     from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
     b * kv_heads + kv head (``infini_updates.add_updates_backward``); GRAM (the delta rule)
-    with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB)."""
+    with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB);
+    dK and dV of a whole key tile are then stored by TMA (dk_desc, dv_desc), else from registers."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two

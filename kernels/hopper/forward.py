@@ -32,6 +32,11 @@ Key tiles are walked last to first, so that under a causal mask the tile on the 
 first. A row that has seen no key yet keeps a running max of -inf, which the softmax update
 treats as 0 (``_online_softmax``); a row that sees no key at all gets output 0 and LSE -inf.
 
+MEMORY (Infini-attention's local attention over packed segments, head_dim 128): each query
+tile's rows also get their memory retrieval and the gate in the epilogue, while Q is still in
+its stage and the output in registers (``infini_retrieval.retrieve_rows``; the loader brings the
+segment's memory after the tile's first two key tiles), and both outputs leave by TMA.
+
 A softcap (constexpr SOFTCAP: ``tanh.approx.f32`` per score) and ALiBi (HAS_ALIBI: a bias from
 global positions) are built in only where a problem has them (docs/experiments.md, 2026-11-24).
 
