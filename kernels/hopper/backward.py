@@ -744,23 +744,36 @@ def _fused_bwd_kernel(
         dk, dv = add_updates_backward(
             k_smem, v_smem, g_smem, s_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv, GRAM
         )
+        # dK and dV leave through the K and V tiles (the products are done with them): a whole
+        # key tile by TMA, a tile cut by its segment's end row by row from there (st.global
+        # from the products' layout writes half of each 32-byte sector per instruction).
+        k_smem.store(dk.to(dtype))
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
         if keys_left >= BLOCK_N:
-            # A whole key tile goes out through its K and V tiles by TMA: st.global from the
-            # products' layout writes half of each 32-byte sector per instruction.
-            k_smem.store(dk.to(dtype))
-            v_smem.store(dv.to(dtype))
-            fence_async_shared()
             tma.async_copy_shared_to_global(dk_desc, [key_row0, hk * HEAD_DIM], k_smem)
             tma.async_copy_shared_to_global(dv_desc, [key_row0, hk * HEAD_DIM], v_smem)
             tma.store_wait(0)
         else:
-            _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks,
-                            stride_dkh, stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM,
-                            VARLEN, MASKED, ACCUMULATE)  # fmt: skip
+            _store_rows_from_shared(DK, k_smem, key_row0, keys_left, hk64 * stride_dkh, stride_dks)
+            _store_rows_from_shared(DV, v_smem, key_row0, keys_left, hk64 * stride_dvh, stride_dvs)
     else:
         _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks, stride_dkh,
                         stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, MASKED,
                         ACCUMULATE)  # fmt: skip
+
+
+@gluon.jit
+def _store_rows_from_shared(ptr, tile, row0, rows_left, head_off, stride_s):
+    """The first ``rows_left`` rows of a (rows, head_dim) shared tile to rows row0.. of a packed
+    (total, heads, head_dim) tensor at ptr + head_off, 16 bytes per thread and store."""
+    ROWS: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // COLS, COLS // 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    offs = head_off + (row0 + rows).to(gl.int64)[:, None] * stride_s + cols[None, :]
+    gl.store(ptr + offs, tile.load(layout), mask=(rows < rows_left)[:, None])
 
 
 @gluon.jit
