@@ -657,6 +657,30 @@ def test_hopper_gram_den_matches_float64(monkeypatch, batch, seqlen, kv_heads, s
     _check("gz (Triton)", hopper, triton_, 1e-3)
 
 
+def _random_memories(batch, n_seg, heads, kv_heads, generator):
+    """(M (batch, n_seg, kv_heads, 128, 128) bf16 of random matrices, z of the same states,
+    float32, 0 before the first segment (an empty memory), gates (heads,) that bite) on the GPU."""
+    m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=generator).bfloat16()
+    z = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=generator) * 10
+    z[:, 0] = 0
+    gate = torch.rand(heads, device="cuda", generator=generator) * 0.8 + 0.1
+    return m, z, gate
+
+
+def _retrieval_float64(q, local, m, z, gate, segment_len):
+    """gate * sigma(q) M / (sigma(q) z) + (1 - gate) * local per segment in float64 (an empty
+    memory retrieves 0): q, local (batch, seqlen, heads, head_dim), M, z before each segment."""
+    batch, seqlen, heads, _ = q.shape
+    n_seg, kv_heads = m.shape[1], m.shape[2]
+    pad = n_seg * segment_len - seqlen
+    sq = F.pad(F.elu(q.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, segment_len))
+    m_h, z_h = (x.double().repeat_interleave(heads // kv_heads, 2) for x in (m, z))  # per query head
+    den = torch.einsum("bnthd,bnhd->bnth", sq, z_h)
+    inv = torch.where(den > 0, 1 / den, 0.0)
+    a_mem = (torch.einsum("bnthd,bnhde->bnthe", sq, m_h) * inv[..., None]).flatten(1, 2)[:, :seqlen]
+    return gate.double()[:, None] * a_mem + (1 - gate.double())[:, None] * local.double()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "batch, seqlen, heads, kv_heads, segment_len, packed_qkv",
@@ -681,17 +705,8 @@ def test_hopper_retrieval_matches_float64(monkeypatch, batch, seqlen, heads, kv_
     q = qkv[:, :, :heads] if packed_qkv else qkv[:, :, :heads].contiguous()  # view: rows and batches apart
     local = qkv[:, :, heads : 2 * heads].contiguous()
     n_seg = -(-seqlen // segment_len)
-    m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g).bfloat16()
-    z = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 10
-    z[:, 0] = 0
-    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
-    pad = n_seg * segment_len - seqlen
-    sq = F.pad(F.elu(q.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, segment_len))
-    m_h, z_h = (x.double().repeat_interleave(heads // kv_heads, 2) for x in (m, z))  # per query head
-    den = torch.einsum("bnthd,bnhd->bnth", sq, z_h)
-    inv = torch.where(den > 0, 1 / den, 0.0)  # an empty memory retrieves 0
-    a_mem = (torch.einsum("bnthd,bnhde->bnthe", sq, m_h) * inv[..., None]).flatten(1, 2)[:, :seqlen]
-    want = gate.double()[:, None] * a_mem + (1 - gate.double())[:, None] * local.double()
+    m, z, gate = _random_memories(batch, n_seg, heads, kv_heads, g)
+    want = _retrieval_float64(q, local, m, z, gate, segment_len)
     calls = []
     launch = infini_retrieval.launch_retrieval
 
@@ -734,10 +749,7 @@ def test_hopper_retrieval_fused_into_local_forward(monkeypatch, batch, seqlen, h
     q, k, v, _, _ = (t.cuda() for t in _inputs(batch, seqlen, heads, kv_heads, 128, torch.bfloat16, seed=3))
     g = torch.Generator(device="cuda").manual_seed(12)
     n_seg = -(-seqlen // segment_len)
-    m = torch.randn(batch, n_seg, kv_heads, 128, 128, device="cuda", generator=g).bfloat16()
-    z = torch.rand(batch, n_seg, kv_heads, 128, device="cuda", generator=g) * 10
-    z[:, 0] = 0
-    gate = torch.rand(heads, device="cuda", generator=g) * 0.8 + 0.1
+    m, z, gate = _random_memories(batch, n_seg, heads, kv_heads, g)
     calls = []
     fused_forward = hopper_forward.fused_forward
 
@@ -755,13 +767,7 @@ def test_hopper_retrieval_fused_into_local_forward(monkeypatch, batch, seqlen, h
     assert out is not None and torch.isfinite(out).all() and torch.isfinite(local).all()
     assert torch.equal(local, plain) and torch.equal(lse, plain_lse)
     local, out = local.view(q.shape), out.view(q.shape)
-    pad = n_seg * segment_len - seqlen
-    sq = F.pad(F.elu(q.double()) + 1, (0, 0, 0, 0, 0, pad)).unflatten(1, (n_seg, segment_len))
-    m_h, z_h = (x.double().repeat_interleave(heads // kv_heads, 2) for x in (m, z))  # per query head
-    den = torch.einsum("bnthd,bnhd->bnth", sq, z_h)
-    inv = torch.where(den > 0, 1 / den, 0.0)
-    a_mem = (torch.einsum("bnthd,bnhde->bnthe", sq, m_h) * inv[..., None]).flatten(1, 2)[:, :seqlen]
-    want = gate.double()[:, None] * a_mem + (1 - gate.double())[:, None] * local.double()
+    want = _retrieval_float64(q, local, m, z, gate, segment_len)
     _check("out", out, want, 1e-2)  # bf16 operands and output
     first = min(segment_len, seqlen)  # an empty memory: the attention alone
     alone = (1 - gate.double())[:, None] * local[:, :first].double()
