@@ -97,7 +97,7 @@ CASES = {
         (True, 1, False, False, 128, "tail", 20), (True, 1, False, False, 128, "left", 20),
         (True, 4, True, False, 128, "left varlen", 10), (True, 1, False, True, 128, "varlen", 6),
         (True, 1, False, False, 128, "left strides", 64), (True, 1, False, False, 128, "varlen memory", 26),
-        (True, 1, False, False, 128, "varlen memory gram", 75),
+        (True, 1, False, False, 128, "varlen memory gram", 26),
         (False, 1, False, False, 64, "", 0),
         (True, 2, True, False, 64, "left varlen", 0), (False, 1, False, True, 64, "tail", 0),
         (True, 2, True, True, 64, "left varlen ones", 0),

@@ -741,14 +741,14 @@ def _fused_bwd_kernel(
         g_smem = q_smem._reinterpret(dtype, gdm_desc.block_type.shape, gdm_desc.layout)
         s_smem = do_smem._reinterpret(dtype, s_desc.block_type.shape, s_desc.layout)
         state = doc * gl.num_programs(1) + hk
-        dk, dv = add_updates_backward(
+        dk = add_updates_backward(
             k_smem, v_smem, g_smem, s_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv, GRAM
         )
-        # dK and dV leave through the K and V tiles (the products are done with them): a whole
-        # key tile by TMA, a tile cut by its segment's end row by row from there (st.global
-        # from the products' layout writes half of each 32-byte sector per instruction).
+        # dK and dV leave through the K and V tiles (the products are done with them; dV is
+        # there already): a whole key tile by TMA, a tile cut by its segment's end row by row
+        # from there (st.global from the products' layout writes half of each 32-byte sector
+        # per instruction).
         k_smem.store(dk.to(dtype))
-        v_smem.store(dv.to(dtype))
         fence_async_shared()
         if keys_left >= BLOCK_N:
             tma.async_copy_shared_to_global(dk_desc, [key_row0, hk * HEAD_DIM], k_smem)

@@ -420,13 +420,17 @@ def add_updates_backward(
     the local attention's dK and dV of that tile (hopper/backward.py's MEMORY epilogue), with
     its K and V (head_dim 128) still in shared memory: gdM of ``state`` comes by TMA into
     ``g_smem`` (completing ``bar`` at ``phase``) and sigma(K) goes over K as dV's operand.
+    Returns dK; dV goes over V in shared memory (bf16, not yet fenced for TMA) once V's product
+    is done, which frees its registers for the rest.
 
         dV += sigma(K) gdM,   dK += (V gdM^T + gdz) sigma'(K)   (sigma' = min(sigma, 1) in bf16)
 
     GRAM (the delta rule): S = dA + dA^T of state into ``s_smem`` too, and dK gains the terms of
     A = sigma(K)^T diag(w) sigma(K), w = 1 / (sigma(K) z) with z before the segment (``Z``), as
     ``memory._update_backward_kernel``'s GRAM pass: (w P + dden z^T) sigma'(K), P = sigma(K) S,
-    dden = -w^2 rowsum(P * sigma(K)) / 2 (w from float32 sigma(K), the rest from its bf16)."""
+    dden = -w^2 rowsum(P * sigma(K)) / 2 (w from float32 sigma(K), the rest from its bf16). P's
+    product runs while the linear terms are added; z and gdz are loaded where they are used
+    (held beside dK, dV and two products they spilled: docs/experiments.md §49)."""
     layout: gl.constexpr = dk.type.layout
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     if GRAM:
@@ -437,27 +441,27 @@ def add_updates_backward(
     tma.async_copy_global_to_shared(g_desc, [state * HEAD_DIM, 0], bar, g_smem)
     x = sigma(k_smem.load(layout).to(gl.float32))
     if GRAM:
-        z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
-        w = inverse(gl.sum(x * z[None, :], 1))
+        w = inverse(gl.sum(x * gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)[None, :], 1))
     k_smem.store(x.to(k_smem.dtype))
     fence_async_shared()
     mbarrier.wait(bar, phase)
     zero = gl.zeros_like(dk)
-    gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
     dv = warpgroup_mma(k_smem, g_smem, dv, is_async=True)
+    t = warpgroup_mma(v_smem, g_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dv, t = warpgroup_mma_wait(0, deps=(dv, t))
+    # Each warpgroup's products read only its own rows of V: they are free to take its dV.
+    v_smem.store(dv.to(v_smem.dtype))
     if GRAM:
         p = warpgroup_mma(k_smem, s_smem, zero, use_acc=False, is_async=True)
-        dv, p = warpgroup_mma_wait(0, deps=(dv, p))
+    gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
+    dk += (t + gz[None, :]) * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
+    if GRAM:
+        p = warpgroup_mma_wait(0, deps=(p,))
         dden = -0.5 * w * w * gl.sum(p * k_smem.load(layout).to(gl.float32), 1)
-        t = p * w[:, None] + dden[:, None] * z[None, :] + gz[None, :]
-        t = warpgroup_mma(v_smem, g_smem.permute((1, 0)), t, is_async=True)
-        t = warpgroup_mma_wait(0, deps=(t,))
+        z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
+        t = p * w[:, None] + dden[:, None] * z[None, :]
         dk += t * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
-    else:
-        t = warpgroup_mma(v_smem, g_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dv, t = warpgroup_mma_wait(0, deps=(dv, t))
-        dk += (t + gz[None, :]) * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
-    return dk, dv
+    return dk
 
 
 def token_descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor, int]:
