@@ -80,6 +80,7 @@ from .kernels.infini.delta import (
     delta_gram_grads,
     delta_memories,
     delta_scan,
+    expand_kept_memories,
     gram_gradient,
 )
 from .kernels.infini.local import local_backward, local_forward
@@ -184,8 +185,9 @@ def infini_attention(
 
 # The forward keeps the memories before each segment (in the products' operand dtype) for the
 # backward, which then makes no second update pass over k and v (nor, under the delta rule, a
-# second recurrence), when they take at most this share of the bytes of q, k, v and out; above it
-# the backward rebuilds them.
+# second recurrence), when they take at most this share of the bytes of q, k, v and out; else
+# those before every other segment if they fit (the backward steps once from each to the next:
+# an update pass, no recurrence); else none, and the backward rebuilds them all.
 KEPT_MEMORIES_SHARE = 0.01
 
 
@@ -197,18 +199,28 @@ def infini_memory_bytes(
     one device or a group alike: z before each segment (float32, batch x segments x kv_heads x
     head_dim x 4), and M before each segment (bf16 for bf16 inputs, else float32) when that is at
     most KEPT_MEMORIES_SHARE of the bytes of q, k, v and out (``heads`` query heads, default
-    kv_heads, in ``dtype``), else the backward rebuilds M from k and v."""
+    kv_heads, in ``dtype``), else M before every other segment (the first, third, ...) when
+    that is, else none: the backward rebuilds what is not kept from k and v."""
     z_bytes = 4 * batch * -(-seqlen // segment_len) * kv_heads * head_dim
     heads = heads or kv_heads
     return z_bytes + _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
 
 
 def _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
-    """Bytes of the memories before each segment if the forward keeps them, else 0."""
+    """Bytes of the memories the forward keeps (``_kept_stride``)."""
     n_seg = -(-seqlen // segment_len)
-    matrices = batch * n_seg * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
+    stride = _kept_stride(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
+    matrix = batch * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
+    return 0 if stride == 0 else -(-n_seg // stride) * matrix
+
+
+def _kept_stride(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
+    """Which memories the forward keeps (KEPT_MEMORIES_SHARE): 1 those before every segment, 2
+    before every other one (segments 0, 2, ...), 0 none."""
+    n_seg = -(-seqlen // segment_len)
+    matrix = batch * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
     activations = 2 * batch * seqlen * (heads + kv_heads) * head_dim * dtype.itemsize
-    return matrices if matrices <= KEPT_MEMORIES_SHARE * activations else 0
+    return next((st for st in (1, 2) if -(-n_seg // st) * matrix <= KEPT_MEMORIES_SHARE * activations), 0)
 
 
 def _check_inputs(q, k, v, beta, segment_len, update) -> None:
@@ -346,9 +358,8 @@ class _GatedMemory(torch.autograd.Function):
                 m_before, m_last = delta_scan(dm, gram, m, q.dtype)
                 comm.relay_send(m_last, group)
         b, s, heads, d = q.shape
-        kept_bytes = _kept_matrix_bytes(b, heads, k.shape[2], d, s, segment_len, q.dtype)
-        ctx.kept = kept_bytes > 0
-        kept = m_before.to(operand_dtype(q.dtype)) if ctx.kept else m
+        ctx.kept = _kept_stride(b, heads, k.shape[2], d, s, segment_len, q.dtype)
+        kept = m if ctx.kept == 0 else m_before[:, :: ctx.kept].to(operand_dtype(q.dtype)).contiguous()
         ctx.save_for_backward(q, k, v, local, lse, gate, kept, z_before)
         if out is None:
             out = memory_retrieval(q, local, gate, m_before, z_before, segment_len)
@@ -365,13 +376,22 @@ class _GatedMemory(torch.autograd.Function):
             dout = torch.zeros_like(q)
         elif ctx.fused_local:
             dout = dout.contiguous()  # the local attention's backward reads it as its dO, flattened
-        if ctx.rule == "linear":
-            m_before = m if ctx.kept else memory_scan(memory_updates(k, v, seg)[0], m, matrix_dtype)[0]
-        elif ctx.kept:
-            gram, m_before = memory_gram(k, z_before, seg), m
+        # m: the memories kept before every segment (ctx.kept 1), every other one (2: one step
+        # from each to the next, no recurrence), or the memory entering the call (0)
+        if ctx.kept == 1:
+            m_before = m
+            gram = memory_gram(k, z_before, seg) if ctx.rule == "delta" else None
         else:
-            dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
-            m_before = delta_scan(dm, gram, m, q.dtype)[0]
+            if ctx.rule == "linear":
+                (dm, _), gram = memory_updates(k, v, seg), None
+            else:
+                dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
+            if ctx.kept == 2:
+                m_before = expand_kept_memories(m, dm, gram, q.dtype)
+            elif gram is None:
+                m_before = memory_scan(dm, m, matrix_dtype)[0]
+            else:
+                m_before = delta_scan(dm, gram, m, q.dtype)[0]
             del dm
         delta = torch.empty_like(lse) if ctx.fused_local else None
         # The local attention's fused backward adds its dQ into a float32 buffer: the memory

@@ -143,20 +143,32 @@ def test_saturated_gates(device, head_dim):
     assert torch.isfinite(beta.grad).all()
 
 
-@pytest.mark.parametrize("share", [0.0, 1.0])  # memories rebuilt by the backward, or kept
+# Shares of q, k, v and out (float32, 2 query heads, 1 kv head of 16, segments of 16) for
+# 40 tokens (3 segments: M 3 KiB against 15 KiB) and 60 (4 segments: 4 KiB against 22.5 KiB):
+# 0.15 keeps the memories before segments 0 and 2 in both (2 KiB), 1.0 all, 0.0 none.
+KEPT_BY_SHARE = {0.0: 0, 0.15: 2, 1.0: 1}
+
+
+@pytest.mark.parametrize("seqlen", [40, 60])
+@pytest.mark.parametrize("share", sorted(KEPT_BY_SHARE))
 @pytest.mark.parametrize("rule", ["linear", "delta"])
-def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share):
+def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share, seqlen):
     """The forward keeps the memories before each segment when they are at most
-    KEPT_MEMORIES_SHARE of q, k, v and out; the backward then makes no second update pass (the
-    linear rule's forward makes its update pass here, the delta rule's in its own module; the
-    delta rule's backward rebuilds with its Gram matrices in the same pass). From a given
-    memory, with a gradient on the final one: the entering memory's gradient too."""
+    KEPT_MEMORIES_SHARE of q, k, v and out, else those before every other segment if they are,
+    else none; with all kept the backward makes no second update pass (the linear rule's
+    forward makes its update pass here, the delta rule's in its own module; the delta rule's
+    backward rebuilds with its Gram matrices in the same pass), with every other one it makes
+    that pass and steps once from each kept memory (an odd number of segments and an even
+    one). From a given memory, with a gradient on the final one: the entering memory's
+    gradient too."""
     monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", share)
     calls = []
-    for name in ("memory_updates", "memory_updates_and_gram"):
+    for name in ("memory_updates", "memory_updates_and_gram", "delta_scan", "expand_kept_memories"):
         passes = getattr(infini, name)
-        monkeypatch.setattr(infini, name, lambda *a, passes=passes: calls.append(1) or passes(*a))
-    q, k, v, beta, dout = _inputs(1, 40, 2, 1, 16, torch.float32, seed=13)
+        monkeypatch.setattr(
+            infini, name, lambda *a, name=name, passes=passes, **kw: calls.append(name) or passes(*a, **kw)
+        )
+    q, k, v, beta, dout = _inputs(1, seqlen, 2, 1, 16, torch.float32, seed=13)
     g = torch.Generator().manual_seed(14)
     memory = (torch.randn(1, 1, 16, 16, generator=g) * 0.1, torch.rand(1, 1, 16, generator=g) * 10)
     grad_final = torch.randn(1, 1, 16, 16, generator=g)
@@ -165,16 +177,23 @@ def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share):
         *leaves[:4], 16, update=rule, memory=tuple(leaves[4:]), return_memory=True
     )
     ((out * dout.to(device)).sum() + (final.matrix * grad_final.to(device)).sum()).backward()
-    assert len(calls) == (rule == "linear") + (0 if share else 1)
+    kept = KEPT_BY_SHARE[share]
+    update_passes = [c for c in calls if c.startswith("memory_updates")]
+    assert len(update_passes) == (rule == "linear") + (kept != 1)
+    assert calls.count("expand_kept_memories") == (kept == 2)
+    # the delta rule's backward runs its recurrence reversed, and forward too where nothing is kept
+    assert calls.count("delta_scan") == (rule == "delta") * (1 + (kept == 0))
     ref = [t.detach().double().requires_grad_() for t in leaves]
     ref_out, ref_memory = infini_reference(*ref[:4], 16, rule, memory=ref[4:])
     ((ref_out * dout.double()).sum() + (ref_memory[0] * grad_final.double()).sum()).backward()
     names = ("dq", "dk", "dv", "dbeta", "d memory matrix", "d memory normalizer")
     for name, got, want in zip(names, leaves, ref):
         _check(name, got.grad, want.grad, TOLERANCE[torch.float32])
-    z_bytes = 4 * 3 * 16  # float32 z before each of 3 segments, one kv head
-    kept = infini.infini_memory_bytes(1, 1, 16, 40, 16, heads=2, dtype=torch.float32)
-    assert kept == z_bytes + (3 * 16 * 16 * 4 if share else 0)
+    n_seg = -(-seqlen // 16)
+    z_bytes = 4 * n_seg * 16  # float32 z before each segment, one kv head
+    matrices = {0: 0, 1: n_seg, 2: -(-n_seg // 2)}[kept]
+    state = infini.infini_memory_bytes(1, 1, 16, seqlen, 16, heads=2, dtype=torch.float32)
+    assert state == z_bytes + matrices * 16 * 16 * 4
 
 
 @pytest.mark.parametrize("state", ["registers", "global"])
@@ -289,7 +308,7 @@ def test_infini_kernels_compile_for_sm90(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("kept", [0, 1, 2])  # the memories before no, every, every other segment
 @pytest.mark.parametrize("whole_segments", [False, True])
 @pytest.mark.parametrize("update", ["linear", "delta"])
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -298,11 +317,12 @@ def test_bf16_tensor_core_memory_matches_float64(monkeypatch, device, update, wh
     accumulation), which the interpreter cannot run: head_dim 128 and 256 (the delta
     recurrence's state in registers, or through global memory), segments of several token
     blocks (one program per row block, or with ``whole_segments`` per segment), GQA and a
-    shorter last segment, the memories before each segment kept in bf16 for the backward or
-    rebuilt by it, against the float64 loop."""
+    shorter last segment, the memories before each segment kept in bf16 for the backward,
+    those before every other one (the backward steps from each), or none (it rebuilds them),
+    against the float64 loop."""
     if whole_segments:
         monkeypatch.setattr(infini_memory, "CHUNK_PROGRAMS", 1)
-    monkeypatch.setattr(infini, "KEPT_MEMORIES_SHARE", 1.0 if kept else 0.0)
+    monkeypatch.setattr(infini, "_kept_stride", lambda *shape: kept)
     q, k, v, beta, dout = _inputs(2, 700, 4, 2, head_dim, torch.bfloat16, seed=7)
     q, k, v, beta, dout = (t.to(device).requires_grad_(t is not dout) for t in (q, k, v, beta, dout))
     out, memory = ringflash.infini_attention(q, k, v, beta, 256, update=update, return_memory=True)

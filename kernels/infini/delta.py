@@ -23,8 +23,9 @@ gradient of M_s:
 and the tokens' gradients through B_s and A_s (``memory_updates_backward`` with its
 ``gram_grad``, or the local attention's backward where it runs that pass) and through z_s,
 on which w depends (``delta_gram_grads``: ``memory_gram_den_backward``, then the reverse scan
-over the segments). The caller keeps or rebuilds the M_s (from k, v and the memory entering)
-and rebuilds A_s from k.
+over the segments). The caller keeps the M_s, or those before every other segment (the
+backward then steps once from each: ``expand_kept_memories``), or rebuilds them (from k, v and
+the memory entering), and rebuilds A_s from k.
 
 Precision: B_s and A_s take the token kernels' operands (bf16 for bf16 inputs, float32
 otherwise). For bf16 inputs A_s is stored in bf16 and the recurrence's products take bf16
@@ -213,6 +214,76 @@ def delta_scan(
         HAS_INIT=initial is not None, TRANSPOSE=transpose, **t,
     )  # fmt: skip
     return out.to(out_dtype), final
+
+
+@triton.jit
+def _kept_step_kernel(
+    KEPT, U, A, OUT, n_seg, n_kept, kv_heads,
+    GRAM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_PRODUCTS: tl.constexpr,
+):  # fmt: skip
+    """One (batch row, kept memory p, kv head; row block, column block): OUT[2p] = KEPT[p] and,
+    where segment 2p + 1 exists, OUT[2p + 1] = KEPT[p] + U[2p] (- A[2p] KEPT[p] with GRAM), as
+    a step of ``_delta_scan_kernel`` from the state it stored."""
+    pid = tl.program_id(0).to(tl.int64)  # (b * n_kept + p) * kv_heads + h
+    h, bp = pid % kv_heads, pid // kv_heads
+    even = ((bp // n_kept) * n_seg + 2 * (bp % n_kept)) * kv_heads + h
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    width = HEAD_DIM * HEAD_DIM
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    mask = (rows[:, None] < HEAD_DIM) & (cols[None, :] < HEAD_DIM)
+    x = tl.load(KEPT + pid * width + offs, mask=mask, other=0.0)
+    tl.store(OUT + even * width + offs, x, mask=mask)
+    if 2 * (bp % n_kept) + 1 < n_seg:
+        step = x.to(tl.float32) + tl.load(U + even * width + offs, mask=mask, other=0.0)
+        if GRAM:
+            acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+            for k0 in tl.static_range(0, HEAD_DIM, BLOCK):
+                ks = k0 + tl.arange(0, BLOCK)
+                a = _load_tile(A + even * width, rows, ks, False, HEAD_DIM)
+                m = _load_tile(KEPT + pid * width, ks, cols, False, HEAD_DIM)
+                if BF16_PRODUCTS:
+                    m = m.to(tl.bfloat16)
+                acc = tl.dot(a, m, acc, input_precision=DOT_PRECISION)
+            step = step - acc
+        tl.store(OUT + (even + kv_heads) * width + offs, step.to(OUT.dtype.element_ty), mask=mask)
+
+
+def expand_kept_memories(
+    kept: torch.Tensor, updates: torch.Tensor, gram: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The memories before every segment from those the forward kept before the even ones (the
+    backward's rebuild without a recurrence): kept (batch, ceil(segments / 2), kv_heads,
+    head_dim, head_dim) in ``operand_dtype(dtype)``, updates (batch, segments, kv_heads,
+    head_dim, head_dim) float32 (B_s, or the linear rule's dM_s), gram A_s as ``delta_scan``
+    takes it, or None for the linear rule -> (batch, segments, kv_heads, head_dim, head_dim) in
+    ``operand_dtype(dtype)``: M_2p = kept[p], M_2p+1 = kept[p] + updates[2p] (- gram[2p] kept[p]).
+    The step starts from the kept M as stored (bf16 for bf16 inputs), where the forward's
+    recurrence held it in float32: M_2p+1 can differ from the forward's by its rounding."""
+    b, n_kept, kv_heads, d = kept.shape[:4]
+    n_seg = updates.shape[1]
+    if n_kept != -(-n_seg // 2) or updates.shape[0] != b:
+        raise ValueError(
+            f"kept {tuple(kept.shape)}: expected the memories before the even ones of {n_seg} segments"
+        )
+    out = torch.empty(updates.shape, device=kept.device, dtype=operand_dtype(dtype))
+    updates = updates.float().contiguous()
+    gram = updates if gram is None else gram.to(operand_dtype(dtype)).contiguous()
+    t = scan_tiles(d, dtype)
+    block = min(KEPT_STEP_TILE, t["BLOCK_D"])
+    n = triton.cdiv(d, block)
+    _kept_step_kernel[(b * n_kept * kv_heads, n, n)](
+        kept.to(operand_dtype(dtype)).contiguous(), updates, gram, out, n_seg, n_kept, kv_heads,
+        GRAM=gram is not updates, HEAD_DIM=d, BLOCK=block, DOT_PRECISION=t["DOT_PRECISION"],
+        BF16_PRODUCTS=t["BF16_PRODUCTS"],
+    )  # fmt: skip
+    return out
+
+
+# Rows and columns of M per program of the kept step (64 x 64 float32 outputs, the product's
+# operands 64-wide chunks of A and the kept M).
+KEPT_STEP_TILE = 64
 
 
 def delta_memories(
