@@ -79,7 +79,9 @@ from .kernels import (
 from .kernels.infini.delta import (
     delta_gram_grads,
     delta_memories,
+    delta_normalizer_updates,
     delta_scan,
+    delta_updates,
     expand_kept_memories,
     gram_gradient,
 )
@@ -332,9 +334,12 @@ class _GatedMemory(torch.autograd.Function):
             z_before, z_final = memory_scan(dz, z, torch.float32)
         elif group is None:
             m_before, m_final, z_before, z_final = delta_memories(k, v, m, z, segment_len)
-        else:  # the earlier ranks' totals, in flight during the local attention
+        elif rule == "delta":  # the earlier ranks' totals, in flight during the local attention
+            dm, dz = delta_normalizer_updates(k, v, segment_len)
+            pending = comm.exclusive_prefix_sum(dz.sum(1), group)
+        else:
             dm, dz = memory_updates(k, v, segment_len)
-            totals = dz.sum(1) if rule == "delta" else torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
+            totals = torch.cat([dm.sum(1).flatten(2), dz.sum(1)], dim=-1)
             pending = comm.exclusive_prefix_sum(totals, group)
         lse = out = None
         if local is None:  # on one device the retrieval comes out of the attention's epilogue
@@ -351,8 +356,8 @@ class _GatedMemory(torch.autograd.Function):
             z, z_final = z + prefix, z + total
             z_before = memory_scan(dz, z, torch.float32)[0]
             if rule == "delta":
-                # A_s before the wait: only the recurrence is on the ranks' chain
-                gram = memory_gram(k, z_before, segment_len)
+                # B_s, A_s before the wait: only the recurrence is on the ranks' chain
+                dm, gram = delta_updates(k, v, z_before, segment_len, dm)
                 received = comm.relay_receive(m, group)
                 m = m if received is None else received
                 m_before, m_last = delta_scan(dm, gram, m, q.dtype)

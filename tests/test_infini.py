@@ -196,6 +196,22 @@ def test_memories_kept_or_rebuilt(monkeypatch, device, rule, share, seqlen):
     assert state == z_bytes + matrices * 16 * 16 * 4
 
 
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_normalizer_updates_match_float64(device, head_dim):
+    """The sum of sigma(K) per segment by the delta rule's pass over k alone (its B_s comes later
+    with A_s where one pass makes both), against float64: a shorter last segment, a head_dim
+    that is not a power of two, k a strided view (every other head of a wider tensor)."""
+    g = torch.Generator().manual_seed(31)
+    wide = torch.randn(2, 230, 4, head_dim, generator=g).to(device)
+    k = wide[:, :, ::2]
+    dz = infini_memory.normalizer_updates(k, 64)
+    sk = F.pad(F.elu(k.double()) + 1, (0, 0, 0, 0, 0, 4 * 64 - 230))
+    want = sk.unflatten(1, (4, 64)).sum(2)  # padding: rows of 0
+    assert dz.shape == want.shape and dz.dtype == torch.float32
+    _check("dz", dz, want, TOLERANCE[torch.float32])
+    _check("dz (memory_updates)", dz, infini_memory.memory_updates(k, k, 64)[1], TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("state", ["registers", "global"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype, state):
@@ -590,6 +606,7 @@ def test_hopper_updates_match_float64(monkeypatch, batch, seqlen, kv_heads, segm
             + infini_memory.memory_updates_backward(k, v, segment_len, grad_dm, grad_dz)
         )
     assert calls == list(launches)  # the first run took the Hopper kernels, the second Triton's
+    _check("dz (normalizer pass)", infini_memory.normalizer_updates(k, segment_len), want[1], 1e-4)
     for name, hopper, triton_, ref in zip(("dM", "dz", "dk", "dv"), *results, want + want_grads):
         assert torch.isfinite(hopper).all(), name
         _check(name, hopper, ref, 1e-2)  # bf16 operands

@@ -48,11 +48,14 @@ import triton
 import triton.language as tl
 
 from ..configs import block_d
+from ..hopper.dispatch import uses_infini_updates
 from .memory import (
     memory_gram,
     memory_gram_den_backward,
     memory_scan,
     memory_updates,
+    memory_updates_and_gram,
+    normalizer_updates,
     operand_dtype,
 )
 
@@ -294,11 +297,34 @@ def delta_memories(
     head_dim) -> (M before each segment (batch, segments, kv_heads, head_dim, head_dim) in
     ``operand_dtype`` (what the retrieval and the backward read), M after the last one, z before
     each segment (batch, segments, kv_heads, head_dim), z after the last one; float32)."""
-    dm, dz = memory_updates(k, v, segment_len)
+    dm, dz = delta_normalizer_updates(k, v, segment_len)
     z_before, z_final = memory_scan(dz, z_in, torch.float32)
-    gram = memory_gram(k, z_before, segment_len)
+    dm, gram = delta_updates(k, v, z_before, segment_len, dm)
     m_before, m_final = delta_scan(dm, gram, m_in, k.dtype)
     return m_before, m_final, z_before, z_final
+
+
+def delta_normalizer_updates(
+    k: torch.Tensor, v: torch.Tensor, segment_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(B_s or None, dz_s): what the delta rule needs before z before each segment is known.
+    Where one pass over k and v makes B_s and A_s (the Hopper updates kernel), dz_s alone
+    (``normalizer_updates``, a pass over k) and B_s later with A_s (``delta_updates``); else
+    B_s and dz_s in one pass (``memory_updates``) and A_s alone later."""
+    if uses_infini_updates(k, v):
+        return None, normalizer_updates(k, segment_len)
+    return memory_updates(k, v, segment_len)
+
+
+def delta_updates(
+    k: torch.Tensor, v: torch.Tensor, z_before: torch.Tensor, segment_len: int, dm: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B_s, A_s) given z before each segment and ``delta_normalizer_updates``' B_s (None:
+    computed here, beside A_s)."""
+    if dm is None:
+        dm, _, gram = memory_updates_and_gram(k, v, z_before, segment_len)
+        return dm, gram
+    return dm, memory_gram(k, z_before, segment_len)
 
 
 @triton.jit

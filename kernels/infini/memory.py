@@ -127,6 +127,25 @@ def _update_kernel(
 
 
 @triton.jit
+def _normalizer_update_kernel(
+    K, DZ, seqlen, n_seg, segment_len, kv_heads, stride_kb, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One (segment, kv head): dz_s = the sum of sigma(K_s) over the segment's tokens, float32."""
+    pid_bs = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b, start, end = _segment(pid_bs, n_seg, segment_len, seqlen)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b * stride_kb + h * stride_kh
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_M):
+        rows = t0 + tl.arange(0, BLOCK_M)
+        acc += _load_sigma(k_base, rows, rows < end, offs_d, stride_ks, HEAD_DIM)
+    dz = tl.sum(acc, 0)
+    tl.store(DZ + (pid_bs.to(tl.int64) * kv_heads + h) * HEAD_DIM + offs_d, dz, mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
 def _row_chunk(pid_c, pid_bs, n_seg, segment_len, chunk, seqlen):
     """(batch row as int64, first token, end token) of chunk pid_c of segment pid_bs % n_seg."""
     b, start, end = _segment(pid_bs, n_seg, segment_len, seqlen)
@@ -377,6 +396,27 @@ def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[
     (batch, segments, kv_heads, head_dim)), float32. On an H100/H200 with bf16 inputs of head_dim
     128, the Hopper kernel (``hopper/infini_updates.py``, ``dispatch.uses_infini_updates``)."""
     return _launch_updates(k, v, segment_len, True, None)[:2]
+
+
+def normalizer_updates(k: torch.Tensor, segment_len: int) -> torch.Tensor:
+    """``memory_updates``' second output alone, from one read of k: k (batch, seqlen, kv_heads,
+    head_dim) -> the sum of sigma(K_s) per segment (batch, segments, kv_heads, head_dim), float32
+    (summed in float32, where the Hopper updates kernel sums sigma(K) as its bf16 operand)."""
+    k = last_dim_contiguous(k)
+    b, s, kv_heads, d = k.shape
+    n_seg = _n_seg(s, segment_len)
+    dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
+    bd = block_d(d)
+    _normalizer_update_kernel[(b * n_seg, kv_heads)](
+        k, dz, s, n_seg, segment_len, kv_heads, *k.stride()[:3],
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=NORMALIZER_ROWS * 128 // bd, num_warps=4,
+    )  # fmt: skip
+    return dz
+
+
+# Token rows per step of the normalizer pass at head_dim 128 (a 32 KB float32 sum in registers
+# over 4 warps); proportionally fewer at larger head dims.
+NORMALIZER_ROWS = 64
 
 
 def memory_gram(k: torch.Tensor, z_before: torch.Tensor, segment_len: int) -> torch.Tensor:
