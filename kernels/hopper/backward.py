@@ -741,9 +741,12 @@ def _fused_bwd_kernel(
         g_smem = q_smem._reinterpret(dtype, gdm_desc.block_type.shape, gdm_desc.layout)
         s_smem = do_smem._reinterpret(dtype, s_desc.block_type.shape, s_desc.layout)
         state = doc * gl.num_programs(1) + hk
+        # gdz and z wait for their use in the LSE/delta rows' buffer (1 KB)
+        vec_smem = rows_smem._reinterpret(gl.float32, [2, HEAD_DIM], rows_smem.layout)
         dk = add_updates_backward(
-            k_smem, v_smem, g_smem, s_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv, GRAM
-        )
+            k_smem, v_smem, g_smem, s_smem, vec_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv,
+            GRAM,
+        )  # fmt: skip
         # dK and dV leave through the K and V tiles (the products are done with them; dV is
         # there already): a whole key tile by TMA, a tile cut by its segment's end row by row
         # from there (st.global from the products' layout writes half of each 32-byte sector

@@ -414,7 +414,8 @@ def updates_backward_kernel(
 
 @gluon.jit
 def add_updates_backward(
-    k_smem, v_smem, g_smem, s_smem, bar, phase, g_desc, s_desc, GZ, Z, state, dk, dv, GRAM: gl.constexpr
+    k_smem, v_smem, g_smem, s_smem, vec_smem, bar, phase, g_desc, s_desc, GZ, Z, state, dk, dv,
+    GRAM: gl.constexpr,
 ):  # fmt: skip
     """The memory updates' backward of one key tile (``_bwd_compute``'s dV and dK) added into
     the local attention's dK and dV of that tile (hopper/backward.py's MEMORY epilogue), with
@@ -429,8 +430,10 @@ def add_updates_backward(
     A = sigma(K)^T diag(w) sigma(K), w = 1 / (sigma(K) z) with z before the segment (``Z``), as
     ``memory._update_backward_kernel``'s GRAM pass: (w P + dden z^T) sigma'(K), P = sigma(K) S,
     dden = -w^2 rowsum(P * sigma(K)) / 2 (w from float32 sigma(K), the rest from its bf16). P's
-    product runs while the linear terms are added; z and gdz are loaded where they are used
-    (held beside dK, dV and two products they spilled: docs/experiments.md §49)."""
+    product runs while the linear terms are added. gdz and z go to ``vec_smem`` ((2, 128)
+    float32) while gdM and S load, and are read back where they are used: held in registers
+    beside dK, dV and two products they spilled, loaded where used from global memory their
+    latency came after the products (docs/experiments.md §49)."""
     layout: gl.constexpr = dk.type.layout
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     if GRAM:
@@ -441,8 +444,11 @@ def add_updates_backward(
     tma.async_copy_global_to_shared(g_desc, [state * HEAD_DIM, 0], bar, g_smem)
     x = sigma(k_smem.load(layout).to(gl.float32))
     if GRAM:
-        w = inverse(gl.sum(x * gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)[None, :], 1))
+        z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
+        w = inverse(gl.sum(x * z[None, :], 1))
+        vec_smem.index(1).store(z)
     k_smem.store(x.to(k_smem.dtype))
+    vec_smem.index(0).store(gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols))
     fence_async_shared()
     mbarrier.wait(bar, phase)
     zero = gl.zeros_like(dk)
@@ -453,12 +459,12 @@ def add_updates_backward(
     v_smem.store(dv.to(v_smem.dtype))
     if GRAM:
         p = warpgroup_mma(k_smem, s_smem, zero, use_acc=False, is_async=True)
-    gz = gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols)
+    gz = vec_smem.index(0).load(cols.type.layout)
     dk += (t + gz[None, :]) * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
     if GRAM:
         p = warpgroup_mma_wait(0, deps=(p,))
         dden = -0.5 * w * w * gl.sum(p * k_smem.load(layout).to(gl.float32), 1)
-        z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
+        z = vec_smem.index(1).load(cols.type.layout)
         t = p * w[:, None] + dden[:, None] * z[None, :]
         dk += t * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
     return dk
