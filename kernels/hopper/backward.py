@@ -92,7 +92,7 @@ from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
-from .infini_updates import add_updates_backward, matrix_descriptor
+from .infini_updates import matrix_descriptor, updates_backward_dk, updates_backward_dv
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
 from .named_barriers import sync as named_sync
@@ -583,7 +583,7 @@ def _fused_bwd_kernel(
     (Infini-attention's local attention, head_dim 128, VARLEN: sequence b is segment b of a
     batch row): the memory updates' backward of the key tile is added into dK and dV,
     from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
-    b * kv_heads + kv head (``infini_updates.add_updates_backward``); GRAM (the delta rule)
+    b * kv_heads + kv head (``infini_updates.updates_backward_dv`` and ``_dk``); GRAM (the delta rule)
     with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB);
     dK and dV of a whole key tile are then stored by TMA (dk_desc, dv_desc), else from registers."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
@@ -743,23 +743,28 @@ def _fused_bwd_kernel(
         state = doc * gl.num_programs(1) + hk
         # gdz and z wait for their use in the LSE/delta rows' buffer (1 KB)
         vec_smem = rows_smem._reinterpret(gl.float32, [2, HEAD_DIM], rows_smem.layout)
-        dk = add_updates_backward(
-            k_smem, v_smem, g_smem, s_smem, vec_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dk, dv,
-            GRAM,
-        )  # fmt: skip
-        # dK and dV leave through the K and V tiles (the products are done with them; dV is
-        # there already): a whole key tile by TMA, a tile cut by its segment's end row by row
-        # from there (st.global from the products' layout writes half of each 32-byte sector
-        # per instruction).
+        t, p, w = updates_backward_dv(
+            k_smem, v_smem, g_smem, s_smem, vec_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dv, GRAM
+        )
+        # dK and dV leave through the K and V tiles (the products are done with them), dV while
+        # dK's terms are added: a whole key tile by TMA, a tile cut by its segment's end row by
+        # row from there (st.global from the products' layout writes half of each 32-byte
+        # sector per instruction). Issued together at the end, the CTA waited for both TMA
+        # stores to read their tiles before it could exit (docs/experiments.md §49).
+        fence_async_shared()
+        whole = keys_left >= BLOCK_N
+        if whole:
+            tma.async_copy_shared_to_global(dv_desc, [key_row0, hk * HEAD_DIM], v_smem)
+        else:
+            _store_rows_from_shared(DV, v_smem, key_row0, keys_left, hk64 * stride_dvh, stride_dvs)
+        dk = updates_backward_dk(k_smem, vec_smem, dk, t, p, w, GRAM)
         k_smem.store(dk.to(dtype))
         fence_async_shared()
-        if keys_left >= BLOCK_N:
+        if whole:
             tma.async_copy_shared_to_global(dk_desc, [key_row0, hk * HEAD_DIM], k_smem)
-            tma.async_copy_shared_to_global(dv_desc, [key_row0, hk * HEAD_DIM], v_smem)
             tma.store_wait(0)
         else:
             _store_rows_from_shared(DK, k_smem, key_row0, keys_left, hk64 * stride_dkh, stride_dks)
-            _store_rows_from_shared(DV, v_smem, key_row0, keys_left, hk64 * stride_dvh, stride_dvs)
     else:
         _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks, stride_dkh,
                         stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, MASKED,

@@ -413,28 +413,29 @@ def updates_backward_kernel(
 
 
 @gluon.jit
-def add_updates_backward(
-    k_smem, v_smem, g_smem, s_smem, vec_smem, bar, phase, g_desc, s_desc, GZ, Z, state, dk, dv,
+def updates_backward_dv(
+    k_smem, v_smem, g_smem, s_smem, vec_smem, bar, phase, g_desc, s_desc, GZ, Z, state, dv,
     GRAM: gl.constexpr,
 ):  # fmt: skip
     """The memory updates' backward of one key tile (``_bwd_compute``'s dV and dK) added into
     the local attention's dK and dV of that tile (hopper/backward.py's MEMORY epilogue), with
-    its K and V (head_dim 128) still in shared memory: gdM of ``state`` comes by TMA into
-    ``g_smem`` (completing ``bar`` at ``phase``) and sigma(K) goes over K as dV's operand.
-    Returns dK; dV goes over V in shared memory (bf16, not yet fenced for TMA) once V's product
-    is done, which frees its registers for the rest.
+    its K and V (head_dim 128) still in shared memory, in two calls: this one, then
+    ``updates_backward_dk``. gdM of ``state`` comes by TMA into ``g_smem`` (completing ``bar``
+    at ``phase``) and sigma(K) goes over K as dV's operand.
 
         dV += sigma(K) gdM,   dK += (V gdM^T + gdz) sigma'(K)   (sigma' = min(sigma, 1) in bf16)
 
     GRAM (the delta rule): S = dA + dA^T of state into ``s_smem`` too, and dK gains the terms of
     A = sigma(K)^T diag(w) sigma(K), w = 1 / (sigma(K) z) with z before the segment (``Z``), as
     ``memory._update_backward_kernel``'s GRAM pass: (w P + dden z^T) sigma'(K), P = sigma(K) S,
-    dden = -w^2 rowsum(P * sigma(K)) / 2 (w from float32 sigma(K), the rest from its bf16). P's
-    product runs while the linear terms are added. gdz and z go to ``vec_smem`` ((2, 128)
-    float32) while gdM and S load, and are read back where they are used: held in registers
-    beside dK, dV and two products they spilled, loaded where used from global memory their
-    latency came after the products (docs/experiments.md §49)."""
-    layout: gl.constexpr = dk.type.layout
+    dden = -w^2 rowsum(P * sigma(K)) / 2 (w from float32 sigma(K), the rest from its bf16).
+
+    Here: dV goes over V in shared memory (bf16, not yet fenced for TMA) once V's product is
+    done, so that it can leave while the rest runs; returns (V gdM^T, with GRAM P's product in
+    flight and w). gdz and z go to ``vec_smem`` ((2, 128) float32) while gdM and S load and are
+    read back where used: held in registers beside dK, dV and two products they spilled, loaded
+    there from global memory their latency came after the products (docs/experiments.md §49)."""
+    layout: gl.constexpr = dv.type.layout
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     if GRAM:
         mbarrier.expect(bar, g_desc.block_type.nbytes + s_desc.block_type.nbytes)
@@ -447,11 +448,13 @@ def add_updates_backward(
         z = gl.load(Z + state.to(gl.int64) * HEAD_DIM + cols)
         w = inverse(gl.sum(x * z[None, :], 1))
         vec_smem.index(1).store(z)
+    else:
+        w = gl.zeros([dv.shape[0]], gl.float32, gl.SliceLayout(1, layout))
     k_smem.store(x.to(k_smem.dtype))
     vec_smem.index(0).store(gl.load(GZ + state.to(gl.int64) * HEAD_DIM + cols))
     fence_async_shared()
     mbarrier.wait(bar, phase)
-    zero = gl.zeros_like(dk)
+    zero = gl.zeros_like(dv)
     dv = warpgroup_mma(k_smem, g_smem, dv, is_async=True)
     t = warpgroup_mma(v_smem, g_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     dv, t = warpgroup_mma_wait(0, deps=(dv, t))
@@ -459,6 +462,17 @@ def add_updates_backward(
     v_smem.store(dv.to(v_smem.dtype))
     if GRAM:
         p = warpgroup_mma(k_smem, s_smem, zero, use_acc=False, is_async=True)
+    else:
+        p = t
+    return t, p, w
+
+
+@gluon.jit
+def updates_backward_dk(k_smem, vec_smem, dk, t, p, w, GRAM: gl.constexpr):
+    """``updates_backward_dv``'s second half: dK with the updates' terms added, from that
+    call's (V gdM^T, P's product in flight, w)."""
+    layout: gl.constexpr = dk.type.layout
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     gz = vec_smem.index(0).load(cols.type.layout)
     dk += (t + gz[None, :]) * gl.minimum(k_smem.load(layout).to(gl.float32), 1.0)
     if GRAM:
