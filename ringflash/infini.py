@@ -36,11 +36,12 @@ and dV while each key tile's K and V are in shared memory (``kernels/infini/loca
 a pass of its own.
 
 Delta update: M_{s+1} = M_s + B_s - A_s M_s with B_s the linear rule's update and A_s =
-sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), each computed for all segments at once by a
-pass over the tokens; only the head_dim x head_dim recurrence runs in order over the segments,
-and the backward runs it in reverse (``kernels/infini/delta.py``), inside ``_GatedMemory`` as
-the linear rule (the memories kept or rebuilt by the same rule, A_s rebuilt by the backward, in
-the same pass as B_s where the memories are rebuilt; z stays).
+sigma(K_s)^T diag(1 / (sigma(K_s) z_s)) sigma(K_s), computed for all segments at once by a pass
+over the tokens (on Hopper one pass for both, after one for z's sums); only the head_dim x
+head_dim recurrence runs in order over the segments, and the backward runs it in reverse
+(``kernels/infini/delta.py``), inside ``_GatedMemory`` as the linear rule (the memories kept,
+kept before every other segment or rebuilt by the same rule, A_s rebuilt by the backward, in
+the same pass as B_s where memories are rebuilt; z stays).
 
 Sequence parallel (``group=``): each rank holds consecutive whole segments (contiguous shards),
 and the exchanges run inside ``_GatedMemory`` too, so the local attention and the updates'
@@ -304,7 +305,8 @@ class _GatedMemory(torch.autograd.Function):
     """gate A_mem + (1 - gate) local, with the memories before the segments from k and v by the
     ``rule`` ("linear" or "delta") and ``m``, ``z`` (the memory given to the call, (B, Hk, D, D)
     and (B, Hk, D)); the outputs are (out, M after the call, z after it). The z's stay for the
-    backward, and the M's too when they are small (``KEPT_MEMORIES_SHARE``), else the backward
+    backward, and the M's too when they are small (``KEPT_MEMORIES_SHARE``), else those before
+    every other segment when those are (the backward steps once from each), else the backward
     rebuilds them from k and v.
 
     ``local`` None: the local attention runs here (``_local_problem``); the backward writes the

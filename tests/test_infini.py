@@ -212,6 +212,15 @@ def test_normalizer_updates_match_float64(device, head_dim):
     _check("dz (memory_updates)", dz, infini_memory.memory_updates(k, k, 64)[1], TOLERANCE[torch.float32])
 
 
+def test_expand_kept_memories_rejects_a_mismatched_count():
+    """The step from the kept memories takes those before the even segments (ceil(n / 2) of
+    them) and the updates of the same batch: anything else is a clear error, not a launch."""
+    updates = torch.zeros(1, 3, 1, 16, 16)
+    for kept in (torch.zeros(1, 3, 1, 16, 16), torch.zeros(2, 2, 1, 16, 16)):
+        with pytest.raises(ValueError, match="the even ones of 3 segments"):
+            infini_delta.expand_kept_memories(kept, updates, None, torch.float32)
+
+
 @pytest.mark.parametrize("state", ["registers", "global"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_delta_rule_over_several_column_and_row_blocks(monkeypatch, device, dtype, state):

@@ -268,17 +268,19 @@ def expand_kept_memories(
     n_seg = updates.shape[1]
     if n_kept != -(-n_seg // 2) or updates.shape[0] != b:
         raise ValueError(
-            f"kept {tuple(kept.shape)}: expected the memories before the even ones of {n_seg} segments"
+            f"kept {tuple(kept.shape)}: expected the memories before the even ones of {n_seg} segments "
+            f"(updates {tuple(updates.shape)}: the same batch, ceil({n_seg} / 2) of them)"
         )
     out = torch.empty(updates.shape, device=kept.device, dtype=operand_dtype(dtype))
     updates = updates.float().contiguous()
-    gram = updates if gram is None else gram.to(operand_dtype(dtype)).contiguous()
+    with_gram = gram is not None
+    gram = gram.to(operand_dtype(dtype)).contiguous() if with_gram else updates  # not read without
     t = scan_tiles(d, dtype)
     block = min(KEPT_STEP_TILE, t["BLOCK_D"])
     n = triton.cdiv(d, block)
     _kept_step_kernel[(b * n_kept * kv_heads, n, n)](
         kept.to(operand_dtype(dtype)).contiguous(), updates, gram, out, n_seg, n_kept, kv_heads,
-        GRAM=gram is not updates, HEAD_DIM=d, BLOCK=block, DOT_PRECISION=t["DOT_PRECISION"],
+        GRAM=with_gram, HEAD_DIM=d, BLOCK=block, DOT_PRECISION=t["DOT_PRECISION"],
         BF16_PRODUCTS=t["BF16_PRODUCTS"],
     )  # fmt: skip
     return out
