@@ -585,7 +585,8 @@ def _fused_bwd_kernel(
     from gdM (gdm_desc: (segments * kv_heads * 128, 128) rows) and gdz (GDZ) of state
     b * kv_heads + kv head (``infini_updates.updates_backward_dv`` and ``_dk``); GRAM (the delta rule)
     with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB);
-    dK and dV of a whole key tile are then stored by TMA (dk_desc, dv_desc), else from registers."""
+    dK and dV of a whole key tile are then stored by TMA (dk_desc, dv_desc), else row by row from
+    shared memory; without MEMORY from registers."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
