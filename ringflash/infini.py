@@ -211,19 +211,23 @@ def infini_memory_bytes(
 
 def _kept_matrix_bytes(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
     """Bytes of the memories the forward keeps (``_kept_stride``)."""
-    n_seg = -(-seqlen // segment_len)
     stride = _kept_stride(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype)
-    matrix = batch * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
-    return 0 if stride == 0 else -(-n_seg // stride) * matrix
+    return _every_stride_bytes(batch, kv_heads, head_dim, seqlen, segment_len, dtype, stride) if stride else 0
 
 
 def _kept_stride(batch, heads, kv_heads, head_dim, seqlen, segment_len, dtype) -> int:
     """Which memories the forward keeps (KEPT_MEMORIES_SHARE): 1 those before every segment, 2
     before every other one (segments 0, 2, ...), 0 none."""
+    budget = KEPT_MEMORIES_SHARE * 2 * batch * seqlen * (heads + kv_heads) * head_dim * dtype.itemsize
+    shape = (batch, kv_heads, head_dim, seqlen, segment_len, dtype)
+    return next((st for st in (1, 2) if _every_stride_bytes(*shape, st) <= budget), 0)
+
+
+def _every_stride_bytes(batch, kv_heads, head_dim, seqlen, segment_len, dtype, stride) -> int:
+    """Bytes of the memories before segments 0, stride, 2 * stride, ... (the operand dtype)."""
     n_seg = -(-seqlen // segment_len)
-    matrix = batch * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
-    activations = 2 * batch * seqlen * (heads + kv_heads) * head_dim * dtype.itemsize
-    return next((st for st in (1, 2) if -(-n_seg // st) * matrix <= KEPT_MEMORIES_SHARE * activations), 0)
+    kept = -(-n_seg // stride)
+    return batch * kept * kv_heads * head_dim * head_dim * operand_dtype(dtype).itemsize
 
 
 def _check_inputs(q, k, v, beta, segment_len, update) -> None:
