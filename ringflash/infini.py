@@ -25,8 +25,11 @@ H100/H200 at head_dim 128 the updates, the retrieval and their backwards are Glu
 attention's forward, ``kernels/infini/local.py``). What
 stays for the backward is the inputs, the local attention's output and LSE, z before each
 segment, and the memories before each segment when they take at most 1% of the bytes of q, k,
-v and out (segments of 4096 tokens and more at head_dim 128 without GQA); otherwise the backward
-rebuilds them from k and v (``infini_memory_bytes``). The local attention runs inside the same
+v and out (segments of 4096 tokens and more at head_dim 128 without GQA), else those before
+every other segment when these do (2048), the backward stepping once from each with the even
+segments' updates alone (on Hopper the linear rule's rebuild reads no odd segment's tokens, the
+delta rule's only their k, for A_s); otherwise the backward rebuilds them from k and v
+(``infini_memory_bytes``). The local attention runs inside the same
 autograd Function (``_GatedMemory``): its backward adds into the memory path's
 dq, dk, dv, runs on the output gradient itself with its delta from the retrieval's backward pass
 and its LSE shifted by -log(1 - gate) (which scales its gradients by 1 - gate), so neither the
@@ -393,12 +396,13 @@ class _GatedMemory(torch.autograd.Function):
             m_before = m
             gram = memory_gram(k, z_before, seg) if ctx.rule == "delta" else None
         else:
+            even = ctx.kept == 2  # the step from M_2p to M_2p+1 takes segment 2p's update alone
             if ctx.rule == "linear":
-                (dm, _), gram = memory_updates(k, v, seg), None
+                (dm, _), gram = memory_updates(k, v, seg, even_updates=even), None
             else:
-                dm, _, gram = memory_updates_and_gram(k, v, z_before, seg)
-            if ctx.kept == 2:
-                m_before = expand_kept_memories(m, dm, gram, q.dtype)
+                dm, _, gram = memory_updates_and_gram(k, v, z_before, seg, even_updates=even)
+            if even:
+                m_before = expand_kept_memories(m, dm, gram, z_before.shape[1], q.dtype)
             elif gram is None:
                 m_before = memory_scan(dm, m, matrix_dtype)[0]
             else:

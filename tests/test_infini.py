@@ -214,11 +214,14 @@ def test_normalizer_updates_match_float64(device, head_dim):
 
 def test_expand_kept_memories_rejects_a_mismatched_count():
     """The step from the kept memories takes those before the even segments (ceil(n / 2) of
-    them) and the updates of the same batch: anything else is a clear error, not a launch."""
-    updates = torch.zeros(1, 3, 1, 16, 16)
+    them), the even segments' updates of the same shape and every segment's A_s: anything else
+    is a clear error, not a launch."""
+    updates = torch.zeros(1, 2, 1, 16, 16)
     for kept in (torch.zeros(1, 3, 1, 16, 16), torch.zeros(2, 2, 1, 16, 16)):
         with pytest.raises(ValueError, match="the even ones of 3 segments"):
-            infini_delta.expand_kept_memories(kept, updates, None, torch.float32)
+            infini_delta.expand_kept_memories(kept, updates, None, 3, torch.float32)
+    with pytest.raises(ValueError, match="A_s of all 3 segments"):
+        infini_delta.expand_kept_memories(updates, updates, torch.zeros(1, 2, 1, 16, 16), 3, torch.float32)
 
 
 @pytest.mark.parametrize("state", ["registers", "global"])
@@ -629,7 +632,8 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
     (sigma(K) z_s), on the Hopper updates kernel (kernels/hopper/infini_updates.py, GRAM) against
     float64 and against the Triton kernel; the first segment's z is 0 (w = 0, A_s = 0). The pass
     that builds them beside the updates (the backward's rebuild) gives the same bits as each
-    pass alone."""
+    pass alone, and so does the one that makes the even segments' updates alone (a second
+    launch for the odd segments' A_s: every segment's written)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm_90")
     from ringflash.kernels.hopper import infini_updates
@@ -641,8 +645,8 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
     launch = infini_updates.launch_updates
 
     def poisoned(*args):  # every output must be written
-        k_, v_, segment_len_, dm, dz, z, gram = args
-        calls.append((dm is not None, z is not None))
+        k_, v_, segment_len_, dm, dz, z, gram, even = args
+        calls.append((dm is not None, z is not None, even))
         for t in (dm, dz, gram):
             if t is not None:
                 t.fill_(float("nan"))
@@ -656,14 +660,21 @@ def test_hopper_gram_matches_float64(monkeypatch, batch, seqlen, kv_heads, segme
     monkeypatch.setenv("RINGFLASH_HOPPER_INFINI", "1")
     dm, dz, gram = infini_memory.memory_updates_and_gram(k, v, z_before, segment_len)
     updates = infini_memory.memory_updates(k, v, segment_len)
-    # the Hopper kernel: A alone, then A and the updates, then the updates alone; then Triton's
-    assert calls == [(False, True), (True, True), (True, False)]
+    even_dm, even_dz, even_gram = infini_memory.memory_updates_and_gram(k, v, z_before, segment_len, True)
+    even_updates = infini_memory.memory_updates(k, v, segment_len, even_updates=True)
+    # the Hopper kernel: A alone, then A and the updates, then the updates alone, each for every
+    # segment and then the even segments' updates (Triton's run, second, makes no launch)
+    assert calls == [(False, True, False), (True, True, False), (True, False, False), (True, True, True),
+                     (True, False, True)]  # fmt: skip
     hopper, triton_ = results
     assert hopper.dtype == torch.bfloat16 and torch.isfinite(hopper).all()
     assert (hopper[:, 0] == 0).all()  # z = 0: nothing to retrieve, nothing subtracted
     _check("A", hopper, want, 1e-2)  # bf16 operands
     _check("A (Triton)", hopper, triton_, 4e-3)  # bf16(w sigma) on the other side of the product
     assert torch.equal(gram, hopper) and torch.equal(dm, updates[0]) and torch.equal(dz, updates[1])
+    assert torch.equal(even_gram, hopper)
+    for got, every in ((even_dm, dm), (even_dz, dz), *zip(even_updates, updates)):
+        assert got.shape[1] == -(-every.shape[1] // 2) and torch.equal(got, every[:, ::2])
 
 
 @pytest.mark.gpu

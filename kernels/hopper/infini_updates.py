@@ -16,7 +16,9 @@ product's operand; dz is the same operand times a tile of ones.
 
 With GRAM the compute warpgroups also build the delta rule's A_s (``memory_gram``) from the
 same sigma(K) tiles (``_gram_block``), alone (k only) or beside dM and dz (the backward's rebuild
-of the memories: one read of k for both).
+of the memories: one read of k for both). A launch walks every segment or every other one
+(``_selected_item``): a rebuild from the memories kept before the even segments takes dM of those
+alone, so the odd ones' A_s come from a launch over k alone.
 
 The backward walks (row chunk, segment, kv head) items the same way, gdM_s loaded once per item
 into one of two buffers; its warpgroups take alternate 64-token blocks (each writes dV and dK
@@ -82,9 +84,19 @@ def _item(item, seqlen, n_seg, segment_len, kv_heads):
 
 
 @gluon.jit
+def _selected_item(item, first, step, n_sel, seqlen, n_seg, segment_len, kv_heads):
+    """(state, batch row, kv head, first token, end token) of item = (b * n_sel + p) * kv_heads + h
+    over the segments first + p * step (all of them: 0, 1, n_seg), state numbering all of them."""
+    bp = item // kv_heads
+    state = ((bp // n_sel) * n_seg + first + step * (bp % n_sel)) * kv_heads + item % kv_heads
+    b, h, start, end = _item(state, seqlen, n_seg, segment_len, kv_heads)
+    return state, b, h, start, end
+
+
+@gluon.jit
 def _loader(
-    k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads, k_batch_rows,
-    v_batch_rows, n_items, UPDATES: gl.constexpr,
+    k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads, first, step, n_sel,
+    k_batch_rows, v_batch_rows, n_items, UPDATES: gl.constexpr,
 ):  # fmt: skip
     """Block j of the program (counted over its items) into ring stage j % STAGES: k as two
     64 x 64 tiles (one per compute warpgroup), v as one 64 x 128 tile (with UPDATES)."""
@@ -92,7 +104,8 @@ def _loader(
     block_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes + V_BYTES
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
+        args = (seqlen, n_seg, segment_len, kv_heads)
+        state, b, h, start, end = _selected_item(item, first, step, n_sel, *args)
         for t in range(start, end, BLOCK_T):
             s = j % STAGES
             # mbarriers start in phase 1 complete: the first wait on each empty stage passes.
@@ -136,10 +149,11 @@ def _gram_block(phi, z_half, k_smem, a_smem, den_smem, s, j, acc0, acc1, w: gl.c
 @gluon.jit
 def _compute(
     k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen, n_seg, segment_len,
-    kv_heads, n_items, w: gl.constexpr, UPDATES: gl.constexpr, GRAM: gl.constexpr,
+    kv_heads, first, step, n_sel, n_items, w: gl.constexpr, UPDATES: gl.constexpr, GRAM: gl.constexpr,
 ):  # fmt: skip
-    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz (UPDATES) and of
-    its A_s (GRAM: ``_gram_block``; Z: z before each segment, float32), from one sigma(K)."""
+    """Compute warpgroup w: rows [w * 64, w * 64 + 64) of every item's dM and dz (UPDATES, at the
+    item's index: the selected segments') and of its A_s (GRAM: ``_gram_block``, at its
+    segment's; Z: z before each segment, float32), from one sigma(K)."""
     dtype: gl.constexpr = k_smem.dtype
     tile_l: gl.constexpr = block_layout(HALF)
     acc_l: gl.constexpr = block_layout(HEAD_DIM)
@@ -155,8 +169,10 @@ def _compute(
     half_cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, tile_l))
     j = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, start, end = _item(item, seqlen, n_seg, segment_len, kv_heads)
-        state = item.to(gl.int64)  # items are numbered as dm, dz and z lay out their states
+        args = (seqlen, n_seg, segment_len, kv_heads)
+        state, b, h, start, end = _selected_item(item, first, step, n_sel, *args)
+        state = state.to(gl.int64)  # as z and A_s lay out their states
+        out = item.to(gl.int64)  # as dm and dz do
         if GRAM:
             z_half = gl.load(Z + state * HEAD_DIM + w * HALF + half_cols)
             acc0 = gl.zeros([HALF, HALF], gl.float32, tile_l)
@@ -205,14 +221,14 @@ def _compute(
             gl.store(A + offs, gl.convert_layout(acc0, out_l).to(A.dtype.element_ty))
             gl.store(A + offs + HALF, gl.convert_layout(acc1, out_l).to(A.dtype.element_ty))
         if UPDATES:
-            gl.store(DM + (state * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
-            gl.store(DZ + state * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
+            gl.store(DM + (out * HEAD_DIM + out_rows)[:, None] * HEAD_DIM + out_cols[None, :], acc)
+            gl.store(DZ + out * HEAD_DIM + dz_rows, gl.sum(gl.where(dz_cols[None, :] == 0, dz, 0.0), 1))
 
 
 @gluon.jit
 def updates_kernel(
-    k_desc, v_desc, DM, DZ, Z, A, seqlen, n_seg, segment_len, kv_heads, k_batch_rows, v_batch_rows, n_items,
-    UPDATES: gl.constexpr, GRAM: gl.constexpr,
+    k_desc, v_desc, DM, DZ, Z, A, seqlen, n_seg, segment_len, kv_heads, first, step, n_sel, k_batch_rows,
+    v_batch_rows, n_items, UPDATES: gl.constexpr, GRAM: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = k_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_T, HALF], k_desc.layout)
@@ -231,11 +247,11 @@ def updates_kernel(
     gl.warp_specialize(
         [
             (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen,
-                        n_seg, segment_len, kv_heads, n_items, 0, UPDATES, GRAM)),
+                        n_seg, segment_len, kv_heads, first, step, n_sel, n_items, 0, UPDATES, GRAM)),
             (_compute, (k_smem, v_smem, ones_smem, a_smem, den_smem, ready, empty, DM, DZ, Z, A, seqlen,
-                        n_seg, segment_len, kv_heads, n_items, 1, UPDATES, GRAM)),
+                        n_seg, segment_len, kv_heads, first, step, n_sel, n_items, 1, UPDATES, GRAM)),
             (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, seqlen, n_seg, segment_len, kv_heads,
-                       k_batch_rows, v_batch_rows, n_items, UPDATES)),
+                       first, step, n_sel, k_batch_rows, v_batch_rows, n_items, UPDATES)),
         ],
         [4, 1],
         [COMPUTE_REGS, LOADER_REGS],
@@ -508,25 +524,34 @@ def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
 
 def launch_updates(
     k: torch.Tensor, v: torch.Tensor, segment_len: int, dm: torch.Tensor | None, dz: torch.Tensor | None,
-    z_before: torch.Tensor | None = None, gram: torch.Tensor | None = None,
+    z_before: torch.Tensor | None = None, gram: torch.Tensor | None = None, even_updates: bool = False,
 ) -> None:  # fmt: skip
     """Write ``memory.memory_updates``' outputs, ``memory.memory_gram``'s or both from one read of
     k: k, v (batch, seqlen, kv_heads, 128) bf16 in layouts ``dispatch.uses_infini_updates``
     accepts; dm (batch, segments, kv_heads, 128, 128) and dz (batch, segments, kv_heads, 128),
-    float32, contiguous, or both None (v not read); with ``z_before`` (dz's shape, float32,
-    contiguous: z before each segment) A_s into ``gram`` (dm's shape, bf16, contiguous)."""
+    float32, contiguous, or both None (v not read); with ``z_before`` (batch, segments, kv_heads,
+    128), float32, contiguous: z before each segment) A_s into ``gram`` (bf16, contiguous, one per
+    segment). ``even_updates``: dm and dz of the even segments only (ceil(segments / 2) of them),
+    the odd ones' A_s from a second launch that reads k alone."""
     b, s, kv_heads, _ = k.shape
-    out = dm if dm is not None else gram
-    n_seg = out.shape[1]
-    n_items = b * n_seg * kv_heads
+    n_seg = -(-s // segment_len)
     (kd, k_rows), (vd, v_rows) = token_descriptor(k, HALF.value), token_descriptor(v, HEAD_DIM.value)
-    programs = min(n_items, torch.cuda.get_device_properties(k.device).multi_processor_count)
     updates, with_gram = dm is not None, z_before is not None
+    out = dm if updates else gram
     dm, dz, z_before, gram = (out if t is None else t for t in (dm, dz, z_before, gram))  # unused pointers
-    updates_kernel[(programs,)](
-        kd, vd, dm, dz, z_before, gram, s, n_seg, segment_len, kv_heads, k_rows, v_rows, n_items,
-        UPDATES=updates, GRAM=with_gram, num_warps=4, maxnreg=MAX_REGISTERS,
-    )  # fmt: skip
+    # (first segment, step, segments per batch row, UPDATES) of each launch
+    launches = [(0, 1, n_seg, updates)]
+    if even_updates:
+        launches = [(0, 2, -(-n_seg // 2), updates)] + ([(1, 2, n_seg // 2, False)] if with_gram else [])
+    sms = torch.cuda.get_device_properties(k.device).multi_processor_count
+    for first, step, n_sel, with_updates in launches:
+        n_items = b * n_sel * kv_heads
+        if n_items == 0:
+            continue
+        updates_kernel[(min(n_items, sms),)](
+            kd, vd, dm, dz, z_before, gram, s, n_seg, segment_len, kv_heads, first, step, n_sel, k_rows,
+            v_rows, n_items, UPDATES=with_updates, GRAM=with_gram, num_warps=4, maxnreg=MAX_REGISTERS,
+        )  # fmt: skip
 
 
 def launch_updates_backward(

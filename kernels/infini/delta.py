@@ -226,8 +226,8 @@ def _kept_step_kernel(
     BF16_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, kept memory p, kv head; row block, column block): OUT[2p] = KEPT[p] and,
-    where segment 2p + 1 exists, OUT[2p + 1] = KEPT[p] + U[2p] (- A[2p] KEPT[p] with GRAM), as
-    a step of ``_delta_scan_kernel`` from the state it stored."""
+    where segment 2p + 1 exists, OUT[2p + 1] = KEPT[p] + U[p] (- A[2p] KEPT[p] with GRAM; U the
+    even segments' updates), as a step of ``_delta_scan_kernel`` from the state it stored."""
     pid = tl.program_id(0).to(tl.int64)  # (b * n_kept + p) * kv_heads + h
     h, bp = pid % kv_heads, pid // kv_heads
     even = ((bp // n_kept) * n_seg + 2 * (bp % n_kept)) * kv_heads + h
@@ -239,7 +239,7 @@ def _kept_step_kernel(
     x = tl.load(KEPT + pid * width + offs, mask=mask, other=0.0)
     tl.store(OUT + even * width + offs, x, mask=mask)
     if 2 * (bp % n_kept) + 1 < n_seg:
-        step = x.to(tl.float32) + tl.load(U + even * width + offs, mask=mask, other=0.0)
+        step = x.to(tl.float32) + tl.load(U + pid * width + offs, mask=mask, other=0.0)
         if GRAM:
             acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
             for k0 in tl.static_range(0, HEAD_DIM, BLOCK):
@@ -254,25 +254,26 @@ def _kept_step_kernel(
 
 
 def expand_kept_memories(
-    kept: torch.Tensor, updates: torch.Tensor, gram: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
+    kept: torch.Tensor, even_updates: torch.Tensor, gram: torch.Tensor | None, n_seg: int, dtype: torch.dtype
+) -> torch.Tensor:  # fmt: skip
     """The memories before every segment from those the forward kept before the even ones (the
-    backward's rebuild without a recurrence): kept (batch, ceil(segments / 2), kv_heads,
-    head_dim, head_dim) in ``operand_dtype(dtype)``, updates (batch, segments, kv_heads,
-    head_dim, head_dim) float32 (B_s, or the linear rule's dM_s), gram A_s as ``delta_scan``
-    takes it, or None for the linear rule -> (batch, segments, kv_heads, head_dim, head_dim) in
-    ``operand_dtype(dtype)``: M_2p = kept[p], M_2p+1 = kept[p] + updates[2p] (- gram[2p] kept[p]).
-    The step starts from the kept M as stored (bf16 for bf16 inputs), where the forward's
-    recurrence held it in float32: M_2p+1 can differ from the forward's by its rounding."""
+    backward's rebuild without a recurrence): kept (batch, ceil(n_seg / 2), kv_heads, head_dim,
+    head_dim) in ``operand_dtype(dtype)``, even_updates (kept's shape, float32: B_s, or the
+    linear rule's dM_s, of segments 0, 2, 4, ...), gram A_s of every segment as ``delta_scan``
+    takes it, or None for the linear rule -> (batch, n_seg, kv_heads, head_dim, head_dim) in
+    ``operand_dtype(dtype)``: M_2p = kept[p], M_2p+1 = kept[p] + even_updates[p] (- gram[2p]
+    kept[p]). The step starts from the kept M as stored (bf16 for bf16 inputs), where the
+    forward's recurrence held it in float32: M_2p+1 can differ from the forward's by its rounding."""
     b, n_kept, kv_heads, d = kept.shape[:4]
-    n_seg = updates.shape[1]
-    if n_kept != -(-n_seg // 2) or updates.shape[0] != b:
+    if n_kept != -(-n_seg // 2) or even_updates.shape != kept.shape:
         raise ValueError(
-            f"kept {tuple(kept.shape)}: expected the memories before the even ones of {n_seg} segments "
-            f"(updates {tuple(updates.shape)}: the same batch, ceil({n_seg} / 2) of them)"
+            f"kept {tuple(kept.shape)}: expected the memories before the even ones of {n_seg} segments, "
+            f"ceil({n_seg} / 2) of them, and even_updates of that shape (got {tuple(even_updates.shape)})"
         )
-    out = torch.empty(updates.shape, device=kept.device, dtype=operand_dtype(dtype))
-    updates = updates.float().contiguous()
+    if gram is not None and gram.shape[:2] != (b, n_seg):
+        raise ValueError(f"gram {tuple(gram.shape)}: expected A_s of all {n_seg} segments of {b} batch rows")
+    out = torch.empty(b, n_seg, *kept.shape[2:], device=kept.device, dtype=operand_dtype(dtype))
+    updates = even_updates.float().contiguous()
     with_gram = gram is not None
     gram = gram.to(operand_dtype(dtype)).contiguous() if with_gram else updates  # not read without
     t = scan_tiles(d, dtype)

@@ -360,22 +360,27 @@ def _n_seg(seqlen: int, segment_len: int) -> int:
 
 
 def _launch_updates(
-    k: torch.Tensor, v: torch.Tensor, segment_len: int, updates: bool, z_before: torch.Tensor | None
+    k: torch.Tensor, v: torch.Tensor, segment_len: int, updates: bool, z_before: torch.Tensor | None,
+    even_updates: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(dM, dz) with ``updates``, A_s with ``z_before``; None for those not asked for."""
+    """(dM, dz) with ``updates`` (``even_updates``: the even segments' only), A_s with
+    ``z_before``; None for those not asked for."""
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     b, s, kv_heads, d = k.shape
     n_seg = _n_seg(s, segment_len)
     dm = dz = gram = None
+    hopper = uses_infini_updates(k, v)
     if updates:
-        dm = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=torch.float32)
-        dz = torch.empty(b, n_seg, kv_heads, d, device=k.device, dtype=torch.float32)
+        n_out = -(-n_seg // 2) if even_updates and hopper else n_seg
+        dm = torch.empty(b, n_out, kv_heads, d, d, device=k.device, dtype=torch.float32)
+        dz = torch.empty(b, n_out, kv_heads, d, device=k.device, dtype=torch.float32)
     if z_before is not None:
         z_before = z_before.float().contiguous()
         # A_s only feeds the recurrence's products: in their operand dtype
         gram = torch.empty(b, n_seg, kv_heads, d, d, device=k.device, dtype=operand_dtype(k.dtype))
-    if uses_infini_updates(k, v):  # one pass for both
-        hopper_module("infini_updates").launch_updates(k, v, segment_len, dm, dz, z_before, gram)
+    if hopper:  # one pass for both (for the odd segments' A_s, one over k alone)
+        launch = hopper_module("infini_updates").launch_updates
+        launch(k, v, segment_len, dm, dz, z_before, gram, even_updates)
         return dm, dz, gram
     wide = b * n_seg * kv_heads >= WIDE_STATE_PROGRAMS and d <= 128
     for out, is_gram in ((dm, False), (gram, True)):  # two passes: Triton's kernel makes one or the other
@@ -389,15 +394,21 @@ def _launch_updates(
             k, values, z_in, out, dz_out, s, n_seg, segment_len, kv_heads, *k.stride()[:3],
             *values.stride()[:3], GRAM=is_gram, **t,
         )  # fmt: skip
+    if even_updates and dm is not None:  # Triton's kernel makes every segment's
+        dm, dz = dm[:, ::2].contiguous(), dz[:, ::2].contiguous()
     return dm, dz, gram
 
 
-def memory_updates(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def memory_updates(
+    k: torch.Tensor, v: torch.Tensor, segment_len: int, even_updates: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """What each segment adds to the memory: k, v (batch, seqlen, kv_heads, head_dim) ->
     (sigma(K_s)^T V_s (batch, segments, kv_heads, head_dim, head_dim), sum of sigma(K_s)
     (batch, segments, kv_heads, head_dim)), float32. On an H100/H200 with bf16 inputs of head_dim
-    128, the Hopper kernel (``hopper/infini_updates.py``, ``dispatch.uses_infini_updates``)."""
-    return _launch_updates(k, v, segment_len, True, None)[:2]
+    128, the Hopper kernel (``hopper/infini_updates.py``, ``dispatch.uses_infini_updates``).
+    ``even_updates``: segments 0, 2, 4, ... only (ceil(segments / 2) of them; the Hopper kernel
+    reads no other segment's tokens)."""
+    return _launch_updates(k, v, segment_len, True, None, even_updates)[:2]
 
 
 def normalizer_updates(k: torch.Tensor, segment_len: int) -> torch.Tensor:
@@ -431,11 +442,13 @@ def memory_gram(k: torch.Tensor, z_before: torch.Tensor, segment_len: int) -> to
 
 
 def memory_updates_and_gram(
-    k: torch.Tensor, v: torch.Tensor, z_before: torch.Tensor, segment_len: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``memory_updates``' two outputs and ``memory_gram``'s, from one read of k and v on the
-    Hopper kernel (the delta rule's backward rebuilds its memories with both)."""
-    return _launch_updates(k, v, segment_len, True, z_before)
+    k: torch.Tensor, v: torch.Tensor, z_before: torch.Tensor, segment_len: int, even_updates: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``memory_updates``' two outputs (``even_updates``: the even segments' only) and
+    ``memory_gram``'s (every segment's), from one read of k and v on the Hopper kernel (the delta
+    rule's backward rebuilds its memories with both; from every other kept memory it takes the
+    even segments' updates alone, and the odd segments' v is not read)."""
+    return _launch_updates(k, v, segment_len, True, z_before, even_updates)
 
 
 def _launch_updates_backward(k, v, segment_len, grad_dm, grad_dz, gram_grad, den_only):
