@@ -222,8 +222,8 @@ def cu_seqlens_tensor(bounds: Sequence[int], device: torch.device | str | None) 
     """int32 cu_seqlens on ``device`` (None: torch's default) from the host's ``bounds`` (0, l0,
     l0 + l1, ..., total), remembered so that validating it reads nothing back
     (``cu_seqlens_host``). A GPU's copy goes from pinned memory: from pageable memory it would
-    wait for every kernel queued before it (Infini-attention's backward builds its segments'
-    cu_seqlens between its kernels)."""
+    wait for every kernel queued before it (Infini-attention's forward builds its segments'
+    cu_seqlens after its memories' kernels)."""
     values = tuple(int(b) for b in bounds)
     if device is not None and torch.device(device).type == "cuda":
         host = torch.tensor(values, dtype=torch.int32, device="cpu", pin_memory=True)

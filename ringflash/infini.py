@@ -297,13 +297,18 @@ def _initial_memory(memory, batch: int, kv_heads: int, head_dim: int, device: to
     return memory[0].float(), memory[1].float()
 
 
+def _flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """(batch * seqlen, heads, head_dim) views of (batch, seqlen, heads, head_dim) tensors."""
+    return [t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in tensors]
+
+
 def _local_problem(q, k, v, segment_len: int, scale: float):
     """The local attention as one varlen problem over every segment of every batch row, on
-    (batch * seqlen, heads, head_dim) views."""
+    ``_flat`` views."""
     b, s = q.shape[:2]
     cu = _segment_bounds(b, s, segment_len, q.device)
     longest = min(segment_len, s)
-    flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+    flat = _flat(q, k, v)
     return flat, build_problem(*flat, scale, True, (-1, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
                                max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
 
@@ -353,6 +358,7 @@ class _GatedMemory(torch.autograd.Function):
         lse = out = None
         if local is None:  # on one device the retrieval comes out of the attention's epilogue
             flat, problem = _local_problem(q, k, v, segment_len, scale)
+            ctx.problem = problem  # the backward's too: built again, its kernels waited for the host
             memory = (gate, m_before, z_before) if group is None else None
             local, lse, out = local_forward(*flat, problem, memory)
             local = local.view(q.shape)
@@ -442,7 +448,7 @@ class _GatedMemory(torch.autograd.Function):
         if group is not None:
             gm, gz = gm_given, gz_given
         if ctx.fused_local:  # the updates' backward added into the local attention's dK, dV
-            flat, problem = _local_problem(q, k, v, seg, ctx.scale)
+            flat, problem = _flat(q, k, v), ctx.problem
             # The local attention's backward runs on dout itself (dlocal = (1 - gate) dout is
             # never made): its LSE shifted by -log(1 - gate) scales the probabilities it
             # recomputes, and so every gradient, by 1 - gate.

@@ -73,7 +73,7 @@ from .infini_updates import (  # the shapes and register budgets of every Infini
     token_descriptor,
 )
 from .infini_updates import STAGES as FWD_STAGES
-from .tma import make_context_current
+from .tma import make_context_current, shared_layout
 
 BLOCK_M = gl.constexpr(128)  # rows per step of the backward
 STAGES = gl.constexpr(2)  # the backward's ring
@@ -467,8 +467,8 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, m_before: torch.Tensor, loc
     rows of 128."""
     make_context_current(q.device)
     b, s, heads, d = q.shape
-    q_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, HALF.value], gl.bfloat16)
-    row_layout = gl.NVMMASharedLayout.get_default_for([HALF.value, d], gl.bfloat16)
+    q_layout = shared_layout((HALF.value, HALF.value), gl.bfloat16)
+    row_layout = shared_layout((HALF.value, d), gl.bfloat16)
     rows = b * s
     qd = TensorDescriptor(q, [rows, heads * d], [heads * d, 1], [HALF.value, HALF.value], q_layout)
     dd = TensorDescriptor(dout, [rows, heads * d], [heads * d, 1], [HALF.value, d], row_layout)

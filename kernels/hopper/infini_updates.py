@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
-from .tma import gl_dtype, make_context_current
+from .tma import gl_dtype, make_context_current, shared_layout
 
 HEAD_DIM = gl.constexpr(128)
 HALF = gl.constexpr(64)  # rows of dM per compute warpgroup; columns per k tile
@@ -508,7 +508,7 @@ def token_descriptor(t: torch.Tensor, block_cols: int) -> tuple[TensorDescriptor
     make_context_current(t.device)
     b, s, heads, d = t.shape
     batch_rows = t.stride(0) // t.stride(1)
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T.value, block_cols], gl.bfloat16)
+    layout = shared_layout((BLOCK_T.value, block_cols), gl.bfloat16)
     rows = (b - 1) * batch_rows + s
     block = [BLOCK_T.value, block_cols]
     return TensorDescriptor(t, [rows, heads * d], [t.stride(1), 1], block, layout), batch_rows
@@ -518,7 +518,7 @@ def matrix_descriptor(m: torch.Tensor) -> TensorDescriptor:
     """A TMA descriptor of 16-bit (..., 128, 128) matrices, contiguous, one matrix per block."""
     make_context_current(m.device)
     d = m.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([d, d], gl_dtype(m.dtype))
+    layout = shared_layout((d, d), gl_dtype(m.dtype))
     return TensorDescriptor(m, [m.numel() // d, d], [d, 1], [d, d], layout)
 
 

@@ -29,6 +29,14 @@ def gl_dtype(dtype: torch.dtype):
 
 
 @functools.cache
+def shared_layout(block: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """``gl.NVMMASharedLayout.get_default_for(block, dtype)``, made once per block shape and
+    dtype: made per launch, the layouts of a fwd+bwd's descriptors took a few tenths of a
+    millisecond of host time (about 10 us each), which short kernels wait for."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+@functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
@@ -64,12 +72,12 @@ def rows_descriptor(
     batch_rows = t.stride(0) // t.stride(1)
     rows = (batch - 1) * batch_rows + seqlen
     if build_dim is None or build_dim == head_dim:
-        layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype(t.dtype))
+        layout = shared_layout((block_rows, head_dim), gl_dtype(t.dtype))
         return TensorDescriptor(
             t, [rows, heads * head_dim], [t.stride(1), 1], [block_rows, head_dim], layout
         ), batch_rows
     block = [block_rows, 1, build_dim]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t.dtype))
+    layout = shared_layout(tuple(block), gl_dtype(t.dtype))
     return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], block, layout), batch_rows
 
 
