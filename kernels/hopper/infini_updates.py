@@ -529,10 +529,10 @@ def launch_updates(
     """Write ``memory.memory_updates``' outputs, ``memory.memory_gram``'s or both from one read of
     k: k, v (batch, seqlen, kv_heads, 128) bf16 in layouts ``dispatch.uses_infini_updates``
     accepts; dm (batch, segments, kv_heads, 128, 128) and dz (batch, segments, kv_heads, 128),
-    float32, contiguous, or both None (v not read); with ``z_before`` (batch, segments, kv_heads,
-    128), float32, contiguous: z before each segment) A_s into ``gram`` (bf16, contiguous, one per
-    segment). ``even_updates``: dm and dz of the even segments only (ceil(segments / 2) of them),
-    the odd ones' A_s from a second launch that reads k alone."""
+    float32, contiguous, or both None (v not read); with ``z_before`` ((batch, segments,
+    kv_heads, 128) float32, contiguous: z before each segment) A_s into ``gram`` (bf16,
+    contiguous, one per segment). ``even_updates``: dm and dz of the even segments only
+    (ceil(segments / 2) of them), the odd ones' A_s from a second launch that reads k alone."""
     b, s, kv_heads, _ = k.shape
     n_seg = -(-s // segment_len)
     (kd, k_rows), (vd, v_rows) = token_descriptor(k, HALF.value), token_descriptor(v, HEAD_DIM.value)
