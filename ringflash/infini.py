@@ -337,7 +337,7 @@ class _GatedMemory(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, local, gate, m, z, segment_len, scale, group, rule):
-        ctx.rule, ctx.segment_len, ctx.scale, ctx.fused_local = rule, segment_len, scale, local is None
+        ctx.rule, ctx.segment_len, ctx.fused_local = rule, segment_len, local is None
         ctx.group = group
         ctx.set_materialize_grads(False)  # an unused final memory: no gradient to add
         # On one device the memories come before the local attention, which spends about a
@@ -500,10 +500,7 @@ def segment_local_attention(q, k, v, segment_len: int, softmax_scale: float | No
     cu = _segment_bounds(b, s, segment_len, q.device)
     longest = min(segment_len, s)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    out = flash_attn_varlen_func(
-        q.reshape(b * s, heads, d), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-        cu, cu, longest, longest, softmax_scale=scale, causal=True,
-    )  # fmt: skip
+    out = flash_attn_varlen_func(*_flat(q, k, v), cu, cu, longest, longest, softmax_scale=scale, causal=True)
     return out.view(b, s, heads, d)
 
 
