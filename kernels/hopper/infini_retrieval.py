@@ -20,18 +20,20 @@ Triton's kernel (docs/experiments.md §41); 2.9 TB/s with the barriers below (§
 Per step and warpgroup (its 64 tokens t, sigma = ELU + 1, den = sigma(q_t) z, g the head's gate,
 scale = g / den, 0 where den is):
 
-    sigma(q_t) written over q_t, scale_t dout_t over dout_t in shared memory (bf16)
-    dp    = scale dout_t M^T                            (two 64-column wgmmas)
-    c_t   = rowsum(sigma(q_t) * dp) / den = scale rowsum(dout_t * A_t)
-    dq_t  = (dp - c_t z^T) sigma'(q_t),   sigma' = min(sigma, 1)
+    scale_t sigma(q_t) written over q_t in shared memory (bf16)
+    dp    = dout_t M^T                                  (two 64-column wgmmas)
+    u_t   = rowsum(scale_t sigma(q_t) * dp) = g rowsum(dout_t * A_t),   c_t = u_t / g
+    dq_t  = (dp - c_t z^T) min(scale_t sigma(q_t), scale_t)   (scale sigma'(q), sigma' = min(sigma, 1))
     then, over the step's 128 tokens (both warpgroups' tiles):
-    dM[its 64 rows] += sigma(q)^T (scale dout),   dz[its 64 rows] -= sigma(q)^T c
+    dM[its 64 rows] += (scale sigma(q))^T dout,   dz[its 64 rows] -= (scale sigma(q))^T c
     (c as column 0 of an 8-column tile)
 
-with sigma(q_t) read back from shared memory where it is needed, and rowsum(dout_t * local_t),
-the local attention backward's delta, from dout as it came. The gate's gradient takes
-rowsum(dout * A) as rowsum(sigma(q) * dp) / g (0 for a gate of exactly 0, a sigmoid below
--103, whose chain rule to beta multiplies by g (1 - g) = 0 anyway). The outputs are those of
+with scale sigma(q_t) read back from shared memory where it is needed, and rowsum(dout_t *
+local_t), the local attention backward's delta, from dout as it came. The gate's gradient is
+the sum of u / g (0 for a gate of exactly 0, a sigmoid below -103, whose chain rule to beta
+multiplies by g (1 - g) = 0 anyway) less that of rowsum(dout * local). Scaling sigma(q) rather
+than dout leaves the streamed dout tiles unwritten (a tile store less per step) and
+halves dq's error against float64 (docs/experiments.md §51). The outputs are those of
 ``retrieval._retrieval_backward_kernel`` with STATE and LOCAL_DELTA.
 
 A warpgroup arrives at a named barrier of its own once its tiles of the step are written, stores
@@ -77,7 +79,7 @@ from .tma import make_context_current, shared_layout
 
 BLOCK_M = gl.constexpr(128)  # rows per step of the backward
 STAGES = gl.constexpr(2)  # the backward's ring
-# Warpgroup w's tiles of a step (sigma(q), scale dout, c) written: it arrives at barrier
+# Warpgroup w's tiles of a step (scale sigma(q), c) written: it arrives at barrier
 # TILES_READY + 2 * w + j % 2 of step j and the other warpgroup syncs there before its products
 # over the step's 128 tokens. Two per warpgroup, alternating between steps: a warpgroup can
 # arrive at step j + 1 before the other has synced at step j, never at step j + 2 (that needs
@@ -323,6 +325,7 @@ def _compute(
     for g in range(group):
         h = kvh * group + g
         gate = gl.load(GATE + h)
+        inv_gate = inverse(gate)
         # the gate's gradient: the sum of rowsum(dout * A) minus that of rowsum(dout * local)
         u_sum = gl.zeros([HALF], gl.float32, rows_l)
         dout_local_sum = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, tile_l))
@@ -334,42 +337,43 @@ def _compute(
             do_s = do_smem.index(s * 2 + w)
             rows = r0 + gl.arange(0, HALF, layout=rows_l)
             ok = rows < hi
-            # sigma(q) over the warpgroup's own q tiles of the stage (each thread rewriting what
-            # it read), and scale = gate / den over its dout tile: the memory's gradient is
-            # sigma(q)^T (scale dout) and dout M^T comes out scaled, so sigma(q) is read back
-            # as it is where it is needed (no held halves beside the memory's gradient, no
-            # division). The stage is not reloaded before both warpgroups' products retire.
+            # scale sigma(q), scale = gate / den (0 where den is), over the warpgroup's own q
+            # tiles of the stage (each thread rewriting what it read): the memory's gradient is
+            # (scale sigma(q))^T dout with dout as it came, u below takes the scale with it, and
+            # min(scale sigma, scale) is scale sigma'(q). The stage is not reloaded before both
+            # warpgroups' products retire.
             q_s0 = q_smem.index((s * 2 + w) * 2)
             q_s1 = q_smem.index((s * 2 + w) * 2 + 1)
-            x = _sigma_tile(q_s0, ok, half_l)
-            den = gl.sum(x * z0[None, :], 1)
-            q_s0.store(x.to(dtype))
-            x = _sigma_tile(q_s1, ok, half_l)
-            den += gl.sum(x * z1[None, :], 1)
-            q_s1.store(x.to(dtype))
-            inv = inverse(den)
-            scale = gl.convert_layout(gate * inv, gl.SliceLayout(1, tile_l))  # 0 where inv is
-            # rowsum(dout * local), the local attention backward's delta, from dout as it came
+            x0 = _sigma_tile(q_s0, ok, half_l)
+            x1 = _sigma_tile(q_s1, ok, half_l)
+            scale = gate * inverse(gl.sum(x0 * z0[None, :], 1) + gl.sum(x1 * z1[None, :], 1))
+            q_s0.store((x0 * scale[:, None]).to(dtype))
+            q_s1.store((x1 * scale[:, None]).to(dtype))
+            # rowsum(dout * local), the local attention backward's delta
             t_ok = (r0 + t_rows) < hi
             mbarrier.wait(lo_ready, j & 1)
-            dout = do_s.load(tile_l)
-            dout_local = gl.sum(dout.to(gl.float32) * lo_smem.index(w).load(tile_l).to(gl.float32), 1)
+            dout = do_s.load(tile_l).to(gl.float32)
+            dout_local = gl.sum(dout * lo_smem.index(w).load(tile_l).to(gl.float32), 1)
+            # The loader's next TMA write into the buffer (async proxy) waits on this release:
+            # without a proxy fence after the reads, a step's first rows read the next step's
+            # local in about 1 run of 300 (2048-token segments, one program each).
+            fence_async_shared()
             mbarrier.arrive(lo_empty, count=1)
-            do_s.store((dout.to(gl.float32) * scale[:, None]).to(dtype))
             dout_local = gl.where(t_ok, dout_local, 0.0)
             dout_local_sum += dout_local
             if LOCAL_DELTA:
                 gl.store(DELTA + h * (batch * seqlen) + b * seqlen + r0 + t_rows, dout_local, mask=t_ok)
-            fence_async_shared()
             zero = gl.zeros([HALF, HALF], gl.float32, half_l)
             dp0 = warpgroup_mma(do_s, m_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
             dp1 = warpgroup_mma(do_s, m_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))  # scale dout M^T
-            # u = rowsum(sigma(q) * scale dout M^T) = gate rowsum(dout * A)
+            dp0, dp1 = warpgroup_mma_wait(0, deps=(dp0, dp1))  # dout M^T
+            # u = rowsum(scale sigma(q) * dout M^T) = gate rowsum(dout * A)
             u = gl.sum(q_s0.load(half_l).to(gl.float32) * dp0, 1)
             u += gl.sum(q_s1.load(half_l).to(gl.float32) * dp1, 1)
-            c = u * inv  # scale rowsum(dout * A): dq = (scale dout M^T - c z) sigma'(q)
-            # z's gradient: -sigma(q)^T c
+            # c = u / gate = rowsum(dout * A): dq = scale (dout M^T - c z / den) sigma'(q)
+            # = (dout M^T - c z) min(scale sigma, scale) as scale = gate / den; z's gradient
+            # -sigma(q)^T (scale c / den) = -(scale sigma(q))^T c
+            c = u * inv_gate
             da = gl.convert_layout(c, gl.SliceLayout(1, da_l))
             # by step parity: the other warpgroup's product may still read step j - 1's
             da_smem.index((j % 2) * 2 + w).store(gl.where(da_cols[None, :] == 0, da[:, None], 0.0).to(dtype))
@@ -378,10 +382,10 @@ def _compute(
             # (every step arrives: the predicate is always true).
             named_barriers.arrive(TILES_READY + 2 * w + j % 2, 256, j >= 0)
             x = q_s1.load(half_l).to(gl.float32)
-            dq = (dp1 - c[:, None] * z1[None, :]) * gl.minimum(x, 1.0)  # sigma' = min(sigma, 1)
+            dq = (dp1 - c[:, None] * z1[None, :]) * gl.minimum(x, scale[:, None])  # scale sigma'(q)
             _store_dq(DQ, dq, b, h, r0, HALF, hi, stride_dqb, stride_dqs, stride_dqh)
             x = q_s0.load(half_l).to(gl.float32)
-            dq = (dp0 - c[:, None] * z0[None, :]) * gl.minimum(x, 1.0)
+            dq = (dp0 - c[:, None] * z0[None, :]) * gl.minimum(x, scale[:, None])
             _store_dq(DQ, dq, b, h, r0, 0, hi, stride_dqb, stride_dqs, stride_dqh)
             u_sum += gl.where(ok, u, 0.0)
             named_barriers.sync(TILES_READY + 2 * (1 - w) + j % 2, 256)
@@ -391,7 +395,7 @@ def _compute(
                 gz = warpgroup_mma(wq_t, da_smem.index((j % 2) * 2 + t), gz, is_async=True)
             gm, gz = warpgroup_mma_wait(0, deps=(gm, gz))
             mbarrier.arrive(empty.index(s), count=1)
-        gate_grad = gl.sum(u_sum, 0) * inverse(gate) - gl.sum(dout_local_sum, 0)
+        gate_grad = gl.sum(u_sum, 0) * inv_gate - gl.sum(dout_local_sum, 0)
         gl.store(GGATE + ((pid_bs * heads + h) * n_c + pid_c) * 2 + w, gate_grad)
     g_rows = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, full_l))
     g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, full_l))
