@@ -46,7 +46,12 @@ No ``from __future__ import annotations``: Gluon aggregates check their fields a
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
@@ -306,6 +311,9 @@ def _compute_partition(
         q_s = p.rings.q_smem.index(p.q_slot + w)
         if Q_IN_REGS:
             q_op = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            # the loader's next TMA write (async proxy) into the stage follows these generic
+            # reads: a proxy fence between (docs/experiments.md §51)
+            fence_async_shared()
             mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
         else:
             q_op = q_s
@@ -333,6 +341,7 @@ def _compute_partition(
             gated = retrieve_rows(
                 q_s, o, m_smem, z_smem, m_bar, GATE, p.q_head, k, o_desc, out_desc, row, whole
             )
+            fence_async_shared()  # q's generic reads before the loader's TMA write, as above
             mbarrier.arrive(p.rings.q_empty.index(p.q_slot + w), count=1)
             if not whole:
                 store_rows(O, o_off, stride_os, o, p, w, rows_left, False)
