@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .releases import check_interpreter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:  # every kernel module imports this one: a release pair the interpreter cannot run
+    check_interpreter()  # is named at import, not deep inside Triton at the first launch
 MAX_TILE_ROWS = 128  # no block_m/block_n below is larger (problem.check_token_stride relies on it)
 
 

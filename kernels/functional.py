@@ -75,12 +75,13 @@ def _attention(
     qp, kp, vp = pad_head_dim(q, k, v)
     if not isinstance(return_attn_probs, bool) or not isinstance(return_lse, bool):
         raise TypeError("return_attn_probs and return_lse must be bools")
+    if sinks is not None and head_dim:  # before the kernels (q itself is checked with the problem)
+        check_sinks(sinks, q.shape[-2], q.device)
     kw = dict(softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     out, lse = flash_attention(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
     if qp is not q:
         out = out[..., :head_dim]
     if sinks is not None:
-        check_sinks(sinks, q.shape[-2], q.device)
         out, lse = merge_sinks(out, lse, sinks)
     if return_attn_probs:
         problem = build_problem(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)

@@ -97,18 +97,23 @@ def merge_attention_partial(
     )  # fmt: skip
 
 
-def check_sinks(sinks: object, heads: int, device: torch.device) -> torch.Tensor:
-    """gpt-oss's attention sinks: a floating-point tensor (heads,) on ``device``, else a clear error."""
+def check_sinks(sinks: object, heads: int, device: torch.device) -> torch.Tensor | None:
+    """gpt-oss's attention sinks: None, or a floating-point tensor (heads,) on ``device``, one
+    logit per query head; anything else raises TypeError / ValueError naming what is wrong.
+    Every entry point calls this before running a kernel."""
+    if sinks is None:
+        return None
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor (heads,) or None, got {type(sinks).__name__}")
+        raise TypeError(f"sinks must be a torch.Tensor (heads_q,) or None, got {type(sinks).__name__}")
     if not sinks.is_floating_point():
         raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
     if tuple(sinks.shape) != (heads,):
         raise ValueError(
-            f"sinks must have shape ({heads},) (one logit per query head), got {tuple(sinks.shape)}"
+            f"sinks must have shape (heads_q,) = ({heads},) (one logit per query head), "
+            f"got {tuple(sinks.shape)}"
         )
     if sinks.device != device:
-        raise ValueError(f"sinks is on {sinks.device} but the attention output is on {device}")
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
     return sinks
 
 
@@ -138,6 +143,8 @@ def merge_sinks(
         )
     if lse.dtype != torch.float32:
         raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if sinks is None:
+        raise TypeError("sinks must be a torch.Tensor (heads_q,), got None")
     sink = check_sinks(sinks, lse.shape[-2], lse.device).float()[:, None]
     # logaddexp by hand around the detached row max (the gradient does not depend on it), so
     # that a row with lse = sink = -inf gives lse' = -inf, out' = 0 and zero gradients, not NaN.
@@ -145,7 +152,11 @@ def merge_sinks(
     empty = torch.isneginf(top)
     top = top.masked_fill(empty, 0.0)
     keys = torch.exp(lse - top)
-    total = (keys + torch.exp(sink - top)).clamp_min(1.0)  # >= 1 unless the row is empty
+    # One of the two terms is exp(0) = 1 unless the row is empty (both 0): adding 1 there alone
+    # keeps the log finite. Not clamp_min(1.0): a row that sees no key sits exactly on that
+    # bound, and the gradient an operator passes at its boundary changes between torch releases
+    # (torch 2.15's clamp_min passes none there, which dropped those rows' sink gradient).
+    total = keys + torch.exp(sink - top) + empty.to(keys.dtype)
     lse_new = (top + torch.log(total)).masked_fill(empty, float("-inf"))
     scale = (keys / total).transpose(-1, -2)[..., None]
     return (out.float() * scale).to(out.dtype), lse_new

@@ -33,6 +33,18 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = {90: 232448}  # bytes per program (H100/H200: 227 KiB)
 _FP32_ARGS = {"qk_scale", "softmax_scale", "softcap_log2", "LSE", "DELTA", "ALIBI"}
 KERNELS = {"forward": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+# The Triton releases whose Gluon the Hopper kernels (hopper/) build with for sm_90, their builds
+# checked here (tests/test_compile.py): 3.6 as validated on H100/H200 GPUs, 3.9 through
+# hopper/gluon_api.py (Gluon's names that changed). Which releases run them on a GPU is
+# hopper/dispatch.py's decision.
+GLUON_BUILDS = ("3.6.", "3.9.")
+
+
+def gluon_build(version: str | None = None) -> str | None:
+    """The entry of ``GLUON_BUILDS`` that Triton ``version`` (default: the installed one) is a
+    release of, or None: the Gluon kernels do not build with it."""
+    version = triton.__version__ if version is None else version
+    return next((build for build in GLUON_BUILDS if version.startswith(build)), None)
 
 
 @dataclass(frozen=True)
@@ -74,16 +86,28 @@ def compile_kernel(
             sig[name] = "*fp32" if name in float32 else f"*{dtype}"
         else:
             sig[name] = "fp32" if name in float32 else "i32"
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = _aligned_attrs(kernel, sig, aligned)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _ptxas() -> str:
-    import triton.backends.nvidia as nvidia
+def _aligned_attrs(kernel: triton.JITFunction, sig: dict, aligned: Collection[str]) -> dict:
+    """The divisible-by-16 hint on each runtime argument named in ``aligned``. A compile-time
+    constant has no argument to carry it (Triton 3.6 ignored the hint there, 3.9 fails on it)."""
+    return {
+        (kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name in aligned
+        if sig.get(name) != "constexpr" and not kernel.params[kernel.arg_names.index(name)].is_constexpr
+    }
 
-    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
-    return os.environ.get("TRITON_PTXAS_PATH") or bundled
+
+def _ptxas(target: GPUTarget = HOPPER) -> str:
+    """The ptxas Triton itself assembles ``target`` with: Triton 3.9 uses its ``ptxas-blackwell``
+    (a newer CUDA) for sm_90 too, whose PTX the plain ``ptxas`` rejects. ``TRITON_PTXAS_PATH`` /
+    ``TRITON_PTXAS_BLACKWELL_PATH`` override it, as for Triton."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(target.arch).path
 
 
 def _assemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget, tmp: str, *flags: str):
@@ -93,9 +117,8 @@ def _assemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget, tmp: 
     ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
     with open(ptx, "w") as f:
         f.write(compiled.asm["ptx"])
-    run = subprocess.run(
-        [_ptxas(), *flags, f"--gpu-name={arch}", ptx, "-o", cubin], capture_output=True, text=True, check=True
-    )
+    command = [_ptxas(target), *flags, f"--gpu-name={arch}", ptx, "-o", cubin]
+    run = subprocess.run(command, capture_output=True, text=True, check=True)
     return cubin, run.stderr
 
 
@@ -153,7 +176,7 @@ def _compile_gluon(
             sig[name] = pointers[name]
         else:
             sig[name] = "fp32" if "scale" in name else "i32"
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = _aligned_attrs(kernel, sig, aligned)
     return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=target, options=options)
 
 
@@ -373,10 +396,10 @@ def compile_infini_gram_den(target: GPUTarget = HOPPER) -> triton.compiler.Compi
 
 
 def disassemble(compiled: triton.compiler.CompiledKernel, target: GPUTarget = HOPPER) -> str:
-    """The SASS that the bundled ptxas and nvdisasm make of the kernel's PTX."""
+    """The SASS that Triton's ptxas and nvdisasm make of the kernel's PTX."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin, _ = _assemble(compiled, target, tmp)
-        nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
+        nvdisasm = triton.knobs.nvidia.nvdisasm.path  # Triton's own (TRITON_NVDISASM_PATH overrides)
         return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 

@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import check_sinks
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, document_lengths
-from .ring import check_sinks
 from .ulysses import check_sp_mode, sp_attn_func, whole_sequence_attention
 
 

@@ -27,6 +27,7 @@ from .kernels import (
     attention_delta,
     attention_forward,
     build_problem,
+    check_sinks,
     uses_fused_backward,
 )
 from .kernels.ops import use_ops
@@ -253,22 +254,6 @@ class _RingFlashAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
-
-
-def check_sinks(sinks: object, heads_q: int, device: torch.device) -> torch.Tensor | None:
-    """``sinks``: None, or a floating (heads_q,) tensor on q's device (gpt-oss's learned sink
-    logits, one per query head)."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-        raise TypeError(
-            f"sinks must be a floating torch.Tensor of shape ({heads_q},) or None, got {sinks!r:.80}"
-        )
-    if tuple(sinks.shape) != (heads_q,):
-        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got {tuple(sinks.shape)}")
-    if sinks.device != device:
-        raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
-    return sinks
 
 
 def check_dropout(dropout_p: object) -> None:

@@ -16,12 +16,12 @@ import torch.distributed as dist
 
 from .comm import all_to_all, resolve_group
 from .consistency import call_signature, check_ranks_agree
-from .kernels import check_window, flash_attn_func, flash_attn_varlen_func
+from .kernels import check_sinks, check_window, flash_attn_func, flash_attn_varlen_func
 from .kernels.ops import use_ops
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, check_ulysses_type, ulysses_ring_mesh
-from .ring import apply_sinks, attention_returns, check_dropout, check_sinks, ring_attention
+from .ring import apply_sinks, attention_returns, check_dropout, ring_attention
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 

@@ -51,7 +51,11 @@ def reference_attention(
     lse = torch.logsumexp(scores, dim=-1)
     if sinks is not None:
         sink = sinks.to("cpu", torch.float64)[None, :, None].expand_as(lse)
-        lse = torch.logaddexp(lse, sink)
+        # A row with no key and a -inf sink stays -inf with zero gradients: logaddexp gets 0s
+        # there (its gradient at two -infs is NaN), and ``where`` passes the other rows' alone.
+        empty = torch.isneginf(lse) & torch.isneginf(sink)
+        safe = lambda t: torch.where(empty, 0.0, t)  # noqa: E731
+        lse = torch.where(empty, -math.inf, torch.logaddexp(safe(lse), safe(sink)))
     probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float64).min))
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     return out, lse

@@ -11,6 +11,7 @@ import torch
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
+import ringflash.kernels.functional as functional
 import ringflash.kernels.ops as kernel_ops
 from ringflash.kernels import merge_sinks
 
@@ -182,13 +183,34 @@ def test_unsupported_arguments_are_refused(device):
         ringflash.flash_attn_qkvpacked_func(torch.stack([q, k], 2))
     with pytest.raises(ValueError, match=r"kv must be 4-D \(total_tokens, 2, heads, head_dim\)"):
         ringflash.flash_attn_varlen_kvpacked_func(q[0], k[0], cu, cu, 8, 8)
-    with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"sinks must have shape \(heads_q,\) = \(2,\)"):
         ringflash.flash_attn_func(q, k, v, sinks=torch.zeros(3, device=device))
     with pytest.raises(TypeError, match="return_attn_probs and return_lse must be bools"):
         ringflash.flash_attn_func(q, k, v, return_lse=1)
     big = torch.zeros(1, 4, 1, 257, device=device)
     with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 257"):
         ringflash.flash_attn_func(big, big, big)
+
+
+def test_bad_sinks_are_refused_before_any_kernel(device, monkeypatch):
+    """sinks of the wrong shape, dtype or kind raise before the kernels run, not after a forward."""
+
+    def kernels_run(*args, **kwargs):
+        raise AssertionError("the kernels ran before sinks were checked")
+
+    monkeypatch.setattr(functional, "flash_attention", kernels_run)
+    q, k, v, _, _ = _inputs(1, 8, 8, 2, 2, 8, device)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    bad = {
+        "shape": (torch.zeros(3, device=device), ValueError, r"sinks must have shape \(heads_q,\) = \(2,\)"),
+        "dtype": (torch.zeros(2, dtype=torch.int32, device=device), TypeError, "floating-point"),
+        "kind": ([0.0, 0.0], TypeError, "sinks must be a torch.Tensor"),
+    }
+    for sinks, exc, match in bad.values():
+        with pytest.raises(exc, match=match):
+            ringflash.flash_attn_func(q, k, v, sinks=sinks)
+        with pytest.raises(exc, match=match):
+            ringflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, sinks=sinks)
 
 
 def _reference_probs(q, k, cu=None, **kw):
@@ -291,6 +313,44 @@ def test_sinks_match_float64(device, sq, sk, causal, window, varlen):
     assert (out.transpose(1, 2)[empty] == 0).all()
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sinks_on_the_merge_boundaries_match_float64(device, varlen):
+    """Sinks that put the merge exactly on a boundary, through the public functions, the loss
+    reading out and LSE: -inf and -1e4 (the sink's term is 0, so a row's denominator is exactly
+    its keys' 1), one equal to a row's LSE (a tie in the row max), and rows that see no key
+    (causal, more queries than keys: the sink's 1 alone). A merge whose gradient rests on what
+    an operator passes at a boundary or tie (clamp_min(1.0) did until torch 2.15 stopped) fails
+    here on some torch release: out, LSE, dq, dk, dv and dsinks against float64."""
+    q, k, v, dout, dlse = _inputs(1, 13, 6, 4, 2, 16, device, seed=5)
+    cu_q, cu_k = [0, 7, 13], [0, 3, 6]
+
+    def run(q, k, v, sinks):
+        if varlen:
+            cq, ck = (torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k))
+            out, lse = ringflash.flash_attn_varlen_func(
+                q[0], k[0], v[0], cq, ck, 7, 3, causal=True, sinks=sinks, return_lse=True
+            )
+            return out[None], lse[None]
+        return ringflash.flash_attn_func(q, k, v, causal=True, sinks=sinks, return_lse=True)
+
+    def ref(q, k, v, sinks):
+        if not varlen:
+            return reference_attention(q, k, v, causal=True, sinks=sinks)
+        parts = [
+            reference_attention(q[:, a:b], k[:, c:d], v[:, c:d], causal=True, sinks=sinks)
+            for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
+        ]
+        return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 2)
+
+    lse = run(q, k, v, None)[1]
+    assert torch.isneginf(lse).any()  # rows that see no key
+    tie = lse[0, 2][torch.isfinite(lse[0, 2])][-1].item()
+    sinks = torch.tensor([float("-inf"), -1e4, tie, 2.5], device=device)
+    _, lse_s = _check(run, ref, (q, k, v, sinks), dout, dlse, ("dq", "dk", "dv", "dsinks"))
+    seen = torch.isfinite(lse[:, :2])  # rows with keys: a sink of -inf or -1e4 adds exactly nothing
+    assert torch.equal(lse_s[:, :2][seen], lse[:, :2][seen])
+
+
 def test_merge_sinks_edge_cases(device):
     """A row with no key and a -inf sink stays out 0, lse -inf with finite gradients; half-precision
     sinks get a gradient of their own dtype; bad sinks are refused by name."""
@@ -308,7 +368,7 @@ def test_merge_sinks_edge_cases(device):
     assert sinks.grad.dtype == torch.float16
     assert all(torch.isfinite(t.grad).all() for t in (out, sinks))
     assert not lse.grad.isnan().any()
-    with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"sinks must have shape \(heads_q,\) = \(2,\)"):
         merge_sinks(out, lse, sinks[:1])
     with pytest.raises(TypeError, match="sinks must be a floating-point tensor"):
         merge_sinks(out, lse, torch.zeros(2, dtype=torch.int32, device=device))

@@ -137,3 +137,47 @@ def test_features_change_the_answer():
         with_it = reference_attention(q, k, v, causal=True, **case.options(slopes, sinks))[0]
         without = reference_attention(q, k, v, causal=True)[0]
         assert rel_err(without, with_it) > 100 * TOLERANCE[torch.float32], feature
+
+
+BOUNDARY_SINKS = (float("-inf"), -1e4)  # their terms are exactly 0: each row's denominator is its keys' 1
+
+
+def _run_boundary_sinks(case: Case):
+    """``_run`` with ``BOUNDARY_SINKS`` and the loss reading the LSE as well as out."""
+    q, k, v, dout, _, _ = (t.to(worker_device()) for t in _inputs(case))
+    shard = lambda t: ringflash.shard_sequence(t, layout=case.layout, ulysses_size=case.ulysses)  # noqa: E731
+    q, k, v, dout = (shard(t) for t in (q, k, v, dout))
+    dlse = dout[..., 0].transpose(1, 2).contiguous()  # (batch, heads, local seqlen): random, as dout
+    sinks = torch.tensor(BOUNDARY_SINKS, device=worker_device())
+    q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
+    out, lse = ringflash.sp_attn_func(
+        q, k, v, causal=True, layout=case.layout, sp_mode=case.sp_mode, ulysses_size=case.ulysses,
+        sinks=sinks, return_lse=True,
+    )  # fmt: skip
+    torch.autograd.backward((out, lse), (dout, dlse))
+    return out.detach().cpu(), lse.detach().cpu(), *(t.grad.cpu() for t in (q, k, v, sinks))
+
+
+@pytest.mark.parametrize(("ulysses", "layout"), [(1, "zigzag"), (2, "contiguous")], ids=["ring", "ulysses"])
+def test_sinks_on_the_merge_boundary(rank_pool, ulysses, layout):
+    """Sinks of -inf and -1e4 leave every row's merged denominator exactly at its keys' 1: the
+    boundary where an operator's gradient depends on the torch release (clamp_min passed none
+    there from torch 2.15). With the loss reading the LSE, dq/dk/dv must still equal float64's,
+    the LSE must be the one without sinks, and dsinks 0."""
+    case = Case(2, ulysses, layout, "sinks")
+    results = rank_pool(2).run(_run_boundary_sinks, case)
+    q, k, v, dout, _, _ = _inputs(case)
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    sinks = torch.tensor(BOUNDARY_SINKS, dtype=torch.float64, requires_grad=True)
+    dlse = dout[..., 0].transpose(1, 2).double()
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, sinks=sinks)
+    torch.autograd.backward((ref_out, ref_lse), (dout.double(), dlse))
+    expected = (ref_out, ref_lse, q.grad, k.grad, v.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        dim = 2 if name == "lse" else 1
+        got = torch.empty(expected[i].shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            got.index_copy_(dim, layout_indices(layout, r, 2, case.seqlen, ulysses), res[i])
+        err = rel_err(got, expected[i])
+        assert err < TOLERANCE[torch.float32], f"{case}: {name} rel err {err:.2e}"
+    assert torch.equal(sum(res[5] for res in results), torch.zeros(2))

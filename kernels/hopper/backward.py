@@ -72,16 +72,15 @@ kernels against float64; at head_dim 128 its backward runs 0.90-0.98x cuDNN's an
 the Triton kernels' (causal or not, MHA and GQA 32/8), with 64 x 128 tiles.
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
+Gluon names that changed between Triton releases come from gluon_api.py.
 """
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -92,6 +91,7 @@ from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
+from .gluon_api import async_copy, reinterpret, tma
 from .infini_updates import matrix_descriptor, updates_backward_dk, updates_backward_dv
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
@@ -739,11 +739,11 @@ def _fused_bwd_kernel(
         doc = gl.program_id(2)
         if packed_docs > 0:
             doc = packed_tile(gl.program_id(0), CU_K, packed_docs, BLOCK_N)[0]
-        g_smem = q_smem._reinterpret(dtype, gdm_desc.block_type.shape, gdm_desc.layout)
-        s_smem = do_smem._reinterpret(dtype, s_desc.block_type.shape, s_desc.layout)
+        g_smem = reinterpret(q_smem, dtype, gdm_desc.block_type.shape, gdm_desc.layout)
+        s_smem = reinterpret(do_smem, dtype, s_desc.block_type.shape, s_desc.layout)
         state = doc * gl.num_programs(1) + hk
         # gdz and z wait for their use in the LSE/delta rows' buffer (1 KB)
-        vec_smem = rows_smem._reinterpret(gl.float32, [2, HEAD_DIM], rows_smem.layout)
+        vec_smem = reinterpret(rows_smem, gl.float32, [2, HEAD_DIM], rows_smem.layout)
         t, p, w = updates_backward_dv(
             k_smem, v_smem, g_smem, s_smem, vec_smem, kv_bar, 1, gdm_desc, s_desc, GDZ, ZB, state, dv, GRAM
         )

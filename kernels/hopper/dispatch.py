@@ -40,18 +40,31 @@ POSITION_LIMIT = 2**29
 # ALiBi's position differences go through float32 (in the forward via the exponent bits of
 # 1.5 * 2^23): exact while |pq - pk| and every position stay below this.
 ALIBI_POSITION_LIMIT = 2**22
-# The Triton release the Gluon kernels are built and measured with: Gluon is experimental and
-# changes between releases (under 3.8 the fused backward's build spills more), so any other
-# release runs the Triton kernels.
-GLUON_TRITON = "3.6."
+# The Triton releases whose builds of the Gluon kernels have run on an H100/H200 (the GPU tests
+# and benchmarks, docs/performance.md). Gluon is experimental and changes between releases, so
+# under any other release the Triton kernels run, even where the Gluon sources build (the CI
+# builds them offline for sm_90 under the newest Triton too: tests/test_compile.py).
+GLUON_VALIDATED = ("3.6.",)
+# Set to 1 to run the Hopper kernels under a Triton release not in GLUON_VALIDATED: for the GPU
+# run that validates a new release (`pytest -m gpu` and the benchmarks), not for production.
+GLUON_UNVALIDATED_VARIABLE = "RINGFLASH_GLUON_UNVALIDATED"
+
+
+def gluon_validated(version: str | None = None) -> bool:
+    """Whether the Hopper (Gluon) kernels may run under Triton ``version`` (default: the
+    installed one): a release in ``GLUON_VALIDATED``, or any with RINGFLASH_GLUON_UNVALIDATED=1."""
+    version = triton.__version__ if version is None else version
+    if os.environ.get(GLUON_UNVALIDATED_VARIABLE) == "1":
+        return True
+    return version.startswith(GLUON_VALIDATED)
 
 
 @functools.cache
 def hopper_module(name: str) -> ModuleType | None:
-    """``ringflash.kernels.<name>`` imported on first use, or None where this Triton is not
-    ``GLUON_TRITON`` or lacks the Gluon features it uses (Gluon cannot run under the interpreter
-    anyway)."""
-    if not triton.__version__.startswith(GLUON_TRITON):
+    """``ringflash.kernels.<name>`` imported on first use, or None where this Triton's Gluon
+    builds have not been validated on a GPU (``gluon_validated``) or it lacks the Gluon features
+    they use (Gluon cannot run under the interpreter anyway)."""
+    if not gluon_validated():
         return None
     try:
         return importlib.import_module(f"{__package__}.{name}")

@@ -50,13 +50,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
+from .gluon_api import tma
 from .infini_updates import (  # the shapes and register budgets of every Infini kernel
     BLOCK_T,
     COMPUTE_REGS,

@@ -34,13 +34,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import named_barriers
+from .gluon_api import tma
 from .tma import gl_dtype, make_context_current, shared_layout
 
 HEAD_DIM = gl.constexpr(128)

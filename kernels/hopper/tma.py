@@ -10,18 +10,18 @@ A head_dim between two builds (96 under the 128 build, 192 under 256) is read th
 the tensor's head_dim with zeros on loads and drops them on reduce-adds, so the kernels run the
 build on the tensors as they are, with no zero-padded copies. A zero column adds nothing to a
 score and gives zero columns of the output and gradients, which the kernels do not store.
+Gluon's TMA names come from gluon_api.py (they changed between Triton releases).
 """
 
 import ctypes
 import functools
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_api import reinterpret, tma, tma_reduce_add
 
 
 def gl_dtype(dtype: torch.dtype):
@@ -103,26 +103,26 @@ def load_tile(desc, row, head, bar, smem):
     """TMA copy of the rows from ``row`` of head ``head`` (a block of desc's rows, the build's
     head_dim wide) into the 2D tile ``smem``, completing on ``bar``."""
     if by_head(desc.layout):
-        tile = smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+        tile = reinterpret(smem, smem.dtype, desc.block_type.shape, desc.layout)
         tma.async_copy_global_to_shared(desc, [row, head, 0], bar, tile)
     else:
         tma.async_copy_global_to_shared(desc, [row, head * smem.shape[1]], bar, smem)
 
 
-@builtin
-def tma_reduce_add(desc, coord, src, _semantic=None):
-    """cp.reduce.async.bulk.tensor add: shared tile ``src`` added into global at ``coord``."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
+# A TMA reduce-add (cp.reduce.async.bulk.tensor .add; gluon_api.tma_reduce_add: Triton 3.6 has it
+# in its IR builder only, 3.9 as tma.async_atomic_add) adds a shared tile into global memory. Like
+# a TMA store it reads the tile asynchronously, in the bulk async-group of the thread that issued
+# it: the tile may be written again once ``tma.store_wait`` has seen its group read (backward.py's
+# dQ writer). Reduce-adds of several programs into the same rows need no lock between them.
+# (This comment and the one line of the module docstring keep the source lines of load_tile and
+# reduce_add_tile where the builds validated under 3.6 have them, debug line info included.)
 @gluon.jit
 def reduce_add_tile(desc, row, head, smem):
     """TMA reduce-add of the 2D tile ``smem`` into the rows from ``row`` of head ``head``;
     columns past the tensor's head_dim are dropped."""
     if by_head(desc.layout):
         tma_reduce_add(
-            desc, [row, head, 0], smem._reinterpret(smem.dtype, desc.block_type.shape, desc.layout)
+            desc, [row, head, 0], reinterpret(smem, smem.dtype, desc.block_type.shape, desc.layout)
         )
     else:
         tma_reduce_add(desc, [row, head * smem.shape[1]], smem)

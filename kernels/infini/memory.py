@@ -124,8 +124,11 @@ def _update_kernel(
         acc = _dot(tl.trans(keys), v, acc, LOW_PRECISION, DOT_PRECISION)
     dm_ptrs = DM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
     tl.store(dm_ptrs, acc.to(DM.dtype.element_ty), mask=d_ok[:, None] & (cols[None, :] < HEAD_DIM))
+    # dz once per (segment, head): a branch, not a mask ``d_ok & (pid_n == 0)``, which Triton
+    # 3.9's interpreter turns into int32 and refuses.
     if not GRAM:
-        tl.store(DZ + state * HEAD_DIM + offs_d, dz, mask=d_ok & (pid_n == 0))
+        if pid_n == 0:
+            tl.store(DZ + state * HEAD_DIM + offs_d, dz, mask=d_ok)
 
 
 @triton.jit

@@ -212,7 +212,8 @@ def _retrieval_state_backward_kernel(
     state = pid_bs.to(tl.int64) * kv_heads + kvh
     gm_ptrs = GM + (state * HEAD_DIM + offs_d[:, None]) * HEAD_DIM + cols[None, :]
     tl.store(gm_ptrs, acc, mask=d_ok[:, None] & col_ok[None, :])
-    tl.store(GZ + state * HEAD_DIM + offs_d, gz, mask=d_ok & (pid_n == 0))
+    if pid_n == 0:  # a branch: Triton 3.9's interpreter refuses the mask d_ok & (pid_n == 0)
+        tl.store(GZ + state * HEAD_DIM + offs_d, gz, mask=d_ok)
 
 
 def memory_retrieval(
