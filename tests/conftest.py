@@ -29,6 +29,7 @@ LONG_FIRST = (
     "test_infini.py::test_infini_kernels_compile_for_sm90",
     "test_compile.py::test_fused_backward_compiles_for_sm90[masked]",
     "test_compile.py::test_infini_hopper_kernels_compile_for_sm90",
+    "test_compile.py::test_dq_kernel_compiles_for_sm90",
 )
 
 

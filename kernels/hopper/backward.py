@@ -11,7 +11,8 @@ query head of its GQA group, with its warps specialized (``gl.warp_specialize``)
   dQ buffer with one TMA reduce-add (idle at head_dim 256, below);
 - compute, 8 warps at 240 registers: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T (scaled by
   softmax_scale, which serves dK and dQ), dV += P^T dO, dQ = dS K, dK += dS^T Q, the dK product
-  left in flight while the next tile's S^T/dP^T are issued.
+  left in flight while the next tile's S^T/dP^T are issued (S^T only at head_dim 64 under Triton
+  3.9: ``_dk_retired_before_dpt``).
 
 The compute warps hand stages back to the loader and dQ tiles to the writer by mbarriers, or at
 head_dim 64 by named barriers that they pass without waiting for each other (QDO_FREE, DQ_FULL;
@@ -91,7 +92,7 @@ from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
-from .gluon_api import async_copy, reinterpret, tma
+from .gluon_api import WGMMA_COPIES_A, async_copy, reinterpret, tma
 from .infini_updates import matrix_descriptor, updates_backward_dk, updates_backward_dv
 from .named_barriers import FIRST_ID
 from .named_barriers import arrive as named_arrive
@@ -229,6 +230,17 @@ class Mask:
 def _named_handoff(head_dim) -> bool:
     """Whether the hand-overs to the workers go by named barriers (see QDO_FREE)."""
     return head_dim == 64
+
+
+@gluon.constexpr_function
+def _dk_retired_before_dpt(head_dim) -> bool:
+    """Whether the compute warps retire the previous tile's dK before they issue dP^T (S^T in
+    flight) rather than after: at head_dim 64, where S^T and dP^T take K and V from registers, if
+    the wgmma lowering copies such operands (``gluon_api.WGMMA_COPIES_A``, Triton 3.9). With V's
+    copy made while dK and S^T were in flight, and dS^T's for dK while dV and dQ were, ptxas 13.4
+    serialized all 24 wgmma of the build (C7513); with dK retired before V's copy, none (sm_90
+    builds, 2026-11-28; as little with dV retired before dS^T's copy, at one wait more)."""
+    return head_dim == 64 and WGMMA_COPIES_A.value
 
 
 @gluon.jit
@@ -389,9 +401,12 @@ def _compute_tile(
     q_s = p.q_smem.index(s)
     do_s = p.do_smem.index(s)
     st = warpgroup_mma(k_op, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    if _dk_retired_before_dpt(HEAD_DIM):  # in flight, oldest first: the previous tile's dK, S^T
+        dk = warpgroup_mma_init(warpgroup_mma_wait(1, deps=(dk,)))
     dpt = warpgroup_mma(v_op, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    # In flight, oldest first: the previous tile's dK, S^T, dP^T.
-    dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
+    if not _dk_retired_before_dpt(HEAD_DIM):
+        # In flight, oldest first: the previous tile's dK, S^T, dP^T.
+        dk = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(dk,)))
     _release_stage(p, i, n_total, HEAD_DIM)  # the previous tile's dK product has read its Q stage
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=qcol_layout)
     lse2 = p.rows_smem.index(2 * s).load(qcol_layout) * 1.4426950408889634

@@ -11,17 +11,22 @@ they call; the old names are still there in 3.9, but raise "... has been removed
 - the TMA reduce-add (``cp.reduce.async.bulk.tensor`` .add), only in 3.6's IR builder, is public
   in 3.9 as ``tma.async_atomic_add``: here ``tma_reduce_add``;
 - a shared memory view as another dtype, shape and layout: 3.6's ``smem._reinterpret`` is 3.9's
-  ``smem.reinterpret``: here ``reinterpret(smem, dtype, shape, layout)``.
+  ``smem.reinterpret``: here ``reinterpret(smem, dtype, shape, layout)``;
+- not a name: 3.9's wgmma lowering copies a register A operand (a mov before the ``wgmma.fence``,
+  triton-lang/triton#9514 and #9530) where 3.6's reads the registers in place, which made ptxas
+  serialize the head_dim-64 fused backward's wgmma: ``WGMMA_COPIES_A`` (a constexpr) tells
+  hopper/backward.py to order its waits otherwise (``_dk_retired_before_dpt``).
 
 The kernel modules that call these import ``tma``, ``async_copy``, ``tma_reduce_add`` and
 ``reinterpret`` from here (query_tiles.py reads only ``tma.tensor_descriptor``, the same in both,
 from Triton's module) and keep the 3.6 spellings: under 3.6 ``tma`` and ``async_copy`` are
 Triton's own modules and the kernels' source positions have not moved, so a 3.6 build is
-byte-identical to the one validated on GPUs (debug line info included). Each name is chosen by
-what the installed Gluon has, not by its version. Which releases the offline builds are checked
-under, and what 3.9 builds differently (spills, head_dim 64's serialized wgmma):
-``offline_compile.GLUON_BUILDS``, tests/test_compile.py; which run the kernels on a GPU:
-``dispatch``.
+byte-identical to the one validated on GPUs (debug line info included), but for the fused
+backward's debug line numbers (hopper/backward.py gained lines for ``WGMMA_COPIES_A``; its SASS
+is the same instruction for instruction). Each name is chosen by what the installed Gluon has,
+not by its version. Which releases the offline builds are checked under, and what 3.9 builds
+differently (spills): ``offline_compile.GLUON_BUILDS``, tests/test_compile.py; which run the
+kernels on a GPU: ``dispatch``.
 """
 
 import functools
@@ -65,6 +70,12 @@ else:  # 3.6
         add = ir.DESCRIPTOR_REDUCE_KIND.ADD
         _semantic.builder.create_async_tma_reduce(add, desc.handle, coord, src.handle)
 
+
+# The copies (made in the lowering to LLVM IR, triton#9514 of 2026-02-19) show nowhere in Python;
+# Gluon's async_load (triton#10083, 2026-04-20) came after them, so a Gluon with it copies. A Gluon
+# between the two (no release of offline_compile.GLUON_BUILDS) keeps 3.6's order: still correct,
+# its wgmma may serialize.
+WGMMA_COPIES_A = gl.constexpr(hasattr(_tma, "async_load"))
 
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 
