@@ -32,10 +32,13 @@ def _run_deepspeed_example(code: str) -> str:
     # DeepSpeed JIT-compiles a shared-memory all-reduce on the CPU (about a minute on 2 cores)
     # that only its inference path uses (tests/test_deepspeed.py does the same).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    printed, cwd = io.StringIO(), os.getcwd()
     os.chdir(ROOT)  # the example names its config relative to the repository
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md (DeepSpeed example)", "exec"), {"__name__": "__main__"})
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "README.md (DeepSpeed example)", "exec"), {"__name__": "__main__"})
+    finally:
+        os.chdir(cwd)  # the pool's ranks run other tests after this one
     return printed.getvalue()
 
 
