@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .merge import check_sinks, merge_sinks
-from .ops import flash_attention
-from .problem import MAX_HEAD_DIM, build_problem
-from .probs import attention_probs
+from .ops import flash_attention, flash_attention_probs
+from .problem import MAX_HEAD_DIM
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -77,15 +76,17 @@ def _attention(
         raise TypeError("return_attn_probs and return_lse must be bools")
     if sinks is not None and head_dim:  # before the kernels (q itself is checked with the problem)
         check_sinks(sinks, q.shape[-2], q.device)
-    kw = dict(softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    out, lse = flash_attention(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
+    kw = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = flash_attention(
+        qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw, deterministic=deterministic
+    )
     if qp is not q:
         out = out[..., :head_dim]
     if sinks is not None:
         out, lse = merge_sinks(out, lse, sinks)
-    if return_attn_probs:
-        problem = build_problem(qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw)
-        return out, lse, attention_probs(q, k, lse.detach(), problem)
+    if return_attn_probs:  # from the padded q, k: zero columns change no score
+        probs = flash_attention_probs(qp, kp, lse, softmax_scale, causal, window_size, **varlen, **kw)
+        return out, lse, probs
     return (out, lse) if return_lse else out
 
 
@@ -212,7 +213,7 @@ def flash_attn_varlen_func(
     )  # fmt: skip
 
 
-def _unpack(name: str, packed: object, parts: int, varlen: bool) -> tuple[torch.Tensor, ...]:
+def unstack_packed(name: str, packed: object, parts: int, varlen: bool) -> tuple[torch.Tensor, ...]:
     """Views of the ``parts`` tensors stacked in dim -3 of a packed qkv/kv tensor; autograd
     gathers their gradients back into the packed tensor's gradient."""
     ndim = 4 if varlen else 5
@@ -249,7 +250,7 @@ def flash_attn_qkvpacked_func(
     Returns and Raises:
         As ``flash_attn_func``.
     """
-    q, k, v = _unpack("qkv", qkv, 3, varlen=False)
+    q, k, v = unstack_packed("qkv", qkv, 3, varlen=False)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, sinks=sinks, return_lse=return_lse,
@@ -281,7 +282,7 @@ def flash_attn_kvpacked_func(
     Returns and Raises:
         As ``flash_attn_func``.
     """
-    k, v = _unpack("kv", kv, 2, varlen=False)
+    k, v = unstack_packed("kv", kv, 2, varlen=False)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, sinks=sinks, return_lse=return_lse,
@@ -315,7 +316,7 @@ def flash_attn_varlen_qkvpacked_func(
     Returns and Raises:
         As ``flash_attn_varlen_func``.
     """
-    q, k, v = _unpack("qkv", qkv, 3, varlen=True)
+    q, k, v = unstack_packed("qkv", qkv, 3, varlen=True)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -351,7 +352,7 @@ def flash_attn_varlen_kvpacked_func(
     Returns and Raises:
         As ``flash_attn_varlen_func``.
     """
-    k, v = _unpack("kv", kv, 2, varlen=True)
+    k, v = unstack_packed("kv", kv, 2, varlen=True)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

@@ -9,6 +9,7 @@ output shapes, with symbolic sequence lengths under ``mark_dynamic``.
 
     flash_attn_forward(q, k, v, ...) -> (out, lse)
     flash_attn_backward(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
+    attention_probs(q, k, lse, ...) -> probs   (``return_attn_probs``; not differentiable)
 
 The LSE output is differentiable: a gradient on it enters the backward as delta_i -= dlse_i,
 since d lse_i / d s_ij = p_ij.
@@ -22,6 +23,7 @@ from torch import Tensor
 from .backward import attention_backward, attention_delta
 from .forward import attention_forward
 from .problem import AttentionProblem, build_problem, check_softcap, check_window, resolve_scale
+from .probs import attention_probs
 
 
 def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -165,6 +167,28 @@ def check_scalar_args(
     return softmax_scale, causal, window, check_softcap(softcap), deterministic
 
 
+def _call_args(
+    q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softcap, alibi_slopes, deterministic,
+) -> tuple:  # fmt: skip
+    """The arguments after the tensors of ``flash_attn_forward`` (and of ``attention_probs``,
+    less the last), checked and in the schema's types."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    scale, causal, (left, right), softcap, deterministic = check_scalar_args(
+        softmax_scale, causal, window_size, softcap, deterministic
+    )
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        max_seqlen_q = max_seqlen_k = 0  # unused: the dense lengths come from the shapes
+    else:
+        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise ValueError(f"{name} must be an int >= the longest sequence, got {n!r}")
+    return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
+            alibi_slopes, deterministic)  # fmt: skip
+
+
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -186,23 +210,71 @@ def flash_attention(
     heads_k, head_dim), LSE float32 (batch, heads_q, seqlen_q); varlen (``cu_seqlens_q/k`` int32
     (num_seqs + 1,), ``max_seqlen_q/k`` ints): q (total_q, heads_q, head_dim), LSE (heads_q,
     total_q). Arguments as in ``flash_attn_func``/``flash_attn_varlen_func``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    scale, causal, (left, right), softcap, deterministic = check_scalar_args(
-        softmax_scale, causal, window_size, softcap, deterministic
-    )
-    if cu_seqlens_q is None and cu_seqlens_k is None:
-        max_seqlen_q = max_seqlen_k = 0  # unused: the dense lengths come from the shapes
-    else:
-        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(n, bool) or not isinstance(n, int):
-                raise ValueError(f"{name} must be an int >= the longest sequence, got {n!r}")
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
-            alibi_slopes, deterministic)  # fmt: skip
+    args = _call_args(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
     if use_ops(q):
         return _forward_op(q, k, v, *args)
     return _FlashAttention.apply(q, k, v, _problem(q, k, v, *args))
+
+
+@torch.library.custom_op("ringflash::attention_probs", mutates_args=())
+def _probs_op(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+) -> Tensor:
+    # k stands in for v, which the probabilities do not read (the problem only checks its shape).
+    problem = _problem(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       causal, window_left, window_right, softcap, alibi_slopes, False)  # fmt: skip
+    return attention_probs(q, k, lse, problem)
+
+
+@_probs_op.register_fake
+def _probs_fake(q, k, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
+    if cu_seqlens_q is not None:  # one (max_seqlen_q, max_seqlen_k) block per sequence
+        shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k)
+    else:
+        shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def flash_attention_probs(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """``probs.attention_probs`` of a ``flash_attention`` call (``lse`` its LSE, sinks merged
+    in or not) through the ``ringflash::attention_probs`` op, not differentiable: float32
+    (batch or num_seqs, heads_q, max_seqlen_q, max_seqlen_k). Under torch.compile the op is
+    opaque: the varlen sequences are sliced on the host by the real cu_seqlens, never by
+    data-dependent sizes in the graph (with ``capture_scalar_outputs`` those are unbacked symbols
+    that Inductor cannot lower)."""
+    *args, _ = _call_args(q, k, k, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, False)  # fmt: skip
+    q, k, lse = q.detach(), k.detach(), lse.detach()
+    if use_ops(q):
+        return _probs_op(q, k, lse, *args)
+    return attention_probs(q, k, lse, _problem(q, k, k, *args, False))
 
 
 def use_ops(x: Tensor) -> bool:

@@ -2,13 +2,16 @@
 
 The kernels never form the score matrix; this recomputes it from q, k and the call's final LSE,
 in float32 and O(seqlen_q x seqlen_k) memory per head: for tests and inspection, not training.
+Varlen calls slice their sequences by cu_seqlens read on the host, so under torch.compile this
+runs inside the opaque ``ringflash::attention_probs`` op (``ops.flash_attention_probs``), never
+traced: there the lengths would be data-dependent sizes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .problem import AttentionProblem
+from .problem import AttentionProblem, cu_seqlens_host
 
 
 def _block_probs(q, k, lse, problem: AttentionProblem, slopes):
@@ -57,7 +60,7 @@ def attention_probs(
         for b in range(problem.batch):
             probs[b] = _block_probs(q[b], k[b], lse[b], problem, None if slopes is None else slopes[b])
         return probs
-    cu_q, cu_k = problem.cu_seqlens_q.tolist(), problem.cu_seqlens_k.tolist()
+    cu_q, cu_k = cu_seqlens_host(problem.cu_seqlens_q), cu_seqlens_host(problem.cu_seqlens_k)
     for b in range(problem.batch):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         block = _block_probs(

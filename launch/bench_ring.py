@@ -113,13 +113,18 @@ def bench_ringflash(args, S: int, flops: float) -> dict:
 
 
 def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
-    """Ulysses ("ulysses") or hybrid ("hybrid:U") through sp_attn_func, on the same shapes."""
+    """Ulysses ("ulysses"), hybrid ("hybrid:U") or all-gather ("allgather", "allgather:heads_k_stride")
+    through sp_attn_func, on the same shapes."""
     world = dist.get_world_size()
     sp_mode, _, u = mode.partition(":")
+    size = (
+        dict(heads_k_stride=int(u) if u else None)
+        if sp_mode == "allgather"
+        else dict(ulysses_size=int(u) if u else None)
+    )
     kw = dict(
-        causal=not args.no_causal, layout=args.layout, sp_mode=sp_mode, ulysses_size=int(u) if u else None,
-        cu_seqlens=cu_seqlens(args, S),
-    )  # fmt: skip
+        causal=not args.no_causal, layout=args.layout, sp_mode=sp_mode, cu_seqlens=cu_seqlens(args, S), **size
+    )
     mk = lambda h: torch.randn(1, S // world, h, args.head_dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -209,7 +214,12 @@ def main() -> None:
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--baselines", nargs="*", default=["cudnn", "flash"], choices=["cudnn", "flash"])
-    p.add_argument("--modes", nargs="*", default=[], help='extra ringflash modes: "ulysses", "hybrid:U"')
+    p.add_argument(
+        "--modes",
+        nargs="*",
+        default=[],
+        help='extra ringflash modes: "ulysses", "hybrid:U", "allgather[:heads_k_stride]"',
+    )
     p.add_argument("--cp-rotate", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--docs", type=int, default=1, help="pack this many equal documents per sequence")
     p.add_argument(

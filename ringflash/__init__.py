@@ -20,6 +20,7 @@ from .batch import shard_batch
 from .comm import use_high_priority_comm
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .infini import InfiniAttention, InfiniMemory, infini_attention
+from .integrations.hf import substitute_hf_flash_attn, update_ring_flash_attn_params
 from .kernels import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -29,10 +30,28 @@ from .kernels import (
     flash_attn_varlen_qkvpacked_func,
 )
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
+from .llama3 import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
+)
 from .loss import sequence_parallel_chunked_cross_entropy, sequence_parallel_cross_entropy
 from .merge import merge_partial
 from .modules import ReferenceDecoder, SequenceParallelAttention
 from .ring import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
+from .ring_packed import (
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
+    stripe_flash_attn_kvpacked_func,
+    stripe_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
+)
 from .ring_varlen import (
     ring_flash_attn_varlen_func,
     stripe_flash_attn_varlen_func,
@@ -60,10 +79,18 @@ __all__ = [
     "gather_sequence",
     "infini_attention",
     "layout_indices",
+    "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func",
     "merge_partial",
     "reduce_gradients",
     "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
     "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func",
+    "ring_flash_attn_varlen_qkvpacked_func",
     "sequence_parallel_chunked_cross_entropy",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_groups",
@@ -71,10 +98,18 @@ __all__ = [
     "shard_sequence",
     "sp_attn_func",
     "stripe_flash_attn_func",
+    "stripe_flash_attn_kvpacked_func",
+    "stripe_flash_attn_qkvpacked_func",
     "stripe_flash_attn_varlen_func",
+    "substitute_hf_flash_attn",
     "ulysses_attn_func",
+    "update_ring_flash_attn_params",
     "use_high_priority_comm",
     "zigzag_indices",
     "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]

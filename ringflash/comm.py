@@ -173,6 +173,26 @@ class RingComm:
         return parts
 
 
+def all_gather_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> PendingExchange:
+    """Start gathering every rank's ``x`` into ``out`` (world_size, *x.shape), contiguous, in
+    group-rank order. Issue it before the compute it should overlap; ``wait`` before reading."""
+    x = x.contiguous()
+    if dist.get_world_size(group) == 1:
+        out[0].copy_(x)
+        return PendingExchange([])
+    return PendingExchange([_all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)])
+
+
+def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> PendingExchange:
+    """Start summing ``x`` (world_size, *out.shape), contiguous, over the ranks, rank r receiving
+    slot r in ``out``; the transpose of ``all_gather_async``. ``wait`` before reading ``out`` or
+    writing ``x``."""
+    if dist.get_world_size(group) == 1:
+        out.copy_(x[0])
+        return PendingExchange([])
+    return PendingExchange([_reduce_scatter_single(out.view(-1), x.reshape(-1), group=group, async_op=True)])
+
+
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all over dim 0: chunk i of ``x`` goes to rank i; chunk j of the
     result came from rank j. x: (world_size, ...) with equal chunks; returns the same shape."""
@@ -228,8 +248,10 @@ def exclusive_prefix_sum(x: torch.Tensor, group: dist.ProcessGroup) -> PendingPr
     return PendingPrefix(gathered, holder[0] if holder else None, dist.get_rank(group))
 
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (now deprecated) to
+# all_gather_single and reduce_scatter_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _AllGatherAsync(torch.autograd.Function):

@@ -396,13 +396,14 @@ def attention_returns(
 
 def _ring_entry(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse,
+    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse, error=None,
 ):  # fmt: skip
-    error = None
+    """The dense entry points' one body; ``error``: an argument error the caller found (a packed
+    tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
     try:
         check_dropout(dropout_p)
     except (ValueError, TypeError) as e:
-        error = e  # raised after the rank check, which every rank must join
+        error = error or e  # raised after the rank check, which every rank must join
     out, lse = ring_attention(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,

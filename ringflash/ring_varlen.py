@@ -58,36 +58,31 @@ def _zigzag_order(bounds: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat(fronts + backs).to(device)
 
 
-def _padded_lse(lse: torch.Tensor, bounds: list[int], max_seqlen: int) -> torch.Tensor:
-    """(heads, tokens) -> ring-flash-attn's (num_seqs, heads, max_seqlen), -inf past each end."""
-    padded = lse.new_full((len(bounds) - 1, lse.shape[0], max_seqlen), float("-inf"))
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        padded[i, :, : b - a] = lse[:, a:b]
-    return padded
-
-
 def _varlen_entry(
     q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-    deterministic, return_attn_probs, group, *, layout, softcap, sinks, return_lse,
+    deterministic, return_attn_probs, group, *, layout, softcap, sinks, return_lse, error=None,
 ):  # fmt: skip
-    error, full_cu, order, bounds = None, None, None, []
-    try:
-        check_dropout(dropout_p)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
-        bounds = _local_bounds(cu_seqlens, q.shape[0], max_seqlen)
-        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:
-            raise ValueError(
-                "alibi_slopes for the ring varlen functions must be (heads_q,), one slope per head for "
-                f"every document; got shape {tuple(alibi_slopes.shape)}"
-            )
-        if layout == "zigzag" and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(
-                f"zigzag needs every local piece of even length (two chunks), got cu_seqlens {bounds}"
-            )
-    except (ValueError, TypeError) as e:
-        error = e
+    """The varlen entry points' one body; ``error``: an argument error the caller found (a packed
+    tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
+    full_cu, order, bounds = None, None, []
+    if error is None:  # a caller's error first; the arguments may not be tensors at all then
+        try:
+            check_dropout(dropout_p)
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
+            bounds = _local_bounds(cu_seqlens, q.shape[0], max_seqlen)
+            if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:
+                raise ValueError(
+                    "alibi_slopes for the ring varlen functions must be (heads_q,), one slope per head for "
+                    f"every document; got shape {tuple(alibi_slopes.shape)}"
+                )
+            if layout == "zigzag" and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(
+                    f"zigzag needs every local piece of even length (two chunks), got cu_seqlens {bounds}"
+                )
+        except (ValueError, TypeError) as e:
+            error = e
     world = dist.get_world_size(resolve_group_or_raise(group, error))
     if error is None:
         full_cu = [b * world for b in bounds]
@@ -104,9 +99,7 @@ def _varlen_entry(
     if order is not None:
         back = torch.argsort(order)
         out, lse = out.index_select(0, back), lse.index_select(1, back)
-    if return_attn_probs:
-        return out, _padded_lse(lse, bounds, max_seqlen), None
-    return attention_returns(out, lse, False, return_lse)
+    return attention_returns(out, lse, return_attn_probs, return_lse)
 
 
 _VARLEN_DOC = """Ring attention over packed documents in flash-attn's varlen layout; ring-flash-attn's
@@ -118,9 +111,9 @@ _VARLEN_DOC = """Ring attention over packed documents in flash-attn's varlen lay
             local_tokens), the same on every rank (ring-flash-attn's meaning, see the module).
         max_seqlen: an int >= the longest local piece.
         alibi_slopes: float32 (heads_q,) only (per-document slopes are refused).
-        return_attn_probs: (out, lse, None) with lse (num_seqs, heads_q, max_seqlen) padded with
-            -inf, ring-flash-attn's varlen LSE layout.
-        return_lse: (out, lse) with ringflash's varlen LSE layout (heads_q, local_tokens).
+        return_attn_probs: (out, lse, None), as ring-flash-attn returns with flash-attn 2.x's
+            current varlen LSE layout: lse float32 (heads_q, local_tokens), in q's token order.
+        return_lse: (out, lse), the same lse.
         Other arguments as in ``ring_flash_attn_func``.
 
     Returns:

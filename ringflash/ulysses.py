@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .allgather import allgather_attention
 from .comm import all_to_all, resolve_group
 from .consistency import call_signature, check_ranks_agree
 from .kernels import check_sinks, check_window, flash_attn_func, flash_attn_varlen_func
@@ -23,7 +24,7 @@ from .layouts import check_layout, cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, check_ulysses_size, check_ulysses_type, ulysses_ring_mesh
 from .ring import apply_sinks, attention_returns, check_dropout, ring_attention
 
-SP_MODES = ("ring", "ulysses", "hybrid")
+SP_MODES = ("ring", "ulysses", "hybrid", "allgather")
 
 
 def _kv_heads_for(heads_q: int, heads_k: int, u: int) -> int:
@@ -136,7 +137,7 @@ def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
     model configured for sequence parallelism fails on one device too, not first on many)."""
     if sp_mode not in SP_MODES:
         raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
-    if sp_mode == "ring" and ulysses_size not in (None, 1):
+    if sp_mode in ("ring", "allgather") and ulysses_size not in (None, 1):
         raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
     if sp_mode == "hybrid" and ulysses_size is None:
         raise ValueError('sp_mode="hybrid" needs ulysses_size')
@@ -171,6 +172,7 @@ def sp_attn_func(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    heads_k_stride: int | None = None,
 ) -> torch.Tensor | tuple:
     """Exact attention over a sequence sharded across ``group``, in any sequence-parallel mode.
 
@@ -187,8 +189,10 @@ def sp_attn_func(
         return_attn_probs: return (out, lse, None), as ring-flash-attn does.
         group: the sequence-parallel group of W ranks (default: the world).
         layout: token layout of the ring part ("zigzag", "stripe", "contiguous").
-        sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W) or "hybrid"
-            (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across).
+        sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W), "hybrid"
+            (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across) or
+            "allgather" (U = 1: every rank gathers the whole sequence's K/V, ``heads_k_stride``
+            heads at a time, overlapped with the kernels; any ``layout``, see ``allgather.py``).
         ulysses_size: the Ulysses group size U for "hybrid"; with "ring" only None or 1, with
             "ulysses" only None or W (any other value raises ValueError).
         cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
@@ -197,6 +201,9 @@ def sp_attn_func(
         sinks: (heads_q,) sink logits (gpt-oss), applied once to each head's merged result; its
             gradient is this rank's contribution (sum over the group: ``reduce_gradients``).
         return_lse: also return the float32 LSE (batch, heads_q, local_seqlen).
+        heads_k_stride: "allgather" only: K/V heads gathered at a time, a divisor of heads_k
+            (None: all, one gather); memory: the full sequence's K/V of heads_k_stride heads (twice,
+            double-buffered, when heads_k_stride < heads_k, so the next gather overlaps the kernels).
 
     Returns:
         out (batch, local_seqlen, heads_q, head_dim) in q's dtype (and the LSE). Every rank of the
@@ -207,7 +214,9 @@ def sp_attn_func(
         check_dropout(dropout_p)
         check_sp_mode(sp_mode, ulysses_size)
         check_layout(layout)
-        if sp_mode != "ring":
+        if heads_k_stride is not None and sp_mode != "allgather":
+            raise ValueError(f'heads_k_stride={heads_k_stride!r} is for sp_mode="allgather", not "{sp_mode}"')
+        if sp_mode in ("ulysses", "hybrid"):
             check_window(causal, window_size)
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -220,6 +229,12 @@ def sp_attn_func(
         error = e
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    deterministic=deterministic)  # fmt: skip
+    if sp_mode == "allgather":
+        out, lse = allgather_attention(
+            q, k, v, group=group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
+            sinks=sinks, heads_k_stride=heads_k_stride, error=error, **options,
+        )  # fmt: skip
+        return attention_returns(out, lse, return_attn_probs, return_lse)
     if sp_mode != "ring" and use_ops(q):  # traced: one opaque op, which checks the ranks when it runs
         from .ops import ulysses_attention_op  # ops.py builds on this module
 

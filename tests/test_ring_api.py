@@ -12,33 +12,95 @@ from reference import TOLERANCE, reference_attention, reference_attention_packed
 
 import ringflash
 
-# ring-flash-attn's positional parameters and defaults (ring_flash_attn/ring_flash_attn.py etc.).
-DENSE = [("q", None), ("k", None), ("v", None), ("dropout_p", 0.0), ("softmax_scale", None),
-         ("causal", False), ("window_size", (-1, -1)), ("alibi_slopes", None), ("deterministic", False),
-         ("return_attn_probs", False), ("group", None)]  # fmt: skip
-VARLEN = DENSE[:3] + [("cu_seqlens", None), ("max_seqlen", None)] + DENSE[3:]
+
+def required(*names: str) -> list[tuple[str, None]]:
+    return [(n, None) for n in names]
+
+
+# ring-flash-attn's positional parameters and defaults (ring_flash_attn/*.py, adapters/hf_adapter.py)
+# for every name its __init__ exports, and for ringflash's own fronts of the same signature.
+OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+           ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False),
+           ("group", None)]  # fmt: skip
+QKV, Q_KV, Q_K_V = required("qkv"), required("q", "kv"), required("q", "k", "v")
+VARLEN_ARGS = required("cu_seqlens", "max_seqlen")
+LLAMA3_ARGS = required(
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "heads_k_stride", "local_k_slice"
+)
+DENSE, VARLEN = Q_K_V + OPTIONS, Q_K_V + VARLEN_ARGS + OPTIONS
 EXTRAS = {"softcap", "sinks", "return_lse", "cu_seqlens", "layout"}
-ENTRY_POINTS = {
+RING_ENTRY_POINTS = {
     "ring_flash_attn_func": DENSE,
     "zigzag_ring_flash_attn_func": DENSE,
     "stripe_flash_attn_func": DENSE,
     "ring_flash_attn_varlen_func": VARLEN,
     "zigzag_ring_flash_attn_varlen_func": VARLEN,
     "stripe_flash_attn_varlen_func": VARLEN,
+    "ring_flash_attn_qkvpacked_func": QKV + OPTIONS,
+    "ring_flash_attn_kvpacked_func": Q_KV + OPTIONS,
+    "zigzag_ring_flash_attn_qkvpacked_func": QKV + OPTIONS,
+    "zigzag_ring_flash_attn_kvpacked_func": Q_KV + OPTIONS,
+    "stripe_flash_attn_qkvpacked_func": QKV + OPTIONS,
+    "stripe_flash_attn_kvpacked_func": Q_KV + OPTIONS,
+    "ring_flash_attn_varlen_qkvpacked_func": QKV + VARLEN_ARGS + OPTIONS,
+    "ring_flash_attn_varlen_kvpacked_func": Q_KV + VARLEN_ARGS + OPTIONS,
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func": QKV + VARLEN_ARGS + OPTIONS,
+    "zigzag_ring_flash_attn_varlen_kvpacked_func": Q_KV + VARLEN_ARGS + OPTIONS,
     "sp_attn_func": DENSE,
     "ulysses_attn_func": DENSE,
 }
+RINGFLASH_ONLY = {"stripe_flash_attn_varlen_func", "sp_attn_func", "ulysses_attn_func"}
+LLAMA3_ENTRY_POINTS = {
+    "llama3_flash_attn_varlen_func": Q_K_V + LLAMA3_ARGS + OPTIONS,
+    "llama3_flash_attn_varlen_kvpacked_func": Q_KV + LLAMA3_ARGS + OPTIONS,
+    "llama3_flash_attn_varlen_qkvpacked_func": QKV + LLAMA3_ARGS + OPTIONS,
+}
+HELPERS = {
+    "llama3_flash_attn_prepare_cu_seqlens": required("cu_seqlens", "causal", "rank", "world_size"),
+    "substitute_hf_flash_attn": required("process_group", "heads_k_stride"),
+    "update_ring_flash_attn_params": required("cu_seqlens", "process_group"),
+}
+# ring_flash_attn/__init__.py's 21 names
+RING_FLASH_ATTN_EXPORTS = (set(RING_ENTRY_POINTS) - RINGFLASH_ONLY) | set(LLAMA3_ENTRY_POINTS) | set(HELPERS)
 
 
-@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
-def test_signature_matches_ring_flash_attn(name):
+def test_every_ring_flash_attn_name_is_exported():
+    assert len(RING_FLASH_ATTN_EXPORTS) == 21
+    missing = sorted(n for n in RING_FLASH_ATTN_EXPORTS if not hasattr(ringflash, n))
+    assert not missing, f"ringflash lacks ring-flash-attn's {missing}"
+    assert RING_FLASH_ATTN_EXPORTS <= set(ringflash.__all__)
+
+
+def _signature(name: str):
+    """(positional (name, default) pairs, keyword-only parameters); no *args / **kwargs."""
     params = list(inspect.signature(getattr(ringflash, name)).parameters.values())
     positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     got = [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in positional]
-    assert got == ENTRY_POINTS[name]
-    extras = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert extras <= EXTRAS | {"sp_mode", "ulysses_size"} and {"softcap", "sinks", "return_lse"} <= extras
-    assert len(params) == len(positional) + len(extras)
+    keyword = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(params) == len(positional) + len(keyword)
+    assert all(p.default is not inspect.Parameter.empty for p in keyword)  # callers never pass them
+    return got, {p.name for p in keyword}
+
+
+@pytest.mark.parametrize("name", sorted(RING_ENTRY_POINTS))
+def test_signature_matches_ring_flash_attn(name):
+    positional, extras = _signature(name)
+    assert positional == RING_ENTRY_POINTS[name]
+    allowed = EXTRAS | ({"sp_mode", "ulysses_size", "heads_k_stride"} if name == "sp_attn_func" else set())
+    assert extras <= allowed and {"softcap", "sinks", "return_lse"} <= extras
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA3_ENTRY_POINTS))
+def test_llama3_signature_matches_ring_flash_attn(name):
+    positional, extras = _signature(name)
+    assert positional == LLAMA3_ENTRY_POINTS[name]
+    assert extras <= {"softcap", "sinks", "return_lse"}
+
+
+@pytest.mark.parametrize("name", sorted(HELPERS))
+def test_helper_signature_matches_ring_flash_attn(name):
+    positional, extras = _signature(name)
+    assert positional == HELPERS[name] and not extras
 
 
 def test_ring_default_layout_is_contiguous():
@@ -110,15 +172,14 @@ def _varlen(layout: str):
     q, k, v, dout = (t[0, idx].to(worker_device()) for t in _full(24))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     local_cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # this rank's pieces: 4 and 8 tokens
-    out, lse_padded, _ = fn(q, k, v, local_cu, 8, 0.0, None, True, (-1, -1), None, False, True)
+    out, lse, probs = fn(q, k, v, local_cu, 8, 0.0, None, True, (-1, -1), None, False, True)
     out.backward(dout)
-    lse = torch.cat([lse_padded[0, :, :4], lse_padded[1]], dim=1)  # (heads, local tokens)
     errors = errors_of({
         "global cu_seqlens": lambda: fn(q, k, v, torch.tensor(DOCS, dtype=torch.int32), 16, causal=True),
         "max_seqlen": lambda: fn(q, k, v, local_cu, 4, causal=True),
     })  # fmt: skip
-    padding = lse_padded.shape == (2, 2, 8) and bool(torch.isneginf(lse_padded[0, :, 4:]).all())
-    return padding, errors, [t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad)]
+    flash_attn_layout = probs is None and lse.shape == (2, 12) and lse.dtype == torch.float32
+    return flash_attn_layout, errors, [t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad)]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
@@ -134,8 +195,8 @@ def test_varlen_takes_local_cu_seqlens(rank_pool, layout):
         for r, res in enumerate(results):
             got.index_copy_(dim, _rfa_indices(layout, r, 2), res[2][i])
         assert rel_err(got, expected[i]) < TOLERANCE[torch.float32], name
-    for padding, errors, _ in results:
-        assert padding  # ring-flash-attn's varlen LSE: (num_seqs, heads, max_seqlen), -inf past each end
+    for flash_attn_layout, errors, _ in results:
+        assert flash_attn_layout  # flash-attn 2.x's varlen LSE: (heads, local tokens), in q's order
         assert "local token count 12" in errors["global cu_seqlens"]
         assert "max_seqlen must be an int >= the longest local piece (8)" in errors["max_seqlen"]
 

@@ -175,10 +175,12 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
     """On every rank: an AttentionBlock over ``sp_attn_func`` on a 1-D DeviceMesh, compiled
     (aot_eager, full graph, sequence length dynamic) against eager at two lengths; returns the
     frames compiled and graph breaks."""
+    from distributed import worker_device
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("sp",))
+    dev = worker_device()  # the ranks' GPUs over NCCL where there are enough, else CPUs over gloo
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("sp",))
 
     def attention(q, k, v):
         return ringflash.sp_attn_func(
@@ -186,9 +188,9 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
         )
 
     torch.manual_seed(0)
-    model = AttentionBlock(attention)
+    model = AttentionBlock(attention).to(dev)
     layout_u = {"ring": 1, "ulysses": dist.get_world_size(), "hybrid": ulysses_size}[sp_mode]
-    shard = lambda x: ringflash.shard_sequence(x, mesh, layout="zigzag", ulysses_size=layout_u)  # noqa: E731
+    shard = lambda x: ringflash.shard_sequence(x.to(dev), mesh, layout="zigzag", ulysses_size=layout_u)  # noqa: E731
     breaks = torch._dynamo.explain(model)(shard(torch.randn(1, 16, 32))).graph_break_count
     torch._dynamo.reset()  # explain's static-shape frame must not serve the compiled model
     counter = CompileCounterWithBackend("aot_eager")
@@ -206,8 +208,124 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
 @pytest.mark.parametrize("sp_mode, ulysses_size", [("ring", None), ("ulysses", None), ("hybrid", 1)])
 def test_compiled_sequence_parallel_block_matches_eager(rank_pool, sp_mode, ulysses_size):
     """Ring, Ulysses (K/V heads replicated for the 2 ranks) and a hybrid whose inner attention is
-    the ring, on 2 gloo ranks: no graph break, one compiled frame for two lengths, eager's numbers."""
+    the ring, on 2 ranks: no graph break, one compiled frame for two lengths, eager's numbers."""
     assert rank_pool(2).run(_sp_compiled_matches_eager, sp_mode, ulysses_size) == [(1, 0), (1, 0)]
+
+
+def _int32(*values: int, device=DEVICE) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _is_float(a: object) -> bool:
+    return torch.is_tensor(a) and a.is_floating_point()
+
+
+def _compiled_and_eager(fn, args: tuple, fullgraph: bool, **kwargs) -> list[tuple[list, list]]:
+    """[compiled, eager] results of ``fn(*args, causal=True, **kwargs)``, each (outputs, gradients
+    of the float tensors in args): ``torch.compile`` (Inductor) under ring-flash-attn's compile
+    setting, ``capture_scalar_outputs=True``, called first on fresh tensors, forward and backward
+    (a loss on out and, where returned, the LSE)."""
+    results = []
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for run in (torch.compile(fn, fullgraph=fullgraph), fn):
+            leaves = [a.clone().requires_grad_() if _is_float(a) else a for a in args]
+            got = run(*leaves, causal=True, **kwargs)
+            got = list(got) if isinstance(got, tuple) else [got]
+            loss = got[0].square().sum() + (got[1].sum() if len(got) > 1 else 0)
+            loss.backward()
+            grads = [a.grad for a in leaves if torch.is_tensor(a) and a.requires_grad]
+            results.append((got, grads))
+    return results
+
+
+def _assert_same(compiled: tuple[list, list], eager: tuple[list, list]) -> None:
+    for i, (a, e) in enumerate(zip(compiled[0] + compiled[1], eager[0] + eager[1], strict=True)):
+        if e is None:  # ring-flash-attn's probabilities slot
+            assert a is None, i
+        else:
+            assert a.shape == e.shape and rel_err(a, e) < 1e-6, (i, a.shape, e.shape)
+
+
+def _single_device_args(name: str, r) -> tuple:
+    """The arguments of entry ``name`` (tiny; head_dim 12: the padded path; varlen: 2 sequences),
+    ``r(*shape)`` making a random tensor."""
+    cu_q, cu_k = _int32(0, 4, 9), _int32(0, 5, 12)
+    return {
+        "flash_attn_func": (r(2, 8, 2, 12), r(2, 8, 1, 12), r(2, 8, 1, 12)),
+        "flash_attn_qkvpacked_func": (r(2, 8, 3, 2, 16),),
+        "flash_attn_kvpacked_func": (r(2, 6, 2, 16), r(2, 8, 2, 1, 16)),
+        "flash_attn_varlen_func": (r(9, 2, 12), r(12, 1, 12), r(12, 1, 12), cu_q, cu_k, 5, 7),
+        "flash_attn_varlen_qkvpacked_func": (r(12, 3, 2, 16), cu_k, 7),
+        "flash_attn_varlen_kvpacked_func": (r(12, 2, 16), r(12, 2, 1, 16), cu_k, cu_k, 7, 7),
+    }[name]
+
+
+_SINGLE_DEVICE = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled frames of the entry points from other tests (other dynamo settings) must not serve
+    this one; nor its frames the next test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("return_attn_probs", [False, True])
+@pytest.mark.parametrize("name", _SINGLE_DEVICE)
+def test_entries_compile_with_captured_scalar_outputs(fresh_dynamo, name, return_attn_probs):
+    """Every single-device entry under ring-flash-attn's compile pass (Inductor,
+    ``capture_scalar_outputs=True``) in one graph, with eager's out, LSE, probabilities and
+    gradients. The varlen probabilities slice sequences by cu_seqlens on the host: traced, those
+    lengths were unbacked symbols that Inductor could not lower (the ``attention_probs`` op keeps
+    them out of the graph)."""
+    g = torch.Generator().manual_seed(len(name))
+    args = _single_device_args(name, lambda *shape: torch.randn(*shape, generator=g).to(DEVICE))
+    compiled, eager = _compiled_and_eager(
+        getattr(ringflash, name), args, fullgraph=True, return_attn_probs=return_attn_probs
+    )
+    _assert_same(compiled, eager)
+    if return_attn_probs:
+        probs = compiled[0][2]
+        assert probs.dtype == torch.float32 and not probs.requires_grad
+        if "varlen" in name:  # sequence 0 fills [0, :, :len_q, :len_k], zeros around it
+            assert probs.shape[0] == 2 and probs[0, :, :, 5:].abs().sum() == 0
+
+
+def _ring_entries_compiled_match_eager() -> None:
+    """On every rank: ring-flash-attn entries compiled as its tests compile them (Inductor,
+    ``capture_scalar_outputs=True``) against eager, with and without ``return_attn_probs``."""
+    from distributed import worker_device
+
+    device = worker_device()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    r = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    cu = _int32(0, 4, 10, device=device)  # this rank's pieces of 2 documents
+    cases = [  # (entry, arguments, fullgraph)
+        (ringflash.zigzag_ring_flash_attn_func, (r(1, 8, 2, 16), r(1, 8, 1, 16), r(1, 8, 1, 16)), True),
+        # The varlen entries read cu_seqlens on the host before the ring op: a graph break.
+        (ringflash.ring_flash_attn_varlen_func, (r(10, 2, 16), r(10, 1, 16), r(10, 1, 16), cu, 6), False),
+    ]
+    for fn, args, fullgraph in cases:
+        for return_attn_probs in (False, True):
+            torch._dynamo.reset()
+            compiled, eager = _compiled_and_eager(fn, args, fullgraph, return_attn_probs=return_attn_probs)
+            _assert_same(compiled, eager)
+            assert len(compiled[0]) == (3 if return_attn_probs else 1)
+    torch._dynamo.reset()
+
+
+def test_ring_entries_compile_with_captured_scalar_outputs(rank_pool):
+    """A dense (zigzag) and a varlen ring-flash-attn entry on 2 gloo ranks."""
+    rank_pool(2).run(_ring_entries_compiled_match_eager)
 
 
 @pytest.mark.gpu

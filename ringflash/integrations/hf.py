@@ -34,14 +34,36 @@ only: bidirectional sliding windows are refused),
 plumbing keywords in ``IGNORED`` do not change the attention's result and are ignored; any
 other keyword that is not None, and dropout, an attention mask or ``output_attentions=True``,
 raise ValueError. README "Hugging Face model families" lists which families were checked.
+
+ring-flash-attn's adapter, for code written for it (also exported from ``ringflash``):
+
+    substitute_hf_flash_attn(group, heads_k_stride=1)          # once per process
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flash_attention_2")
+    update_ring_flash_attn_params(cu_seqlens, group)           # before each forward: whole packed row
+    logits = model(input_ids=ids.chunk(W, 1)[rank], position_ids=positions.chunk(W, 1)[rank]).logits
+
+It registers, under transformers' "flash_attention_2", an attention function with the keyword
+handling above that calls ``llama3_flash_attn_varlen_func`` (K/V all-gathered ``heads_k_stride``
+heads at a time) with the parameters ``update_ring_flash_attn_params`` prepared (``DATA_PARAMS``),
+and ``padding_mask_refusal`` as its mask function. The documents come from those cu_seqlens alone
+(transformers' own FlashAttention path would find them in the shard's position_ids, blind to the
+other ranks); causal only, batch 1, no padding: anything else raises ValueError. Each forward
+checks, on every rank at once, that the shard fits the prepared row: its length, and restarts of
+position_ids only where documents start (a stale update raises instead of mixing documents).
+transformers refuses "flash_attention_2" without the flash-attn package (and, on a CPU, without a
+GPU); while substituted, its check lets the name through for models that support FlashAttention.
+``use_ring_attn(False)`` gives the name back to transformers' FlashAttention.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 
 from ..comm import host_values_agree, resolve_group
+from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
 
@@ -227,6 +249,28 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     return mask
 
 
+def _attention_options(
+    module: torch.nn.Module, dropout: float, attention_mask: object, sliding_window: int | None,
+    is_causal: bool | None, kw: dict, mask_hint: str = "use pad-free batches (shard_batch)",
+) -> tuple[bool, tuple[int, int]]:  # fmt: skip
+    """The keyword handling every ringflash attention function shares: refuses (ValueError) what
+    it cannot honour and returns (causal, window_size) in flash-attn's terms."""
+    _check_keywords(kw)
+    if dropout:
+        raise ValueError("ringflash attention does not support attention dropout; set attention_dropout=0")
+    if attention_mask is not None:
+        raise ValueError(f"ringflash attention takes no attention mask: {mask_hint}")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if sliding_window and not causal:
+        raise ValueError(
+            f"ringflash attention cannot honour sliding_window={sliding_window} with bidirectional "
+            "attention (is_causal=False): transformers' FlashAttention and eager paths disagree on its "
+            "width, so use a causal model or no sliding window"
+        )
+    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)  # HF: the last `sliding_window` keys
+    return causal, window
+
+
 def _softcap(softcap: object) -> float:
     return 0.0 if softcap is None else softcap  # type: ignore[return-value]
 
@@ -265,15 +309,7 @@ def enable(
         """Called with q/k/v (batch, heads, seqlen, head_dim); returns (batch, seqlen, heads,
         head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap;
         position_ids: int (batch or 1, seqlen), restarting where a packed document starts."""
-        _check_keywords(kw)
-        if dropout:
-            raise ValueError(
-                "ringflash attention does not support attention dropout; set attention_dropout=0"
-            )
-        if attention_mask is not None:
-            raise ValueError(
-                "ringflash attention takes no attention mask: use pad-free batches (shard_batch)"
-            )
+        causal, window = _attention_options(module, dropout, attention_mask, sliding_window, is_causal, kw)
         if cu_seq_lens_k is not None and (
             cu_seq_lens_q is None
             or not torch.equal(torch.as_tensor(cu_seq_lens_k), torch.as_tensor(cu_seq_lens_q))
@@ -281,16 +317,6 @@ def enable(
             raise ValueError(
                 "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
             )
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        if sliding_window and not causal:
-            raise ValueError(
-                f"ringflash attention cannot honour sliding_window={sliding_window} with bidirectional "
-                "attention (is_causal=False): transformers' FlashAttention and eager paths disagree on its "
-                "width, so use a causal model or no sliding window"
-            )
-        window = (
-            (sliding_window - 1, -1) if sliding_window else (-1, -1)
-        )  # HF: the last `sliding_window` keys
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
         # under transformers' own keyword, or (one device) found from restarting position_ids.
@@ -331,7 +357,210 @@ def is_available() -> bool:
     return True
 
 
+# ring-flash-attn's Hugging Face adapter: attn_implementation="flash_attention_2" runs the llama3
+# all-gather attention on contiguous shards of one packed row (see the module's docstring).
+
+FLASH_ATTENTION_2 = "flash_attention_2"
+
+# What update_ring_flash_attn_params prepared for this rank: ring-flash-attn's DATA_PARAMS (the
+# arguments of llama3_flash_attn_varlen_func), and host-side facts about the packed row that each
+# forward is checked against.
+DATA_PARAMS: dict[str, object] = {}
+_PACKED: dict[str, object] = {}
+_RING = {"on": True}  # use_ring_attn's switch
+_ORIGINAL: dict[str, object] = {}  # transformers' own "flash_attention_2" functions (use_ring_attn(False))
+
+UPDATE_HINT = (
+    "call ringflash.update_ring_flash_attn_params(cu_seqlens, group) with the cu_seqlens of the whole "
+    "packed row (every document, every rank's tokens) before each forward"
+)
+LLAMA3_PADDING_HINT = (
+    "pack the sequences into one row without padding and pass their boundaries to "
+    "update_ring_flash_attn_params"
+)
+
+
+def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group: dist.ProcessGroup) -> None:
+    """ring-flash-attn's: prepare this rank's llama3 call for the next forwards of a model that
+    ``substitute_hf_flash_attn`` switched over. cu_seqlens: the documents of the whole packed row
+    ((0, ..., T) int32 on the model's device, T a multiple of the group's size W), of which this
+    rank's shard is the rank-th of W contiguous slices. Call it before each forward of a new
+    batch: the attention refuses a shard whose length or position_ids restarts contradict it."""
+    group = resolve_group(process_group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prepared = llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, rank, world)
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    n = bounds[-1] // world
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "local_k_slice")
+    DATA_PARAMS.clear()
+    DATA_PARAMS.update(zip(names, prepared))
+    _PACKED.clear()  # also forgets the last forward checked
+    starts = [b - rank * n for b in bounds if rank * n < b < (rank + 1) * n]  # documents starting here
+    _PACKED.update(rank=rank, world=world, tokens=n, bounds=bounds, starts=starts)
+
+
+def use_ring_attn(flag: bool) -> None:
+    """ring-flash-attn's switch: False hands "flash_attention_2" back to transformers' own
+    FlashAttention (which needs the flash-attn package), True (the default) to the ring."""
+    _RING["on"] = bool(flag)
+
+
+def _packed_row_error(group: dist.ProcessGroup, tokens: int, position_ids, cu_seq_lens_q, cu_seq_lens_k):
+    """Why this rank's shard is not the one update_ring_flash_attn_params prepared, or None."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (rank, world) != (_PACKED["rank"], _PACKED["world"]):
+        return (
+            f"update_ring_flash_attn_params prepared rank {_PACKED['rank']} of {_PACKED['world']}, but this "
+            f"is rank {rank} of {world} in substitute_hf_flash_attn's group: pass both the same group"
+        )
+    if tokens != _PACKED["tokens"]:
+        total = _PACKED["bounds"][-1]
+        return (
+            f"this rank's shard has {tokens} tokens, but update_ring_flash_attn_params prepared a packed row "
+            f"of {total} tokens ({_PACKED['tokens']} per rank): {UPDATE_HINT}"
+        )
+    for name, cu in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
+        if cu is not None and (given := torch.as_tensor(cu).tolist()) != _PACKED["bounds"]:
+            return (
+                f"the model got {name}={given}, but the attention follows the cu_seqlens given to "
+                f"update_ring_flash_attn_params, {_PACKED['bounds']}"
+            )
+    if position_ids is not None:
+        pos = torch.as_tensor(position_ids).reshape(-1)
+        restarts = ((pos[1:] != pos[:-1] + 1).nonzero().reshape(-1) + 1).tolist()
+        if stray := sorted(set(restarts) - set(_PACKED["starts"])):
+            return (
+                f"position_ids restart at this rank's tokens {stray}, where update_ring_flash_attn_params' "
+                f"cu_seqlens start no document (here they start at {_PACKED['starts']}): {UPDATE_HINT}"
+            )
+    return None
+
+
+def _check_packed_row(group: object, tokens: int, position_ids, cu_seq_lens_q, cu_seq_lens_k) -> None:
+    """Once per forward (the model hands every layer the same position_ids): raise ValueError on
+    every rank of the group (one host all-reduce) if any rank's shard is not the one
+    update_ring_flash_attn_params prepared, instead of leaving the others waiting in the gather."""
+    if torch.compiler.is_compiling():  # host reads and a host collective: not in a graph
+        return
+    seen = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    checked = _PACKED.get("checked")
+    if checked is not None and all(a is b for a, b in zip(checked, seen)):
+        return
+    group = resolve_group(group)
+    error = _packed_row_error(group, tokens, *seen)
+    if dist.get_world_size(group) > 1 and not host_values_agree(int(error is not None), group):
+        error = error or f"another rank of the group refused this forward's packed row: {UPDATE_HINT}"
+    if error is not None:
+        raise ValueError(error)
+    _PACKED["checked"] = seen
+
+
+def _ring_flash_attention(group: object, heads_k_stride: int):
+    """The "flash_attention_2" attention function of substitute_hf_flash_attn."""
+
+    def ring(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        s_aux: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kw,
+    ) -> tuple[torch.Tensor, None]:
+        """q/k/v (1, heads, local_tokens, head_dim), this rank's shard; returns (1, local_tokens,
+        heads, head_dim) and no weights."""
+        causal, window = _attention_options(
+            module, dropout, attention_mask, sliding_window, is_causal, kw, mask_hint=LLAMA3_PADDING_HINT
+        )
+        if not causal:
+            raise ValueError(
+                "substitute_hf_flash_attn's attention is causal only (as ring-flash-attn's), but the model "
+                "asks for bidirectional attention (is_causal=False)"
+            )
+        if query.shape[0] != 1:
+            raise ValueError(
+                f"substitute_hf_flash_attn's attention takes batch 1 (one packed row), got batch "
+                f"{query.shape[0]}: {LLAMA3_PADDING_HINT}"
+            )
+        if not DATA_PARAMS:
+            raise ValueError(f"the ring attention does not know the packed row's documents: {UPDATE_HINT}")
+        _check_packed_row(group, query.shape[2], position_ids, cu_seq_lens_q, cu_seq_lens_k)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        p = DATA_PARAMS
+        out = llama3_flash_attn_varlen_func(
+            q, k, v, p["cu_seqlens_q"].to(q.device), p["cu_seqlens_k"].to(q.device), p["max_seqlen_q"],
+            p["max_seqlen_k"], heads_k_stride, p["local_k_slice"], softmax_scale=scaling, causal=True,
+            window_size=window, deterministic=os.environ.get("FLASH_ATTENTION_DETERMINISTIC") == "1",
+            group=group, softcap=_softcap(softcap), sinks=s_aux,
+        )  # fmt: skip
+        return out[None], None
+
+    def attention(*args, **kw):  # switched off: transformers' own, called as the model called it
+        return (ring if _RING["on"] else _ORIGINAL["attention"])(*args, **kw)
+
+    return attention
+
+
+def _ring_flash_mask(group: object):
+    """The "flash_attention_2" mask function of substitute_hf_flash_attn: padding_mask_refusal's
+    checks (no padding, only patterns the attention applies, no StaticCache), or transformers'
+    own function while the ring is switched off."""
+    refusal = padding_mask_refusal(group, hint=LLAMA3_PADDING_HINT)
+
+    def mask(*args, **kw):
+        return refusal(*args, **kw) if _RING["on"] else _ORIGINAL["mask"](*args, **kw)
+
+    return mask
+
+
+def _loadable(check_attn_implementation):
+    """transformers' attn_implementation check, passing "flash_attention_2" while the ring is on:
+    it then needs neither the flash-attn package nor a GPU (and transformers must not load a Hub
+    kernel in its place, which would bypass the ring). A model that does not support
+    FlashAttention (its attention would not come here) still gets transformers' error."""
+
+    def check(self, attn_implementation, *args, **kw):
+        supported = getattr(self, "_supports_flash_attn", False)
+        if attn_implementation == FLASH_ATTENTION_2 and _RING["on"] and supported:
+            return attn_implementation
+        return check_attn_implementation(self, attn_implementation, *args, **kw)
+
+    check.ringflash_original = check_attn_implementation
+    return check
+
+
+def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: int) -> None:
+    """ring-flash-attn's: from now on, models with attn_implementation="flash_attention_2" (loaded
+    before or after this call) run their attention through ``llama3_flash_attn_varlen_func`` over
+    ``process_group``, all-gathering K/V ``heads_k_stride`` heads at a time (a divisor of the
+    model's K/V heads), on this rank's contiguous shard of one packed row whose documents the last
+    ``update_ring_flash_attn_params`` gave. Causal, batch 1, no padding. transformers then loads
+    "flash_attention_2" without the flash-attn package. Calling it again replaces the group and
+    the stride."""
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
+        raise ValueError(f"heads_k_stride must be a positive int, got {heads_k_stride!r}")
+    from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+
+    if not _ORIGINAL:
+        _ORIGINAL["attention"] = AttentionInterface._global_mapping[FLASH_ATTENTION_2]
+        _ORIGINAL["mask"] = AttentionMaskInterface._global_mapping[FLASH_ATTENTION_2]
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)  # transformers >= 4.54
+    if check is not None and not hasattr(check, "ringflash_original"):
+        PreTrainedModel._check_and_adjust_attn_implementation = _loadable(check)
+    AttentionInterface.register(FLASH_ATTENTION_2, _ring_flash_attention(process_group, heads_k_stride))
+    AttentionMaskInterface.register(FLASH_ATTENTION_2, _ring_flash_mask(process_group))
+
+
 __all__ = [
-    "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available", "padding_mask_refusal",
-    "unhonoured_mask_patterns",
+    "DATA_PARAMS", "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available",
+    "padding_mask_refusal", "substitute_hf_flash_attn", "unhonoured_mask_patterns",
+    "update_ring_flash_attn_params", "use_ring_attn",
 ]  # fmt: skip

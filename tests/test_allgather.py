@@ -1,0 +1,143 @@
+"""sp_mode="allgather" against float64 attention over the full sequence on 2-4 gloo ranks: every
+layout, masks, GQA with several head strides, batch > 1, packed documents, softcap/ALiBi/sinks;
+out, LSE, dq/dk/dv and d sinks. And the plan's pieces on their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from distributed import errors_of, worker_device
+from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
+
+import ringflash
+from ringflash.allgather import check_heads_k_stride, default_heads_k_stride, natural_order
+from ringflash.layouts import layout_indices
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    layout: str
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    seqlen: int = 16
+    batch: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    heads_k_stride: int | None = None
+    cu_seqlens: tuple[int, ...] | None = None
+    features: bool = False  # softcap + ALiBi + sinks
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(7)
+    mk = lambda h, s=1.0: s * torch.randn(case.batch, case.seqlen, h, 16, generator=g)  # noqa: E731
+    q, k, v, dout = mk(case.heads, 2.0), mk(case.kv_heads, 2.0), mk(case.kv_heads), mk(case.heads)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(case.heads)])
+    sinks = torch.randn(case.heads, generator=g) + 2.0
+    return q, k, v, dout, slopes, sinks
+
+
+def _options(case: Case, slopes, sinks) -> dict:
+    if not case.features:
+        return {}
+    return dict(softcap=1.0, alibi_slopes=slopes, sinks=sinks)
+
+
+def _run(case: Case):
+    q, k, v, dout, slopes, sinks = (t.to(worker_device()) for t in _inputs(case))
+    shard = lambda t: ringflash.shard_sequence(t, layout=case.layout, cu_seqlens=case.cu_seqlens)  # noqa: E731
+    q, k, v, dout = (shard(t) for t in (q, k, v, dout))
+    q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
+    out, lse = ringflash.sp_attn_func(
+        q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, sp_mode="allgather",
+        heads_k_stride=case.heads_k_stride, cu_seqlens=case.cu_seqlens, return_lse=True,
+        **_options(case, slopes, sinks),
+    )  # fmt: skip
+    out.backward(dout)
+    dsinks = None if sinks.grad is None else sinks.grad.cpu()
+    return out.detach().cpu(), lse.detach().cpu(), *(t.grad.cpu() for t in (q, k, v)), dsinks
+
+
+def check(rank_pool, case: Case) -> None:
+    results = rank_pool(case.world).run(_run, case)
+    q, k, v, dout, slopes, sinks = _inputs(case)
+    q, k, v, sinks = (t.double().requires_grad_() for t in (q, k, v, sinks))
+    opts = dict(causal=case.causal, window_size=case.window, **_options(case, slopes.double(), sinks))
+    if case.cu_seqlens is None:
+        ref_out, ref_lse = reference_attention(q, k, v, **opts)
+    else:
+        ref_out, ref_lse = reference_attention_packed(q, k, v, list(case.cu_seqlens), **opts)
+    ref_out.backward(dout.double())
+    expected = (ref_out, ref_lse, q.grad, k.grad, v.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        got = torch.empty(expected[i].shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            idx = layout_indices(case.layout, r, case.world, case.seqlen, cu_seqlens=case.cu_seqlens)
+            got.index_copy_(2 if name == "lse" else 1, idx, res[i])
+        assert not got.isnan().any(), f"{case}: {name} has NaN"
+        err = rel_err(got, expected[i])
+        assert err < TOLERANCE[torch.float32], f"{case}: {name} rel err {err:.2e}"
+    if case.features:
+        err = rel_err(sum(res[5] for res in results), sinks.grad)
+        assert err < TOLERANCE[torch.float32], f"{case}: dsinks rel err {err:.2e}"
+
+
+CASES = {
+    "contiguous-causal-2strides": Case(2, "contiguous", heads_k_stride=1),
+    "zigzag-causal": Case(2, "zigzag"),
+    "stripe-window": Case(2, "stripe", window=(3, 0)),
+    "contiguous-full-batch2-window": Case(2, "contiguous", causal=False, window=(2, 5), batch=2),
+    "zigzag-mqa-4ranks": Case(4, "zigzag", kv_heads=1, seqlen=32),
+    "packed-zigzag": Case(2, "zigzag", seqlen=24, cu_seqlens=(0, 8, 12, 24)),
+    "packed-contiguous-full": Case(2, "contiguous", causal=False, seqlen=20, cu_seqlens=(0, 6, 20)),
+    "packed-stripe-features": Case(2, "stripe", seqlen=24, cu_seqlens=(0, 10, 24), features=True),
+    "zigzag-features-2strides": Case(2, "zigzag", heads_k_stride=1, features=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_allgather_matches_float64(rank_pool, name):
+    check(rank_pool, CASES[name])
+
+
+def test_window_that_sees_no_earlier_shard(rank_pool):
+    """A window of 1 on contiguous shards: each segment's keys end inside its own shard, and the
+    calls are cut to the keys within reach."""
+    check(rank_pool, Case(2, "contiguous", window=(1, 0), heads=2, kv_heads=1))
+
+
+def test_natural_order():
+    """The gathered shards, reordered, are the sequence in token order, for every layout."""
+    for layout in ("contiguous", "zigzag", "stripe"):
+        for cu in (None, [0, 8, 24]):
+            held = torch.cat([layout_indices(layout, r, 2, 24, cu_seqlens=cu) for r in range(2)])
+            order = natural_order(layout, 2, 24, None if cu is None else tuple(cu), "cpu")
+            assert torch.equal(held if order is None else held[order], torch.arange(24)), (layout, cu)
+
+
+def test_heads_k_stride():
+    assert [default_heads_k_stride(h) for h in (1, 2, 8)] == [1, 2, 8]
+    with pytest.raises(ValueError, match="heads_k_stride must be a positive divisor of the k/v heads"):
+        check_heads_k_stride(3, 8)
+    with pytest.raises(TypeError, match="heads_k_stride must be an int"):
+        check_heads_k_stride(2.0, 8)
+
+
+def _bad_stride_on_rank_1():
+    rank = torch.distributed.get_rank()
+    q = torch.randn(1, 8, 2, 16, device=worker_device())
+    ringflash.sp_attn_func(q, q, q, causal=True, sp_mode="allgather", heads_k_stride=1 + rank)
+
+
+def test_one_rank_wrong_raises_everywhere(rank_pool):
+    """A heads_k_stride wrong on one rank only: every rank raises instead of one waiting in a gather."""
+    errors = rank_pool(2).run(errors_of, {"call": _bad_stride_on_rank_1})
+    assert all(e["call"] and "ValueError" in e["call"] for e in errors), errors
+
+
+def test_heads_k_stride_only_with_allgather():
+    with pytest.raises(ValueError, match='heads_k_stride=2 is for sp_mode="allgather"'):
+        ringflash.sp_attn_func(*[torch.zeros(1, 4, 2, 16)] * 3, sp_mode="ring", heads_k_stride=2)
