@@ -48,7 +48,6 @@ from .layouts import (
     layout_indices,
     segments,
 )
-from .ring import apply_sinks
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -346,8 +345,7 @@ def run_gather_attention(
     return _AllGatherAttention.apply(q, k, v, base, plan, group)
 
 
-@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (not a custom op yet)
-def allgather_attention(
+def layout_setup(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -363,13 +361,15 @@ def allgather_attention(
     layout: str,
     cu_seqlens: torch.Tensor | Sequence[int] | None,
     heads_k_stride: int | None,
+    check_ranks: bool = True,
     error: Exception | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of all-gather attention over local shards (batch, local_seqlen, heads, head_dim)
-    cut by ``layout`` (any of them: the gathered K/V are put in natural order); arguments as in
-    ``ring.ring_attention``, plus ``heads_k_stride`` (K/V heads gathered at a time; None: all of
-    them, ``default_heads_k_stride``). ``error``: an argument error the caller found, raised after
-    the ranks' check."""
+) -> tuple[AttentionProblem, GatherPlan, dist.ProcessGroup, torch.Tensor | None]:
+    """Validate and plan ``sp_mode="allgather"`` over local shards (batch, local_seqlen, heads,
+    head_dim) cut by ``layout`` (any: the gathered K/V are put in natural order): (base problem,
+    plan, group, checked sinks). Arguments as in ``ring.ring_setup``, plus ``heads_k_stride`` (K/V
+    heads gathered at a time; None: all of them, ``default_heads_k_stride``). ``error``: an
+    argument error the caller found, raised after the ranks' check, which this rank still joins."""
+    stride = None
     try:
         check_layout(layout)
         base = build_problem(q, k, v, softmax_scale, causal, window_size, softcap=softcap,
@@ -386,11 +386,15 @@ def allgather_attention(
     except (ValueError, TypeError) as e:
         error = error or e
     group = resolve_group_or_raise(group, error)
-    signature = call_signature(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                               deterministic=deterministic, layout=layout, cu_seqlens=cu_seqlens,
-                               heads_k_stride=heads_k_stride, sp_mode="allgather")  # fmt: skip
-    check_ranks_agree(group, signature, error)
+    if check_ranks:
+        signature = call_signature(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, layout=layout,
+            cu_seqlens=cu_seqlens, heads_k_stride=heads_k_stride, sp_mode="allgather",
+        )  # fmt: skip
+        check_ranks_agree(group, signature, error)
+    elif error is not None:
+        raise error
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     total = q.shape[1] * world
     if cu_seqlens is None:
@@ -400,8 +404,84 @@ def allgather_attention(
         doc_lens = document_lengths(cu_seqlens, total, layout, world)
         bounds = (0, *itertools.accumulate(doc_lens))
     calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
-    plan = gather_plan(
-        calls, base.heads_k, stride, q.shape[1], natural_order(layout, world, total, bounds, q.device)
-    )
-    out, lse = run_gather_attention(q, k, v, base, plan, group)
-    return apply_sinks(out, lse, sinks)
+    order = natural_order(layout, world, total, bounds, q.device)
+    return base, gather_plan(calls, base.heads_k, stride, q.shape[1], order), group, sinks
+
+
+def _check_local_k_slice(local_k_slice: object, gathered: int) -> slice:
+    if not isinstance(local_k_slice, slice) or local_k_slice.step not in (None, 1):
+        raise TypeError(f"local_k_slice must be a slice with step 1, got {local_k_slice!r}")
+    start, stop = local_k_slice.start, local_k_slice.stop
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= gathered):
+        raise ValueError(
+            f"local_k_slice must lie in the gathered sequence [0, {gathered}) and be non-empty, got "
+            f"{local_k_slice!r} (llama3_flash_attn_prepare_cu_seqlens makes it)"
+        )
+    return local_k_slice
+
+
+def prepared_setup(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    local_k_slice: slice,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+    group: dist.ProcessGroup | None,
+    heads_k_stride: int | None,
+    check_ranks: bool = True,
+    error: Exception | None = None,
+) -> tuple[AttentionProblem, GatherPlan, dist.ProcessGroup, torch.Tensor | None]:
+    """Validate and plan one varlen call of this rank's tokens q, k, v (local_tokens, heads,
+    head_dim) against the gathered keys in ``local_k_slice`` with the caller's cu_seqlens (the
+    llama3 forms, ``llama3.py``); returns as ``layout_setup``, the plan for q[None]. cu_seqlens
+    and the slice differ between ranks by design; the rest must agree."""
+    problem = base = stride = ks = None
+    if error is None:
+        try:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
+            if q.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"q and k/v must hold the same local tokens, got {q.shape[0]} and {k.shape[0]}"
+                )
+        except (ValueError, TypeError) as e:
+            error = e
+    group = resolve_group_or_raise(group, error)
+    if error is None:
+        try:
+            ks = _check_local_k_slice(local_k_slice, dist.get_world_size(group) * k.shape[0])
+            stride = check_heads_k_stride(heads_k_stride, k.shape[1])
+            # The keys' shape without the keys (gathered later): a zero-stride view of one token.
+            k_keys = k[:1].expand(ks.stop - ks.start, -1, -1)
+            problem = build_problem(
+                q, k_keys, k_keys, softmax_scale, causal, window_size, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+            )  # fmt: skip
+            base = build_problem(q[None], k[None], v[None], softmax_scale, False, (-1, -1))
+            sinks = check_sinks(sinks, q.shape[1], q.device)
+        except (ValueError, TypeError) as e:
+            error = e
+    if check_ranks:
+        signature = call_signature(
+            q, k, v, heads_k_stride=heads_k_stride, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            deterministic=deterministic, sp_mode="llama3",
+        )  # fmt: skip
+        check_ranks_agree(group, signature, error)
+    elif error is not None:
+        raise error
+    calls = [RowCall(slice(0, q.shape[0]), ks, True, problem)]
+    return base, gather_plan(calls, k.shape[1], stride, q.shape[0], None), group, sinks

@@ -19,13 +19,11 @@ import bisect
 import torch
 import torch.distributed as dist
 
-from .allgather import RowCall, check_heads_k_stride, gather_plan, run_gather_attention
-from .comm import resolve_group_or_raise
-from .consistency import call_signature, check_ranks_agree
-from .kernels import build_problem, check_sinks, cu_seqlens_tensor
+from .allgather_ops import prepared_allgather_attention
+from .kernels import cu_seqlens_tensor
 from .kernels.functional import unstack_packed
 from .kernels.problem import cu_seqlens_host
-from .ring import apply_sinks, attention_returns, check_dropout
+from .ring import attention_returns, check_dropout
 
 
 def _host_bounds(cu_seqlens: object) -> list[int]:
@@ -94,21 +92,6 @@ def llama3_flash_attn_prepare_cu_seqlens(
     return cu_q, cu_k, max_q, max_k, slice(slice_left, slice_right)
 
 
-def _check_local_k_slice(local_k_slice: object, gathered: int) -> slice:
-    if not isinstance(local_k_slice, slice) or local_k_slice.step not in (None, 1):
-        raise TypeError(f"local_k_slice must be a slice with step 1, got {local_k_slice!r}")
-    start, stop = local_k_slice.start, local_k_slice.stop
-    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= gathered):
-        raise ValueError(
-            f"local_k_slice must lie in the gathered sequence [0, {gathered}) and be non-empty, got "
-            f"{local_k_slice!r} (llama3_flash_attn_prepare_cu_seqlens makes it)"
-        )
-    return local_k_slice
-
-
-# Under torch.compile the call runs eagerly, a graph break (the all-gather engine is not a custom
-# op yet): its kernels and collectives are not traced.
-@torch.compiler.disable
 def _llama3_entry(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice, dropout_p,
     softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group, *, softcap,
@@ -116,49 +99,18 @@ def _llama3_entry(
 ):  # fmt: skip
     """The llama3 forms' one body; ``error``: an argument error the caller found (a packed tensor
     of the wrong shape), raised after the ranks' check as this one's are."""
-    problem = base = stride = None
     if error is None:
         try:
             check_dropout(dropout_p)
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                    raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
-            if q.shape[0] != k.shape[0]:
-                raise ValueError(
-                    f"q and k/v must hold the same local tokens, got {q.shape[0]} and {k.shape[0]}"
-                )
         except (ValueError, TypeError) as e:
             error = e
-    group = resolve_group_or_raise(group, error)
-    world = dist.get_world_size(group)
-    if error is None:
-        try:
-            ks = _check_local_k_slice(local_k_slice, world * k.shape[0])
-            stride = check_heads_k_stride(heads_k_stride, k.shape[1])
-            # The keys' shape without the keys (gathered later): a zero-stride view of one token.
-            k_keys = k[:1].expand(ks.stop - ks.start, -1, -1)
-            problem = build_problem(
-                q, k_keys, k_keys, softmax_scale, causal, window_size, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-            )  # fmt: skip
-            base = build_problem(q[None], k[None], v[None], softmax_scale, False, (-1, -1))
-            sinks = check_sinks(sinks, q.shape[1], q.device)
-        except (ValueError, TypeError) as e:
-            error = e
-    # cu_seqlens and local_k_slice differ between ranks by design; the rest must agree.
-    signature = call_signature(
-        q, k, v, heads_k_stride=heads_k_stride, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        deterministic=deterministic, sp_mode="llama3",
+    out, lse = prepared_allgather_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group,
+        heads_k_stride=heads_k_stride, error=error,
     )  # fmt: skip
-    check_ranks_agree(group, signature, error)
-    plan = gather_plan(
-        [RowCall(slice(0, q.shape[0]), ks, True, problem)], k.shape[1], stride, q.shape[0], None
-    )
-    out, lse = run_gather_attention(q[None], k[None], v[None], base, plan, group)
-    out, lse = apply_sinks(out, lse, sinks)
-    return attention_returns(out[0], lse[0], return_attn_probs, return_lse)
+    return attention_returns(out, lse, return_attn_probs, return_lse)
 
 
 def llama3_flash_attn_varlen_func(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .allgather import allgather_attention
+from .allgather_ops import allgather_attention
 from .comm import all_to_all, resolve_group
 from .consistency import call_signature, check_ranks_agree
 from .kernels import check_sinks, check_window, flash_attn_func, flash_attn_varlen_func

@@ -188,7 +188,7 @@ def test_bad_arguments_raise_on_every_rank(rank_pool):
 
 def _compiled_vs_eager():
     """llama3 and sp_mode="allgather" under torch.compile (ring-flash-attn's compile pass:
-    capture_scalar_outputs): a graph break around the call, the same out and gradients as eager."""
+    capture_scalar_outputs), in one graph (the all-gather ops): the same out and gradients as eager."""
     rank, dev = torch.distributed.get_rank(), worker_device()
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(32, 2, 16, generator=g).to(dev) for _ in range(3))
@@ -207,7 +207,7 @@ def _compiled_vs_eager():
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         for fn in (llama3, allgather):
             results = []
-            for f in (fn, torch.compile(fn)):
+            for f in (fn, torch.compile(fn, fullgraph=True)):
                 leaves = [t.clone().requires_grad_() for t in local]
                 out = f(*leaves)
                 out.square().sum().backward()
