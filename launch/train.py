@@ -14,7 +14,7 @@ attention runs as ringflash's opaque custom ops), with Inductor on GPUs and aot_
 
 World = D x S ranks: sequence-parallel groups of --sp-size consecutive ranks, each training on
 one sequence sharded over its ranks; D data-parallel replicas. --sp-impl ringflash runs the
-model's attention through ringflash (--sp-mode ring | ulysses | hybrid); --sp-impl
+model's attention through ringflash (--sp-mode ring | ulysses | hybrid | allgather); --sp-impl
 deepspeed-ulysses runs the same model, data and loss with DeepSpeed's own Ulysses
 (UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. --attention
 infini replaces every attention layer with Infini-attention (segments of --segment-len tokens
@@ -206,7 +206,7 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     elif args.sp_impl == "ringflash":
         mpu = rf_ds.sequence_parallel_mpu(sp)
         sp_group, layout = mpu.groups.sp_group, args.layout or "zigzag"
-        ulysses = {"ring": 1, "ulysses": sp, "hybrid": args.ulysses_size or 1}[args.sp_mode]
+        ulysses = {"ring": 1, "allgather": 1, "ulysses": sp, "hybrid": args.ulysses_size or 1}[args.sp_mode]
         attn = rf_hf.enable(
             group=sp_group, layout=layout, sp_mode=args.sp_mode, ulysses_size=args.ulysses_size
         )

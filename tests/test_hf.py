@@ -98,11 +98,11 @@ def test_hf_model_sequence_parallel_step(rank_pool, model_type, layout, world):
 DOCS = (11, 23, 14)  # one packed row of SEQ tokens
 
 
-def _hf_packed_step():
+def _hf_packed_step(sp_mode: str):
     import ringflash.integrations.hf as rf_hf
 
     groups = sequence_parallel_groups(torch.distributed.get_world_size())
-    model = _model("llama", rf_hf.enable(group=groups.sp_group)).to(worker_device())
+    model = _model("llama", rf_hf.enable(group=groups.sp_group, sp_mode=sp_mode)).to(worker_device())
     positions = torch.cat([torch.arange(n) for n in DOCS])[None]
     batch = {"input_ids": _ids()[:1], "position_ids": positions}
     shard = shard_batch({k: v.to(worker_device()) for k, v in batch.items()}, groups.sp_group)
@@ -116,9 +116,10 @@ def _hf_packed_step():
     return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_hf_packed_sequences(rank_pool):
+@pytest.mark.parametrize("sp_mode", ["ring", "allgather"])
+def test_hf_packed_sequences(rank_pool, sp_mode):
     """A packed row through a Llama model equals eager attention on each document alone."""
-    results = rank_pool(2).run(_hf_packed_step)
+    results = rank_pool(2).run(_hf_packed_step, sp_mode)
     model = _model("llama", "eager")
     total = 0.0
     for ids in _ids()[0].split(list(DOCS)):
