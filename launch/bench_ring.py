@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 import ringflash
 from ringflash.comm import PendingExchange, RingComm
 from ringflash.kernels import build_problem
+from ringflash.layouts import shard_multiple
 from ringflash.ring import ring_backward, ring_forward, ring_plan
 
 
@@ -72,12 +74,19 @@ def peak_gib(fn: Callable[[], object]) -> float:
 
 
 def doc_lengths(args, S: int) -> list[int]:
-    return [S // args.docs] * args.docs
+    """--docs equal documents, or (--random-docs) --docs random lengths, multiples of what the
+    layout needs (seeded: every rank and every mode gets the same)."""
+    if not args.random_docs:
+        return [S // args.docs] * args.docs
+    m = shard_multiple(args.layout, dist.get_world_size())
+    g = torch.Generator().manual_seed(S)
+    cuts = sorted(torch.randperm(S // m - 1, generator=g)[: args.docs - 1].add(1).mul(m).tolist())
+    return [b - a for a, b in zip([0, *cuts], [*cuts, S])]
 
 
 def cu_seqlens(args, S: int) -> list[int] | None:
-    """Cumulative lengths of --docs equal documents, or None for one sequence."""
-    return None if args.docs == 1 else [S // args.docs * i for i in range(args.docs + 1)]
+    """Cumulative lengths of the --docs documents (``doc_lengths``), or None for one sequence."""
+    return None if args.docs == 1 else [0, *itertools.accumulate(doc_lengths(args, S))]
 
 
 def bench_ringflash(args, S: int, flops: float) -> dict:
@@ -117,6 +126,8 @@ def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
     through sp_attn_func, on the same shapes."""
     world = dist.get_world_size()
     sp_mode, _, u = mode.partition(":")
+    if sp_mode == "llama3":
+        return bench_llama3(args, S, flops, int(u) if u else args.kv_heads)
     size = (
         dict(heads_k_stride=int(u) if u else None)
         if sp_mode == "allgather"
@@ -135,6 +146,34 @@ def bench_sp_mode(args, S: int, flops: float, mode: str) -> dict:
 
     def fwd_bwd():
         torch.autograd.grad(ringflash.sp_attn_func(*leaves, **kw), leaves, dout)
+
+    r = {"fwd": flops / world / timed(fwd, args.iters) / 1e12}
+    r["fwd_bwd"] = 3.5 * flops / world / timed(fwd_bwd, args.iters) / 1e12
+    r["peak_gib"] = peak_gib(fwd_bwd)
+    return r
+
+
+def bench_llama3(args, S: int, flops: float, heads_k_stride: int) -> dict:
+    """ring-flash-attn's llama3 forms on the same documents: contiguous shards of the packed row."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = S // world
+    cu = torch.tensor(cu_seqlens(args, S) or [0, S], dtype=torch.int32, device="cuda")
+    params = ringflash.llama3_flash_attn_prepare_cu_seqlens(cu, not args.no_causal, rank, world)
+    mk = lambda h: torch.randn(n, h, args.head_dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    call = (
+        lambda q, k, v: ringflash.llama3_flash_attn_varlen_func(  # noqa: E731
+            q, k, v, *params[:4], heads_k_stride, params[4], causal=not args.no_causal
+        )
+    )
+
+    def fwd():
+        with torch.no_grad():
+            call(q, k, v)
+
+    def fwd_bwd():
+        torch.autograd.grad(call(*leaves), leaves, dout)
 
     r = {"fwd": flops / world / timed(fwd, args.iters) / 1e12}
     r["fwd_bwd"] = 3.5 * flops / world / timed(fwd_bwd, args.iters) / 1e12
@@ -218,10 +257,11 @@ def main() -> None:
         "--modes",
         nargs="*",
         default=[],
-        help='extra ringflash modes: "ulysses", "hybrid:U", "allgather[:heads_k_stride]"',
+        help='extra ringflash modes: "ulysses", "hybrid:U", "allgather[:heads_k_stride]", "llama3[:stride]"',
     )
     p.add_argument("--cp-rotate", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--docs", type=int, default=1, help="pack this many equal documents per sequence")
+    p.add_argument("--random-docs", action="store_true", help="--docs documents of random lengths")
     p.add_argument(
         "--comm-priority", default="high", choices=["high", "default"],
         help="NCCL stream priority (high: ringflash.use_high_priority_comm; applies to the baselines too)",
@@ -245,7 +285,8 @@ def main() -> None:
     rows = []
     for S in args.seqlens:
         # Attention FLOPs inside each document: docs x 4 * L^2 * H * D (half when causal).
-        flops = 4 * S * (S // args.docs) * args.heads * args.head_dim * (1.0 if args.no_causal else 0.5)
+        lens = doc_lengths(args, S)
+        flops = 4 * sum(n * n for n in lens) * args.heads * args.head_dim * (1.0 if args.no_causal else 0.5)
         row: dict = {"S": S}
         runs = [("ringflash", lambda S=S, f=flops: bench_ringflash(args, S, f))]
         for m in args.modes:
@@ -260,16 +301,18 @@ def main() -> None:
                 log(f"  {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 row[name] = None
             torch.cuda.empty_cache()
-        if row["ringflash"] is not None:
+        if row["ringflash"] is not None and not args.random_docs:  # the baseline: equal documents
             single = single_gpu_fwd_bwd_tflops(args, S)
             row["single_gpu_fwd_bwd"] = single
             row["ringflash"]["efficiency"] = row["ringflash"]["fwd_bwd"] / single
         rows.append(row)
 
     if rank == 0:
+        kind = "random-length " if args.random_docs else ""
         print(
             f"\n{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, {datetime.date.today()}, "
-            f"B=1, {args.docs} document(s), heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+            f"B=1, {args.docs} {kind}document(s), heads {args.heads}/{args.kv_heads}, "
+            f"head_dim {args.head_dim}, "
             f"layout {args.layout}, NCCL priority {args.comm_priority} "
             f"(TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY', 'unset')}), "
             f"causal={not args.no_causal}, bf16; per-GPU TFLOP/s fwd / fwd+bwd, median of {args.iters}"
