@@ -18,8 +18,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import resolve_group_or_raise
-from .ring import attention_returns, check_dropout, ring_attention
+from .comm import group_from_name, group_name, resolve_group_or_raise
+from .kernels import check_sinks
+from .kernels.ops import check_scalar_args, use_ops
+from .layouts import check_layout
+from .ring import (
+    apply_sinks,
+    attention_returns,
+    check_dropout,
+    ring_attention,
+    ring_backward,
+    ring_forward,
+    ring_setup,
+)
 
 
 def _local_bounds(cu_seqlens: object, tokens: int, max_seqlen: object) -> list[int]:
@@ -58,37 +69,72 @@ def _zigzag_order(bounds: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat(fronts + backs).to(device)
 
 
+def _checked_bounds(cu_seqlens: object, tokens: int, max_seqlen: object, layout: str) -> list[int]:
+    """This rank's piece bounds from ``cu_seqlens``, validated; reads cu_seqlens on the host."""
+    bounds = _local_bounds(cu_seqlens, tokens, max_seqlen)
+    if layout == "zigzag" and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"zigzag needs every local piece of even length (two chunks), got cu_seqlens {bounds}"
+        )
+    return bounds
+
+
+def _ringflash_form(
+    bounds: list[int], layout: str, world: int, device: torch.device
+) -> tuple[list[int], torch.Tensor | None]:
+    """(ringflash's full-document cu_seqlens, the order that takes this rank's tokens to
+    ringflash's packed zigzag order, or None where they are in it already)."""
+    order = _zigzag_order(bounds, device) if layout == "zigzag" and world > 1 else None
+    return [b * world for b in bounds], order
+
+
+def _check_varlen_tensors(q: object, k: object, v: object, alibi_slopes: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:
+        raise ValueError(
+            "alibi_slopes for the ring varlen functions must be (heads_q,), one slope per head for "
+            f"every document; got shape {tuple(alibi_slopes.shape)}"
+        )
+
+
 def _varlen_entry(
     q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
     deterministic, return_attn_probs, group, *, layout, softcap, sinks, return_lse, error=None,
 ):  # fmt: skip
     """The varlen entry points' one body; ``error``: an argument error the caller found (a packed
     tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
+    if use_ops(q):  # traced: one opaque op reads cu_seqlens, checks the ranks and plans when it runs
+        if error is not None:
+            raise error
+        check_dropout(dropout_p)
+        _check_varlen_tensors(q, k, v, alibi_slopes)
+        if not isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = torch.tensor(_local_bounds(cu_seqlens, q.shape[0], max_seqlen), dtype=torch.int64)
+        if sinks is not None:
+            check_sinks(sinks, q.shape[1], q.device)
+        scale, causal, (left, right), softcap, deterministic = check_scalar_args(
+            softmax_scale, causal, window_size, softcap, deterministic
+        )
+        args = (cu_seqlens, max_seqlen, group_name(group), check_layout(layout), scale, causal, left, right,
+                softcap, alibi_slopes, deterministic)  # fmt: skip
+        out, lse = _varlen_forward_op(q, k, v, *args)
+        out, lse = apply_sinks(out[None], lse[None], sinks)
+        return attention_returns(out[0], lse[0], return_attn_probs, return_lse)
     full_cu, order, bounds = None, None, []
     if error is None:  # a caller's error first; the arguments may not be tensors at all then
         try:
             check_dropout(dropout_p)
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                    raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, head_dim)")
-            bounds = _local_bounds(cu_seqlens, q.shape[0], max_seqlen)
-            if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:
-                raise ValueError(
-                    "alibi_slopes for the ring varlen functions must be (heads_q,), one slope per head for "
-                    f"every document; got shape {tuple(alibi_slopes.shape)}"
-                )
-            if layout == "zigzag" and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
-                raise ValueError(
-                    f"zigzag needs every local piece of even length (two chunks), got cu_seqlens {bounds}"
-                )
+            _check_varlen_tensors(q, k, v, alibi_slopes)
+            bounds = _checked_bounds(cu_seqlens, q.shape[0], max_seqlen, layout)
         except (ValueError, TypeError) as e:
             error = e
     world = dist.get_world_size(resolve_group_or_raise(group, error))
     if error is None:
-        full_cu = [b * world for b in bounds]
-        if layout == "zigzag" and world > 1:
-            order = _zigzag_order(bounds, q.device)
-            q, k, v = (t.index_select(0, order) for t in (q, k, v))
+        full_cu, order = _ringflash_form(bounds, layout, world, q.device)
+    if order is not None:
+        q, k, v = (t.index_select(0, order) for t in (q, k, v))
     q4, k4, v4 = (t[None] if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     out, lse = ring_attention(
         q4, k4, v4, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -100,6 +146,120 @@ def _varlen_entry(
         back = torch.argsort(order)
         out, lse = out.index_select(0, back), lse.index_select(1, back)
     return attention_returns(out, lse, return_attn_probs, return_lse)
+
+
+def _varlen_setup(q, k, v, cu_seqlens, max_seqlen, group_name_, layout, softmax_scale, causal, window_left,
+                  window_right, softcap, alibi_slopes, deterministic, check_ranks):  # fmt: skip
+    """(base, plan, comm, order) of an op call: cu_seqlens read on the host, and an error in them
+    raised after the ranks' check, which this rank joins first."""
+    group, order, full_cu, error = group_from_name(group_name_), None, None, None
+    try:
+        bounds = _checked_bounds(cu_seqlens, q.shape[0], max_seqlen, layout)
+        full_cu, order = _ringflash_form(bounds, layout, dist.get_world_size(group), q.device)
+    except (ValueError, TypeError) as e:
+        error = e
+    base, plan, comm, _ = ring_setup(  # q, k, v for their shapes: the token order does not matter
+        q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=None,
+        deterministic=deterministic, group=group, layout=layout, cu_seqlens=full_cu, check_ranks=check_ranks,
+        error=error,
+    )  # fmt: skip
+    return base, plan, comm, order
+
+
+@torch.library.custom_op("ringflash::ring_varlen_attn_forward", mutates_args=())
+def _varlen_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    group_name: str,
+    layout: str,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (cu_seqlens, max_seqlen, group_name, layout, softmax_scale, causal, window_left, window_right,
+            softcap, alibi_slopes, deterministic)  # fmt: skip
+    _, plan, comm, order = _varlen_setup(q, k, v, *args, True)
+    if order is not None:
+        q, k, v = (t.index_select(0, order) for t in (q, k, v))
+    out, lse = ring_forward(q[None], k[None].contiguous(), v[None].contiguous(), plan, comm)
+    out, lse = out[0], lse[0]
+    if order is not None:
+        back = torch.argsort(order)
+        out, lse = out.index_select(0, back), lse.index_select(1, back)
+    return out, lse
+
+
+@_varlen_forward_op.register_fake
+def _varlen_forward_fake(q, *_):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("ringflash::ring_varlen_attn_backward", mutates_args=())
+def _varlen_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    group_name: str,
+    layout: str,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (cu_seqlens, max_seqlen, group_name, layout, softmax_scale, causal, window_left, window_right,
+            softcap, alibi_slopes, deterministic)  # fmt: skip
+    base, plan, comm, order = _varlen_setup(q, k, v, *args, False)  # the forward checked the ranks
+    if order is not None:
+        dout, q, k, v, out = (t.index_select(0, order) for t in (dout, q, k, v, out))
+        lse, dlse = (None if t is None else t.index_select(1, order) for t in (lse, dlse))
+    grads = ring_backward(
+        dout.contiguous()[None], q[None], k[None].contiguous(), v[None].contiguous(), out[None], lse[None],
+        base, plan, comm, dlse=None if dlse is None else dlse[None],
+    )  # fmt: skip
+    grads = [g[0] for g in grads]
+    if order is not None:
+        back = torch.argsort(order)
+        grads = [g.index_select(0, back) for g in grads]
+    return tuple(grads)
+
+
+@_varlen_backward_op.register_fake
+def _varlen_backward_fake(dout, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, *args = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = args
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = _varlen_backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+    return dq, dk, dv, *(None,) * len(ctx.args)
+
+
+_varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 _VARLEN_DOC = """Ring attention over packed documents in flash-attn's varlen layout; ring-flash-attn's

@@ -309,22 +309,25 @@ def _ring_entries_compiled_match_eager() -> None:
     g = torch.Generator().manual_seed(dist.get_rank())
     r = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
     cu = _int32(0, 4, 10, device=device)  # this rank's pieces of 2 documents
-    cases = [  # (entry, arguments, fullgraph)
-        (ringflash.zigzag_ring_flash_attn_func, (r(1, 8, 2, 16), r(1, 8, 1, 16), r(1, 8, 1, 16)), True),
-        # The varlen entries read cu_seqlens on the host before the ring op: a graph break.
-        (ringflash.ring_flash_attn_varlen_func, (r(10, 2, 16), r(10, 1, 16), r(10, 1, 16), cu, 6), False),
+    dense = tuple(r(1, 8, h, 16) for h in (2, 1, 1))
+    varlen = (*(r(10, h, 16) for h in (2, 1, 1)), cu, 6)
+    cases = [  # (entry, arguments, return_attn_probs), each in one graph
+        (ringflash.zigzag_ring_flash_attn_func, dense, False),
+        (ringflash.zigzag_ring_flash_attn_func, dense, True),
+        # The varlen entries read cu_seqlens inside their op (zigzag: and take its token order).
+        (ringflash.ring_flash_attn_varlen_func, varlen, True),
+        (ringflash.zigzag_ring_flash_attn_varlen_func, varlen, False),
     ]
-    for fn, args, fullgraph in cases:
-        for return_attn_probs in (False, True):
-            torch._dynamo.reset()
-            compiled, eager = _compiled_and_eager(fn, args, fullgraph, return_attn_probs=return_attn_probs)
-            _assert_same(compiled, eager)
-            assert len(compiled[0]) == (3 if return_attn_probs else 1)
+    for fn, args, return_attn_probs in cases:
+        torch._dynamo.reset()
+        compiled, eager = _compiled_and_eager(fn, args, True, return_attn_probs=return_attn_probs)
+        _assert_same(compiled, eager)
+        assert len(compiled[0]) == (3 if return_attn_probs else 1)
     torch._dynamo.reset()
 
 
 def test_ring_entries_compile_with_captured_scalar_outputs(rank_pool):
-    """A dense (zigzag) and a varlen ring-flash-attn entry on 2 gloo ranks."""
+    """A dense (zigzag) and two varlen ring-flash-attn entries on 2 gloo ranks, in one graph each."""
     rank_pool(2).run(_ring_entries_compiled_match_eager)
 
 
