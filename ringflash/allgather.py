@@ -91,7 +91,7 @@ class RowCall:
 def default_heads_k_stride(heads_k: int) -> int:
     """K/V heads per gather when the caller does not say: all of them, one gather. Smaller strides
     overlap the gathers with kernels but give each kernel fewer heads: on 2 H200s (GQA 32/8, causal
-    zigzag, 4K-64K tokens per rank) 4 strides of 2 heads ran fwd+bwd at 0.41-0.97x one stride of 8
+    zigzag, 4K-64K tokens per rank) 4 strides of 2 heads ran fwd+bwd at 0.39-0.98x one stride of 8
     (docs/experiments.md). Pass a divisor of heads_k to bound the memory of the gathered K/V."""
     return heads_k
 
