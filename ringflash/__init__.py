@@ -3,11 +3,14 @@
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` and their qkv/kv-packed forms
 (Triton FlashAttention-2 with LSE, flash-attn 2.x's signatures).
 Sequence parallel: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
-``stripe_flash_attn_func`` and their ``*_varlen_func`` forms (ring-flash-attn's names, arguments and
-shard layouts), ``ulysses_attn_func`` (all-to-all over heads) and ``sp_attn_func`` (one entry point
-for ring / ulysses / hybrid) over a process group, with ``shard_sequence`` / ``gather_sequence``
-to move between full sequences and shards; ``use_high_priority_comm`` (call before
-``init_process_group``) lets ring transfers start beside the attention kernels.
+``stripe_flash_attn_func``, their ``*_varlen_func`` and qkv/kv-packed forms, the llama3 forms
+(``llama3_flash_attn_varlen_func``: all-gathered K/V, documents of any length) and the Hugging Face
+adapter (``substitute_hf_flash_attn``, ``update_ring_flash_attn_params``): all of ring-flash-attn's
+names, arguments and shard layouts; ``ulysses_attn_func`` (all-to-all over heads) and
+``sp_attn_func`` (one entry point for ring / ulysses / hybrid / allgather) over a process group,
+with ``shard_sequence`` / ``gather_sequence`` to move between full sequences and shards;
+``use_high_priority_comm`` (call before ``init_process_group``) lets ring transfers start beside
+the attention kernels.
 Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 ``sequence_parallel_cross_entropy`` (and its chunked form, which never makes all logits),
 ``reduce_gradients``, ``SequenceParallelAttention``; ``integrations.hf`` and

@@ -29,11 +29,13 @@ class Case:
     heads_k_stride: int | None = None
     cu_seqlens: tuple[int, ...] | None = None
     features: bool = False  # softcap + ALiBi + sinks
+    head_dim: int = 16
+    dtype: torch.dtype = torch.float32
 
 
 def _inputs(case: Case):
     g = torch.Generator().manual_seed(7)
-    mk = lambda h, s=1.0: s * torch.randn(case.batch, case.seqlen, h, 16, generator=g)  # noqa: E731
+    mk = lambda h, s=1.0: s * torch.randn(case.batch, case.seqlen, h, case.head_dim, generator=g)  # noqa: E731
     q, k, v, dout = mk(case.heads, 2.0), mk(case.kv_heads, 2.0), mk(case.kv_heads), mk(case.heads)
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(case.heads)])
     sinks = torch.randn(case.heads, generator=g) + 2.0
@@ -49,7 +51,7 @@ def _options(case: Case, slopes, sinks) -> dict:
 def _run(case: Case):
     q, k, v, dout, slopes, sinks = (t.to(worker_device()) for t in _inputs(case))
     shard = lambda t: ringflash.shard_sequence(t, layout=case.layout, cu_seqlens=case.cu_seqlens)  # noqa: E731
-    q, k, v, dout = (shard(t) for t in (q, k, v, dout))
+    q, k, v, dout = (shard(t).to(case.dtype) for t in (q, k, v, dout))
     q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
     out, lse = ringflash.sp_attn_func(
         q, k, v, causal=case.causal, window_size=case.window, layout=case.layout, sp_mode="allgather",
@@ -58,12 +60,13 @@ def _run(case: Case):
     )  # fmt: skip
     out.backward(dout)
     dsinks = None if sinks.grad is None else sinks.grad.cpu()
-    return out.detach().cpu(), lse.detach().cpu(), *(t.grad.cpu() for t in (q, k, v)), dsinks
+    return out.detach().float().cpu(), lse.detach().cpu(), *(t.grad.float().cpu() for t in (q, k, v)), dsinks
 
 
 def check(rank_pool, case: Case) -> None:
     results = rank_pool(case.world).run(_run, case)
     q, k, v, dout, slopes, sinks = _inputs(case)
+    q, k, v, dout = (t.to(case.dtype).double() for t in (q, k, v, dout))  # the inputs the ranks saw
     q, k, v, sinks = (t.double().requires_grad_() for t in (q, k, v, sinks))
     opts = dict(causal=case.causal, window_size=case.window, **_options(case, slopes.double(), sinks))
     if case.cu_seqlens is None:
@@ -79,7 +82,7 @@ def check(rank_pool, case: Case) -> None:
             got.index_copy_(2 if name == "lse" else 1, idx, res[i])
         assert not got.isnan().any(), f"{case}: {name} has NaN"
         err = rel_err(got, expected[i])
-        assert err < TOLERANCE[torch.float32], f"{case}: {name} rel err {err:.2e}"
+        assert err < TOLERANCE[case.dtype], f"{case}: {name} rel err {err:.2e}"
     if case.features:
         err = rel_err(sum(res[5] for res in results), sinks.grad)
         assert err < TOLERANCE[torch.float32], f"{case}: dsinks rel err {err:.2e}"
@@ -101,6 +104,41 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_allgather_matches_float64(rank_pool, name):
     check(rank_pool, CASES[name])
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, "zigzag", seqlen=4096, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16),
+        Case(
+            2,
+            "zigzag",
+            seqlen=4096,
+            heads=8,
+            kv_heads=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            heads_k_stride=1,
+            cu_seqlens=(0, 1024, 3072, 3584, 4096),
+        ),  # fmt: skip
+        Case(
+            2,
+            "contiguous",
+            causal=False,
+            seqlen=4096,
+            heads=8,
+            kv_heads=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            batch=2,
+        ),  # fmt: skip
+    ],
+    ids=["zigzag", "packed-2strides", "contiguous-full-batch2"],
+)
+def test_allgather_bf16_real_size_on_gpus(rank_pool, case):
+    """The sizes and dtype where the Hopper kernels run, on NCCL: the benchmark's path, checked."""
+    check(rank_pool, case)
 
 
 def test_window_that_sees_no_earlier_shard(rank_pool):
