@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from .allgather_ops import prepared_allgather_attention
 from .kernels import cu_seqlens_tensor
-from .kernels.functional import unstack_packed
 from .kernels.problem import cu_seqlens_host
 from .ring import attention_returns, check_dropout
+from .ring_packed import unstacked_or_error
 
 
 def _host_bounds(cu_seqlens: object) -> list[int]:
@@ -165,15 +165,6 @@ def llama3_flash_attn_varlen_func(
     )  # fmt: skip
 
 
-def _unstacked(name: str, packed: object, parts: int) -> tuple[tuple, Exception | None]:
-    """Views of a packed tensor, or (packed repeated, the error) for the entry to raise after the
-    ranks' check, so that a wrong shape on one rank raises on every rank."""
-    try:
-        return unstack_packed(name, packed, parts, varlen=True), None
-    except ValueError as e:
-        return (packed,) * parts, e
-
-
 def llama3_flash_attn_varlen_qkvpacked_func(
     qkv: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -198,7 +189,7 @@ def llama3_flash_attn_varlen_qkvpacked_func(
     """``llama3_flash_attn_varlen_func`` on qkv (local_tokens, 3, heads, head_dim) stacked in one
     tensor (ring-flash-attn's; its gradient is stacked the same way). Other arguments and returns
     as there."""
-    (q, k, v), error = _unstacked("qkv", qkv, 3)
+    (q, k, v), error = unstacked_or_error("qkv", qkv, 3, varlen=True)
     return _llama3_entry(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
         dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
@@ -231,7 +222,7 @@ def llama3_flash_attn_varlen_kvpacked_func(
     """``llama3_flash_attn_varlen_func`` with k and v stacked in kv (local_tokens, 2, heads_k,
     head_dim) (ring-flash-attn's); q (local_tokens, heads_q, head_dim). Other arguments and
     returns as there."""
-    (k, v), error = _unstacked("kv", kv, 2)
+    (k, v), error = unstacked_or_error("kv", kv, 2, varlen=True)
     return _llama3_entry(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
         dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,

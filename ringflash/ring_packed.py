@@ -25,7 +25,7 @@ _VARLEN_SHAPE = "(local_tokens, {parts}, heads, head_dim)"
 _Q_SHAPE = {False: "(batch, local_seqlen, heads_q, head_dim)", True: "(local_tokens, heads_q, head_dim)"}
 
 
-def _unstacked(name: str, packed: object, parts: int, varlen: bool) -> tuple[tuple, Exception | None]:
+def unstacked_or_error(name: str, packed: object, parts: int, varlen: bool) -> tuple[tuple, Exception | None]:
     """(views, None), or where ``packed`` is a tensor of the wrong shape (packed repeated, the
     error) for the entry to raise after the rank check. Not a tensor at all: raised here, as the
     unpacked entries raise for a q that is not one."""
@@ -36,22 +36,22 @@ def _unstacked(name: str, packed: object, parts: int, varlen: bool) -> tuple[tup
 
 
 def _dense_qkv(qkv, args, layout, extras):
-    (q, k, v), error = _unstacked("qkv", qkv, 3, varlen=False)
+    (q, k, v), error = unstacked_or_error("qkv", qkv, 3, varlen=False)
     return _ring_entry(q, k, v, *args, layout=layout, error=error, **extras)
 
 
 def _dense_kv(q, kv, args, layout, extras):
-    (k, v), error = _unstacked("kv", kv, 2, varlen=False)
+    (k, v), error = unstacked_or_error("kv", kv, 2, varlen=False)
     return _ring_entry(q, k, v, *args, layout=layout, error=error, **extras)
 
 
 def _varlen_qkv(qkv, args, layout, extras):
-    (q, k, v), error = _unstacked("qkv", qkv, 3, varlen=True)
+    (q, k, v), error = unstacked_or_error("qkv", qkv, 3, varlen=True)
     return _varlen_entry(q, k, v, *args, layout=layout, error=error, **extras)
 
 
 def _varlen_kv(q, kv, args, layout, extras):
-    (k, v), error = _unstacked("kv", kv, 2, varlen=True)
+    (k, v), error = unstacked_or_error("kv", kv, 2, varlen=True)
     return _varlen_entry(q, k, v, *args, layout=layout, error=error, **extras)
 
 

@@ -545,7 +545,9 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: i
     ``update_ring_flash_attn_params`` gave. Causal, batch 1, no padding. transformers then loads
     "flash_attention_2" without the flash-attn package. Calling it again replaces the group and
     the stride."""
-    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
+        raise TypeError(f"heads_k_stride must be an int, got {type(heads_k_stride).__name__}")
+    if heads_k_stride < 1:
         raise ValueError(f"heads_k_stride must be a positive int, got {heads_k_stride!r}")
     from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
