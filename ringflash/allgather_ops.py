@@ -158,8 +158,13 @@ def _op_args(group, softmax_scale, causal, window_size, softcap, deterministic, 
     scale, causal, (left, right), softcap, deterministic = check_scalar_args(
         softmax_scale, causal, window_size, softcap, deterministic
     )
-    if heads_k_stride is not None and type(heads_k_stride) is not int:
-        raise TypeError(f"heads_k_stride must be an int or None, got {type(heads_k_stride).__name__}")
+    if heads_k_stride is not None:  # 0 stands for None in the op: refuse it here, as the eager path does
+        if type(heads_k_stride) is not int:
+            raise TypeError(f"heads_k_stride must be an int or None, got {type(heads_k_stride).__name__}")
+        if heads_k_stride < 1:
+            raise ValueError(
+                f"heads_k_stride must be a positive divisor of the k/v heads, got {heads_k_stride}"
+            )
     return dict(group_name=group_name(group), softmax_scale=scale, causal=causal, window_left=left,
                 window_right=right, softcap=softcap, deterministic=deterministic,
                 heads_k_stride=heads_k_stride or 0)  # fmt: skip
