@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
-from .consistency import call_signature, check_ranks_agree
+from .consistency import join_rank_check
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -40,14 +40,8 @@ from .kernels import (
     build_problem,
     check_sinks,
 )
-from .layouts import (
-    check_layout,
-    check_total_length,
-    cumulative_lengths,
-    document_lengths,
-    layout_indices,
-    segments,
-)
+from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
+from .ring import check_shards
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -369,40 +363,22 @@ def layout_setup(
     plan, group, checked sinks). Arguments as in ``ring.ring_setup``, plus ``heads_k_stride`` (K/V
     heads gathered at a time; None: all of them, ``default_heads_k_stride``). ``error``: an
     argument error the caller found, raised after the ranks' check, which this rank still joins."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
+                   cu_seqlens=cu_seqlens)  # fmt: skip
     stride = None
     try:
-        check_layout(layout)
-        base = build_problem(q, k, v, softmax_scale, causal, window_size, softcap=softcap,
-                             alibi_slopes=alibi_slopes, deterministic=deterministic)  # fmt: skip
-        sinks = check_sinks(sinks, base.heads_q, q.device)
+        base, sinks = check_shards(q, k, v, sinks=sinks, mode="all-gather", **options)
         stride = check_heads_k_stride(heads_k_stride, base.heads_k)
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                f"all-gather attention needs q and k/v shards of the same local length, got {q.shape[1]} "
-                f"and {k.shape[1]}"
-            )
-        if cu_seqlens is not None and q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
     except (ValueError, TypeError) as e:
         error = error or e
     group = resolve_group_or_raise(group, error)
-    if check_ranks:
-        signature = call_signature(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, layout=layout,
-            cu_seqlens=cu_seqlens, heads_k_stride=heads_k_stride, sp_mode="allgather",
-        )  # fmt: skip
-        check_ranks_agree(group, signature, error)
-    elif error is not None:
-        raise error
+    join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
+                    sp_mode="allgather", **options)  # fmt: skip
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     total = q.shape[1] * world
-    if cu_seqlens is None:
-        check_total_length(layout, total, world, "full sequence length")
-        doc_lens, bounds = (total,), None
-    else:
-        doc_lens = document_lengths(cu_seqlens, total, layout, world)
-        bounds = (0, *itertools.accumulate(doc_lens))
+    doc_lens = full_document_lengths(layout, q.shape[1], world, cu_seqlens)
+    bounds = None if cu_seqlens is None else (0, *itertools.accumulate(doc_lens))
     calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
     order = natural_order(layout, world, total, bounds, q.device)
     return base, gather_plan(calls, base.heads_k, stride, q.shape[1], order), group, sinks
@@ -474,14 +450,10 @@ def prepared_setup(
             sinks = check_sinks(sinks, q.shape[1], q.device)
         except (ValueError, TypeError) as e:
             error = e
-    if check_ranks:
-        signature = call_signature(
-            q, k, v, heads_k_stride=heads_k_stride, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-            deterministic=deterministic, sp_mode="llama3",
-        )  # fmt: skip
-        check_ranks_agree(group, signature, error)
-    elif error is not None:
-        raise error
+    join_rank_check(
+        group, check_ranks, error, q, k, v, heads_k_stride=heads_k_stride, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        deterministic=deterministic, sp_mode="llama3",
+    )  # fmt: skip
     calls = [RowCall(slice(0, q.shape[0]), ks, True, problem)]
     return base, gather_plan(calls, k.shape[1], stride, q.shape[0], None), group, sinks

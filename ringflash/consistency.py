@@ -95,3 +95,15 @@ def check_ranks_agree(
         )
     if error is not None:
         raise error
+
+
+def join_rank_check(
+    group: dist.ProcessGroup, check_ranks: bool, error: Exception | None, q: object, k: object, v: object,
+    **options: object,
+) -> None:  # fmt: skip
+    """A setup's ranks' check: ``check_ranks_agree`` on ``call_signature(q, k, v, **options)``,
+    or (a caller that checked a larger group already) just ``error``, raised if there is one."""
+    if check_ranks:
+        check_ranks_agree(group, call_signature(q, k, v, **options), error)
+    elif error is not None:
+        raise error

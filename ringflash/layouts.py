@@ -96,6 +96,18 @@ def document_lengths(
     return lens
 
 
+def full_document_lengths(
+    layout: str, local_len: int, world_size: int, cu_seqlens: torch.Tensor | Sequence[int] | None
+) -> tuple[int, ...]:
+    """The documents of the full sequence whose shards of ``local_len`` tokens the ranks hold:
+    one of world_size x local_len tokens, or ``cu_seqlens``' (``document_lengths``), validated."""
+    total = local_len * world_size
+    if cu_seqlens is None:
+        check_total_length(layout, total, world_size, "full sequence length")
+        return (total,)
+    return document_lengths(cu_seqlens, total, layout, world_size)
+
+
 def cumulative_lengths(lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """int32 (0, l0, l0 + l1, ..., sum) of ``lens``: the inverse of ``document_lengths``; the
     kernels validate it without reading it back."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm, resolve_group_or_raise
-from .consistency import call_signature, check_ranks_agree
+from .consistency import join_rank_check
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -31,7 +31,7 @@ from .kernels import (
     uses_fused_backward,
 )
 from .kernels.ops import use_ops
-from .layouts import check_layout, check_total_length, cumulative_lengths, document_lengths, segments
+from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
 from .merge import merge_partial, merge_sinks
 from .schedule import BlockTask, ring_schedule
 
@@ -270,6 +270,39 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
     return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
+def check_shards(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+    layout: str,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    mode: str,
+) -> tuple[AttentionProblem, torch.Tensor | None]:
+    """What a sequence-parallel call over local shards (batch, local_seqlen, heads, head_dim) must
+    satisfy on this rank alone: (the base problem of the local shard, the checked sinks); raises
+    ValueError/TypeError. ``mode`` names the attention in the messages ("ring", "all-gather")."""
+    check_layout(layout)
+    base = build_problem(q, k, v, softmax_scale, causal, window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, deterministic=deterministic)  # fmt: skip
+    sinks = check_sinks(sinks, base.heads_q, q.device)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{mode} attention needs q and k/v shards of the same local length, got {q.shape[1]} "
+            f"and {k.shape[1]}"
+        )
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    return base, sinks
+
+
 def ring_setup(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -290,35 +323,16 @@ def ring_setup(
 ) -> tuple[AttentionProblem, RingPlan, RingComm, torch.Tensor | None]:
     """Validate a ring call and plan it: (base problem, plan, comm, checked sinks); arguments as
     in ``ring_attention``."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
+                   cu_seqlens=cu_seqlens)  # fmt: skip
     try:
-        check_layout(layout)
-        base = build_problem(q, k, v, softmax_scale, causal, window_size, softcap=softcap,
-                             alibi_slopes=alibi_slopes, deterministic=deterministic)  # fmt: skip
-        sinks = check_sinks(sinks, base.heads_q, q.device)
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                "ring attention needs q and k/v shards of the same local length, "
-                f"got {q.shape[1]} and {k.shape[1]}"
-            )
-        if cu_seqlens is not None and q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        base, sinks = check_shards(q, k, v, sinks=sinks, mode="ring", **options)
     except (ValueError, TypeError) as e:
         error = error or e
     comm = RingComm(resolve_group_or_raise(group, error))
-    if check_ranks:
-        signature = call_signature(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                   sinks=sinks, deterministic=deterministic, layout=layout,
-                                   cu_seqlens=cu_seqlens)  # fmt: skip
-        check_ranks_agree(comm.group, signature, error)
-    elif error is not None:
-        raise error
-    total = q.shape[1] * comm.world_size
-    if cu_seqlens is None:
-        check_total_length(layout, total, comm.world_size, "full sequence length")
-        doc_lens = (total,)
-    else:
-        doc_lens = document_lengths(cu_seqlens, total, layout, comm.world_size)
+    join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
+    doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
     return base, ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device), comm, sinks
 
 
