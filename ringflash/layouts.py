@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import TokenPositions, cu_seqlens_tensor
+from .kernels.problem import cu_seqlens_host
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -59,6 +60,24 @@ def check_total_length(layout: str, total: int, world_size: int, what: str = "se
     return total // world_size
 
 
+def host_bounds(cu_seqlens: object) -> list[int]:
+    """The values of ``cu_seqlens`` (a 1-D int32/int64 tensor, or a sequence of ints) on the host,
+    unchecked beyond their type. An int32 tensor is read back once per tensor and version
+    (``cu_seqlens_host``), every layer of a packed batch passing the same one."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
+        return list(cu_seqlens_host(cu_seqlens)) if cu_seqlens.dtype == torch.int32 else cu_seqlens.tolist()
+    if isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens
+    ):
+        return list(cu_seqlens)
+    raise TypeError(
+        f"cu_seqlens must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
+    )
+
+
 def document_lengths(
     cu_seqlens: torch.Tensor | Sequence[int], total: int, layout: str, ring_size: int
 ) -> tuple[int, ...]:
@@ -69,19 +88,7 @@ def document_lengths(
     is split by ``layout`` over the ``ring_size`` ring ranks on its own, so each length must be
     a positive multiple of the layout's ``shard_multiple``.
     """
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
-        bounds = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, (list, tuple)) and all(
-        isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens
-    ):
-        bounds = list(cu_seqlens)
-    else:
-        raise TypeError(
-            f"cu_seqlens must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
-        )
+    bounds = host_bounds(cu_seqlens)
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to the full sequence length {total}, got {bounds}")
     lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))

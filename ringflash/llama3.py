@@ -21,24 +21,9 @@ import torch.distributed as dist
 
 from .allgather_ops import prepared_allgather_attention
 from .kernels import cu_seqlens_tensor
-from .kernels.problem import cu_seqlens_host
+from .layouts import host_bounds
 from .ring import attention_returns, check_dropout
 from .ring_packed import unstacked_or_error
-
-
-def _host_bounds(cu_seqlens: object) -> list[int]:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
-        return list(cu_seqlens_host(cu_seqlens)) if cu_seqlens.dtype == torch.int32 else cu_seqlens.tolist()
-    if isinstance(cu_seqlens, (list, tuple)) and all(
-        isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens
-    ):
-        return list(cu_seqlens)
-    raise TypeError(
-        f"cu_seqlens must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
-    )
 
 
 def llama3_flash_attn_prepare_cu_seqlens(
@@ -59,7 +44,7 @@ def llama3_flash_attn_prepare_cu_seqlens(
         cu_seqlens' device (CPU for a list), the longest piece and key run, and the slice of the
         gathered sequence holding the keys. Reads cu_seqlens to the host (once per batch).
     """
-    bounds = _host_bounds(cu_seqlens)
+    bounds = host_bounds(cu_seqlens)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     for name, x in (("rank", rank), ("world_size", world_size)):

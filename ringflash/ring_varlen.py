@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .comm import group_from_name, group_name, resolve_group_or_raise
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
-from .layouts import check_layout
+from .layouts import check_layout, host_bounds
 from .ring import (
     apply_sinks,
     attention_returns,
@@ -34,19 +34,7 @@ from .ring import (
 
 
 def _local_bounds(cu_seqlens: object, tokens: int, max_seqlen: object) -> list[int]:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                            f"of shape {tuple(cu_seqlens.shape)}")  # fmt: skip
-        bounds = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, (list, tuple)) and all(
-        isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens
-    ):
-        bounds = list(cu_seqlens)
-    else:
-        raise TypeError(
-            f"cu_seqlens must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
-        )
+    bounds = host_bounds(cu_seqlens)
     lens = [b - a for a, b in zip(bounds, bounds[1:])]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != tokens or min(lens) <= 0:
         raise ValueError(

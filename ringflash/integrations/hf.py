@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import host_values_agree, resolve_group
+from ..layouts import host_bounds
 from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
@@ -389,7 +390,7 @@ def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group: dist.
     group = resolve_group(process_group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     prepared = llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, rank, world)
-    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    bounds = host_bounds(cu_seqlens)  # read once: prepare reads the same cached values
     n = bounds[-1] // world
     names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "local_k_slice")
     DATA_PARAMS.clear()
