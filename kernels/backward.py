@@ -28,6 +28,7 @@ import triton.language as tl
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
 from .hopper.dispatch import hopper_module, uses_fused_backward
+from .launcher import launch
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import program_tile, row_pointers, seq_bounds, tile_grid, visibility_mask, visible_tiles
@@ -330,7 +331,8 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
         problem.max_seqlen_q, problem.heads_q, problem.batch, block_m, out.shape[0] if vl else None
     )
     if grid[0] > 0:
-        _delta_kernel[grid](
+        launch(
+            _delta_kernel, grid,
             o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
             do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
             packed_docs, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m,
@@ -436,7 +438,8 @@ def attention_backward(
     )
     if compute_dkdv:
         dk4, dv4 = as_4d(dk, vl), as_4d(dv, vl)
-        _dkdv_kernel[grid](
+        launch(
+            _dkdv_kernel, grid,
             q4, k4, v4, do4, lse, delta, dk4, dv4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, *dk4.stride()[:3], *dv4.stride()[:3],
             *lse_strides(lse, vl), *scalars, packed_docs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -448,7 +451,8 @@ def attention_backward(
     )
     if compute_dq:
         dq4 = as_4d(dq, vl)
-        _dq_kernel[grid](
+        launch(
+            _dq_kernel, grid,
             q4, k4, v4, do4, lse, delta, dq4, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi,
             *qkv_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2),
             *lse_strides(lse, vl), *scalars, packed_docs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .configs import block_d, forward_config
 from .hopper.dispatch import hopper_module, uses_fused_forward
+from .launcher import launch
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import LOG2E as LOG2E  # re-exported: the Hopper kernels take it from here
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales
@@ -195,7 +196,8 @@ def attention_forward(
         lse.fill_(float("-inf"))
         return out, lse
     b = problem.bounds
-    _fwd_kernel[grid](
+    launch(
+        _fwd_kernel, grid,
         q4, k4, v4, o4, lse, problem.cu_seqlens_q, problem.cu_seqlens_k, alibi_tensor(problem),
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),

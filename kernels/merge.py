@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .configs import block_d
+from .launcher import launch
 
 
 @triton.jit
@@ -89,7 +90,8 @@ def merge_attention_partial(
         return
     block_r = 16 if d > 128 else 32
     grid = (triton.cdiv(n, block_r), b * h)
-    _merge_kernel[grid](
+    launch(
+        _merge_kernel, grid,
         out, lse, block_out, block_lse, n, h,
         *out.stride()[:3], *block_out.stride()[:3],
         lse.stride(0), lse.stride(1), block_lse.stride(0), block_lse.stride(1),

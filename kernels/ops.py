@@ -3,8 +3,9 @@
 ``torch.compile`` traces a model that calls them without a graph break and treats them as
 opaque: Inductor neither inlines nor re-compiles the Triton kernels behind them. Each op takes
 only schema types (tensors, floats, ints, bools), builds its ``AttentionProblem`` inside, where
-the tensors are real: ``build_problem`` validates there, including the host-side check of
-``cu_seqlens`` that cannot run on the fake tensors of a trace. The fake implementations give the
+the tensors are real: ``build_problem`` validates there (once per call signature,
+``plans.cached_problem``), including the host-side check of ``cu_seqlens`` that cannot run on
+the fake tensors of a trace. The fake implementations give the
 output shapes, with symbolic sequence lengths under ``mark_dynamic``.
 
     flash_attn_forward(q, k, v, ...) -> (out, lse)
@@ -22,20 +23,9 @@ from torch import Tensor
 
 from .backward import attention_backward, attention_delta
 from .forward import attention_forward
-from .problem import AttentionProblem, build_problem, check_softcap, check_window, resolve_scale
+from .plans import cached_problem
+from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
 from .probs import attention_probs
-
-
-def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-             window_left, window_right, softcap, alibi_slopes, deterministic):  # fmt: skip
-    varlen = {}
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)  # fmt: skip
-    return build_problem(
-        q, k, v, softmax_scale, causal, (window_left, window_right), **varlen,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-    )  # fmt: skip
 
 
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
@@ -55,7 +45,7 @@ def _forward_op(
     alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    problem = cached_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                        causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
     return attention_forward(q, k, v, problem)
 
@@ -90,7 +80,7 @@ def _backward_op(
     alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    problem = cached_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                        causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
     return _backward_impl(dout, q, k, v, out, lse, dlse, problem)
 
@@ -214,7 +204,7 @@ def flash_attention(
                       max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
     if use_ops(q):
         return _forward_op(q, k, v, *args)
-    return _FlashAttention.apply(q, k, v, _problem(q, k, v, *args))
+    return _FlashAttention.apply(q, k, v, cached_problem(q, k, v, *args))
 
 
 @torch.library.custom_op("ringflash::attention_probs", mutates_args=())
@@ -234,7 +224,7 @@ def _probs_op(
     alibi_slopes: Tensor | None,
 ) -> Tensor:
     # k stands in for v, which the probabilities do not read (the problem only checks its shape).
-    problem = _problem(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    problem = cached_problem(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                        causal, window_left, window_right, softcap, alibi_slopes, False)  # fmt: skip
     return attention_probs(q, k, lse, problem)
 
@@ -274,7 +264,7 @@ def flash_attention_probs(
     q, k, lse = q.detach(), k.detach(), lse.detach()
     if use_ops(q):
         return _probs_op(q, k, lse, *args)
-    return attention_probs(q, k, lse, _problem(q, k, k, *args, False))
+    return attention_probs(q, k, lse, cached_problem(q, k, k, *args, False))
 
 
 def use_ops(x: Tensor) -> bool:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
+import secrets
+import socket
+import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -93,11 +99,119 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def host_values_agree(value: int, group: dist.ProcessGroup) -> bool:
-    """Whether every rank of ``group`` passed the same ``value`` (|value| < 2^62): one all-reduce
-    (MAX of value and -value) of 16 bytes on the host."""
+    """Whether every rank of ``group`` passed the same ``value`` (any int; outside [0, 2^56) a
+    56-bit hash of it is compared). Ranks on one host
+    compare through a shared-memory mailbox (``HostMailbox``: microseconds); a group spanning
+    hosts by one all-reduce (MAX of value and -value) of 16 bytes over gloo (0.5-2 ms per call,
+    docs/experiments.md §54). Every rank of the group must call this at the same point, as for a
+    collective."""
+    if dist.get_world_size(group) == 1:
+        return True
+    if not 0 <= value <= _MASK56:  # a 56-bit stand-in, the same on every rank
+        value = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
+    mailbox = host_mailbox(group)
+    if mailbox is not None:
+        return mailbox.agree(value)
     pair = torch.tensor([value, -value], dtype=torch.int64)
     dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=host_group(group))
     return int(pair[0]) == -int(pair[1])  # max == min
+
+
+_MASK56 = (1 << 56) - 1
+_SHIFT, _LOW = np.uint64(56), np.uint64(_MASK56)  # numpy 1.x turns uint64 op Python int into float64
+_WAIT_LIMIT = 1800.0  # seconds, torch's default collective timeout
+
+
+class HostMailbox:
+    """A word per rank and call parity in a shared-memory mapping of the ranks of one host.
+
+    At its c-th check a rank stores one aligned 64-bit word, ``tag(c) << 56 | value`` (``tag``
+    in 1..255, never 0 like a fresh mapping's words), in its slot of parity c % 2, then waits
+    until every rank's slot of that parity carries tag(c) and compares the values. One store
+    per word is atomic on x86-64 and AArch64, so a reader never sees a tag with another call's
+    value. Two parities suffice: a rank can be at most one check ahead of any other (passing
+    check c needs every rank to have stored its word of c), so the word of c - 1 it overwrites
+    at c + 1 has been read by all. Why it cannot deadlock: every rank of the group makes every
+    check, in the same order (the same rule as the collectives that follow); a rank only waits
+    for the others to reach the check it is at, and one that never comes (a crashed rank) ends
+    the wait with a RuntimeError after ``timeout`` seconds, naming it."""
+
+    def __init__(self, words, rank: int, timeout: float) -> None:
+        self._words, self._rank, self._timeout = words, rank, timeout
+        self._checks = 0
+
+    def agree(self, value: int) -> bool:
+        """Whether every rank passed ``value`` (0 <= value < 2^56) to this check."""
+        tag = self._checks % 255 + 1
+        parity = self._checks % 2
+        self._checks += 1
+        self._words[self._rank, parity] = np.uint64((tag << 56) | value)
+        column = self._words[:, parity]
+        spins, deadline = 0, None
+        while not ((column >> _SHIFT) == np.uint64(tag)).all():
+            spins += 1
+            if spins > 1000:  # waiting on another rank's host: stop burning a core
+                deadline = deadline or time.monotonic() + self._timeout
+                if time.monotonic() > deadline:
+                    late = [r for r, w in enumerate(column.tolist()) if w >> 56 != tag]
+                    raise RuntimeError(
+                        f"ranks {late} did not reach ringflash's argument check in {self._timeout:.0f} s"
+                    )
+                time.sleep(5e-5)
+        return bool(((column & _LOW) == np.uint64(value)).all())
+
+
+_MAILBOXES: dict[tuple[int, ...], HostMailbox | None] = {}
+
+
+def _host_identity() -> tuple[str, str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def host_mailbox(group: dist.ProcessGroup) -> HostMailbox | None:
+    """The group's ``HostMailbox``, set up by the first call (which every rank makes, as it
+    makes every check), or None where the ranks are not on one host or cannot share a mapping
+    (no /dev/shm, separate /dev/shm namespaces): they then check over gloo. Set up with three
+    gloo gathers: where each rank runs, the name of the file rank 0 creates in /dev/shm and a
+    nonce it writes there, and whether each rank mapped it and read the nonce back; rank 0
+    removes the file once all have mapped it (the mappings stay)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks in _MAILBOXES:
+        return _MAILBOXES[ranks]
+    mailbox = None
+    world, rank = len(ranks), dist.get_rank(group)
+    if world > 1 and len(set(host_all_gather_object(_host_identity(), group))) == 1:
+        path = nonce = None
+        if rank == 0:
+            nonce = secrets.randbits(63)
+            path = f"/dev/shm/ringflash-{os.getpid()}-{secrets.token_hex(8)}"
+            try:
+                with open(path, "wb") as f:
+                    f.write(nonce.to_bytes(8, "little") + bytes(16 * world))
+            except OSError:
+                path = None
+        path, nonce = host_all_gather_object((path, nonce), group)[0]
+        words = None
+        if path is not None:
+            try:
+                with open(path, "r+b") as f:
+                    mapping = mmap.mmap(f.fileno(), 8 + 16 * world)
+                if int.from_bytes(mapping[:8], "little") == nonce:
+                    words = np.frombuffer(mapping, dtype=np.uint64, offset=8).reshape(world, 2)
+            except OSError:
+                words = None
+        mapped = host_all_gather_object(words is not None, group)
+        if rank == 0 and path is not None:
+            os.unlink(path)
+        if all(mapped):
+            mailbox = HostMailbox(words, rank, _WAIT_LIMIT)
+    _MAILBOXES[ranks] = mailbox
+    return mailbox
 
 
 def host_all_gather_object(obj: object, group: dist.ProcessGroup) -> list:

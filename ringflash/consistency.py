@@ -9,17 +9,18 @@ Why a check on every call rather than once per call signature: a cache cannot be
 A rank that finds its signature cached skips the exchange while a rank that does not (or that
 finds a *different* cached signature, e.g. after warm-up on two sequence lengths) joins it, so
 the first sits in the ring's transfers while the second waits in the check: the very hang this
-module exists to prevent. So every call makes one fixed-size exchange: an all-reduce of 16
-bytes (a 56-bit digest of the signature, MAX of d and -d) over a host-side (gloo) group,
-which needs no device synchronization and adds no kernel to the device stream. Only when the
-digests differ is the full signature gathered to say what differs.
+module exists to prevent. So every call makes one fixed-size exchange of a 56-bit digest of the
+signature on the host (``comm.host_values_agree``), which needs no device synchronization and
+adds no kernel to the device stream. Only when the digests differ is the full signature gathered
+to say what differs.
 
-Cost: it blocks the host, never the device stream, so where the host runs ahead of the device
-(GPU training at the sequence lengths ring attention is for) it hides behind queued kernels.
-``tests/test_consistency.py`` times it: 1.5-1.9 ms per call over gloo with 2 ranks on a 2-core
-machine shared with other jobs, where each rank waits for CPU time; not yet measured on a GPU
-node. ``RINGFLASH_CHECK_RANKS=0`` (set the same on every rank) skips the exchange, for a setup
-known to be consistent; disagreeing ranks then fail as they would without this module.
+Cost: it waits on the host, never on the device stream. Ranks of one host compare through a
+shared-memory mailbox (``comm.HostMailbox``: 8 us per call between 2 CPU ranks of the CI
+machine, docs/experiments.md §54); a group spanning hosts uses a 16-byte all-reduce over gloo
+(0.8 ms there, 1.9 ms between 2 ranks of an H200 node), which the host hides only where it runs
+ahead of the device. ``RINGFLASH_CHECK_RANKS=0`` (set the same on every rank) skips the exchange,
+for a setup known to be consistent; disagreeing ranks then fail as they would without this
+module.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import host_all_gather_object, host_values_agree
+from .kernels.problem import cu_seqlens_host
 
 
 def describe(x: object) -> object:
@@ -46,10 +48,11 @@ def describe(x: object) -> object:
 
 
 def cu_seqlens_values(cu_seqlens: object) -> object:
-    """The boundaries of ``cu_seqlens`` as a tuple of ints (a device tensor is read back, as
-    ``document_lengths`` does anyway), or a summary of an argument that is not one."""
+    """The boundaries of ``cu_seqlens`` as a tuple of ints (a device tensor is read back once
+    per tensor and version, ``cu_seqlens_host``, as ``document_lengths`` reads it), or a summary
+    of an argument that is not one."""
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and not cu_seqlens.is_floating_point():
-        return tuple(cu_seqlens.tolist())
+        return cu_seqlens_host(cu_seqlens)
     return describe(cu_seqlens)
 
 

@@ -4,12 +4,16 @@ naming what differs, instead of a gloo abort, an NCCL hang or garbage; no order 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack, nullcontext
+from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import errors_of, worker_device
 
 import ringflash
+from ringflash import comm
 from ringflash.comm import host_values_agree
 
 
@@ -83,16 +87,67 @@ def test_disagreeing_gathers_raise_on_every_rank(rank_pool):
         assert "rank 1: 'ValueError: dim must be an int in [-3, 3), got 6'" in errors["bad dim on one rank"]
 
 
-def _check_cost(calls: int) -> float:
-    host_values_agree(1, dist.group.WORLD)
-    start = time.perf_counter()
-    for i in range(calls):
-        assert host_values_agree(i, dist.group.WORLD)
-    return (time.perf_counter() - start) / calls
+def _check_cost(calls: int, across_hosts: bool) -> float:
+    with _as_if_across_hosts(across_hosts):
+        host_values_agree(1, dist.group.WORLD)
+        start = time.perf_counter()
+        for i in range(calls):
+            assert host_values_agree(i, dist.group.WORLD)
+        return (time.perf_counter() - start) / calls
 
 
-def test_agreement_check_cost(rank_pool):
-    """The per-call check is one 16-byte host all-reduce; print its cost (gloo, 2 CPU ranks)."""
-    per_call = max(rank_pool(2).run(_check_cost, 200))
-    print(f"agreement check: {per_call * 1e6:.0f} us per call")
+def _as_if_across_hosts(on: bool):
+    """Ranks that report different hosts check over gloo (a fresh setup, the mailbox cache
+    restored after)."""
+    if not on:
+        return nullcontext()
+    stack = ExitStack()
+    stack.enter_context(mock.patch.dict(comm._MAILBOXES, clear=True))
+    stack.enter_context(mock.patch.object(comm, "_host_identity", lambda: (f"host{dist.get_rank()}", "")))
+    return stack
+
+
+@pytest.mark.parametrize("across_hosts", [False, True], ids=["shared-memory", "gloo"])
+def test_agreement_check_cost(rank_pool, across_hosts):
+    """The per-call check on one host (a shared-memory mailbox) and across hosts (a 16-byte
+    gloo all-reduce); print their cost (2 CPU ranks)."""
+    per_call = max(rank_pool(2).run(_check_cost, 200, across_hosts))
+    print(
+        f"agreement check ({'gloo' if across_hosts else 'shared memory'}): {per_call * 1e6:.0f} us per call"
+    )
     assert per_call < 0.05  # loose: the CI machine is shared; see consistency.py for the measurement
+
+
+def _values_agree(across_hosts: bool) -> list[bool]:
+    rank = dist.get_rank()
+    seen = []
+    with _as_if_across_hosts(across_hosts):
+        for i in range(600):  # past the mailbox's 255 tags, twice
+            if i == 300 and rank == 1:
+                time.sleep(0.3)  # a late rank: the other waits for it, then both compare
+            value = i if i % 7 else (i if rank == 0 else -i - 1)  # every 7th call: ranks disagree
+            seen.append(host_values_agree(value, dist.group.WORLD))
+        seen.append(
+            host_values_agree(2**70 + rank, dist.group.WORLD)
+        )  # beyond 56 bits: hashed, still told apart
+        seen.append(host_values_agree(-5, dist.group.WORLD))
+    return seen
+
+
+@pytest.mark.parametrize("across_hosts", [False, True], ids=["shared-memory", "gloo"])
+def test_values_agree_exactly_when_equal(rank_pool, across_hosts):
+    expected = [bool(i % 7) for i in range(600)] + [False, True]
+    for seen in rank_pool(2).run(_values_agree, across_hosts, timeout=120):
+        assert seen == expected
+
+
+def _disagree_across_hosts():
+    with _as_if_across_hosts(True):
+        return _disagreeing_calls()
+
+
+def test_disagreeing_ranks_raise_across_hosts(rank_pool):
+    for errors in rank_pool(2).run(_disagree_across_hosts, timeout=300):
+        assert errors["agreed"] is None and errors["agreed again"] is None
+        assert "causal: rank 0: True, rank 1: False" in errors["causal"]
+        assert "cu_seqlens: rank 0: (0, 4, 16), rank 1: (0, 8, 16)" in errors["packed"]

@@ -88,6 +88,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
+from ..launcher import launch
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
@@ -958,7 +959,8 @@ def fused_backward(
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
-    _fused_bwd_kernel[grid](
+    launch(
+        _fused_bwd_kernel, grid,
         qd, kd, vd, dod, dqd, gdm_desc, s_desc, dkd, dvd, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
         z_before, problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
         v_rows, *dk_strides, *dv_strides, *lse_strides,

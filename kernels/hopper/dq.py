@@ -25,6 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
 from .query_tiles import (
@@ -240,7 +241,8 @@ def fused_dq(
     launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[build])
     do4, dq4 = (t.unsqueeze(0) if problem.varlen else t for t in (dout, dq))
     dod, do_rows = rows_descriptor(do4, HALF_M, launch.constexprs["HEAD_DIM"])
-    _dq_kernel[launch.grid](
+    launch_kernel(
+        _dq_kernel, launch.grid,
         *launch.descriptors, dod, dq, lse, delta, launch.cu_q, launch.cu_k, problem.max_seqlen_q,
         problem.max_seqlen_k, launch.packed_docs, *launch.rows, do_rows, *dq4.stride()[:3],
         *launch.lse_strides, *score_scales(problem), problem.softmax_scale, launch.slopes,

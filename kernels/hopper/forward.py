@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
 from .infini_retrieval import allocate_memory_barriers, load_memory, retrieve_rows
@@ -450,7 +451,8 @@ def fused_forward(
         _check_retrieval(problem, q, out, gated, m, z, gate)
         rows = [rows_descriptor(t.unsqueeze(0), HALF_ROWS, 128)[0] for t in (out, gated)]
         descs, memory = (matrix_descriptor(m), *rows), (gated, z, gate)
-    _fused_fwd_kernel[(programs,)](
+    launch_kernel(
+        _fused_fwd_kernel, (programs,),
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
         launch.slopes, *problem.position_args(), *launch.window, *launch.grid,

@@ -14,7 +14,9 @@ Gluon's TMA names come from gluon_api.py (they changed between Triton releases).
 """
 
 import ctypes
+import dataclasses
 import functools
+import threading
 
 import torch
 from triton.experimental import gluon
@@ -36,6 +38,9 @@ def shared_layout(block: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
+_THREAD = threading.local()
+
+
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
@@ -47,17 +52,19 @@ def make_context_current(device: torch.device) -> None:
     a backward on a thread of its own, where none is until a runtime call or a Triton launch
     makes one current (a Hopper kernel first in a backward failed with "invalid device
     context")."""
-    if device.type != "cuda":  # offline builds describe CPU tensors
+    if device.type != "cuda" or getattr(_THREAD, "has_context", False):  # offline builds: CPU tensors
         return
     lib = _libcuda()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or ctx.value:
+        _THREAD.has_context = ctx.value is not None
         return
     dev = ctypes.c_int()
     index = device.index if device.index is not None else torch.cuda.current_device()
     if lib.cuDeviceGet(ctypes.byref(dev), index) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
         raise RuntimeError(f"no CUDA context for {device}")
     lib.cuCtxSetCurrent(ctx)
+    _THREAD.has_context = True  # a context stays current on a thread (set_device switches, never clears)
 
 
 def rows_descriptor(
@@ -73,12 +80,30 @@ def rows_descriptor(
     rows = (batch - 1) * batch_rows + seqlen
     if build_dim is None or build_dim == head_dim:
         layout = shared_layout((block_rows, head_dim), gl_dtype(t.dtype))
-        return TensorDescriptor(
+        return _descriptor(
             t, [rows, heads * head_dim], [t.stride(1), 1], [block_rows, head_dim], layout
         ), batch_rows
     block = [block_rows, 1, build_dim]
     layout = shared_layout(tuple(block), gl_dtype(t.dtype))
-    return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], block, layout), batch_rows
+    return _descriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], block, layout), batch_rows
+
+
+_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
+_UNCHECKED = tuple(f.name for f in dataclasses.fields(TensorDescriptor)) == _FIELDS
+
+
+def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    """``TensorDescriptor(t, shape, strides, block, layout)`` without its ``__post_init__``
+    checks (about 5 us of a launch's host time each) where this Triton's dataclass has the
+    fields they would set: ``rows_descriptor``'s callers pass tensors that ``tma_layout_ok``
+    accepts (aligned base and rows, packed heads, rows > 0) and blocks of their tile tables."""
+    if not _UNCHECKED:
+        return TensorDescriptor(t, shape, strides, block, layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = (
+        t, shape, strides, block, layout, "zero"
+    )  # fmt: skip
+    return desc
 
 
 @gluon.constexpr_function

@@ -1,0 +1,86 @@
+"""Validated problems built once per call signature.
+
+``build_problem`` checks every argument and resolves the mask (tens of microseconds of Python);
+a model calls attention with the same shapes and options in every layer and every step. The
+problem depends only on q/k/v's shapes, strides, dtypes and devices, the options, and the
+identity and version of the tensors among them (cu_seqlens, ALiBi slopes): equal keys give an
+equal problem, so a call whose key was seen takes the problem built then. The cache holds those
+few small tensors so that their ids cannot be reused while an entry lives; an in-place write to
+one bumps its version and builds anew (as ``problem.cu_seqlens_host`` reads it anew).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .problem import AttentionProblem, build_problem
+
+_MAX_PLANS = 256
+_PLANS: OrderedDict[tuple, tuple[AttentionProblem, tuple]] = OrderedDict()
+_BUILDS = [0]
+
+
+def _layout(t: object) -> tuple:
+    if type(t) is not torch.Tensor:  # subclasses, non-tensors: never cached
+        raise TypeError
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _identity(t: object) -> object:
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor or t.is_inference():  # no version counter to see a write
+        raise TypeError
+    return (id(t), t._version)
+
+
+def cached_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+) -> AttentionProblem:
+    """``build_problem`` for the ops' arguments (``kernels/ops.py``: scalars already checked and
+    in the schema's types), built on the first call of a key and looked up after."""
+    scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+               deterministic)  # fmt: skip
+    try:
+        key = (_layout(q), _layout(k), _layout(v), _identity(cu_seqlens_q), _identity(cu_seqlens_k),
+               _identity(alibi_slopes), scalars)  # fmt: skip
+        hit = _PLANS.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit[0]
+    varlen = {}
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)  # fmt: skip
+    problem = build_problem(
+        q, k, v, softmax_scale, causal, (window_left, window_right), **varlen,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+    )  # fmt: skip
+    _BUILDS[0] += 1
+    if key is not None:
+        _PLANS[key] = (problem, (cu_seqlens_q, cu_seqlens_k, alibi_slopes))  # pins the ids in the key
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    return problem
+
+
+def problem_builds() -> int:
+    """How many problems ``cached_problem`` has built (tests count them)."""
+    return _BUILDS[0]

@@ -1,0 +1,223 @@
+"""Host time per attention call: what a call costs when its kernels are too small to hide it.
+
+    python launch/bench_host.py                                   # one GPU: single-device entries
+    torchrun --nproc-per-node 2 launch/bench_host.py              # also ring, zigzag, Ulysses, all-gather
+    python launch/bench_host.py --profile 200 --out /tmp/prof     # + a cProfile of each entry
+
+A tiny problem (default B=1, S=128 per rank, H=1, D=64, causal, bf16) whose kernels take a few
+microseconds: ``--calls`` calls run back to back with no synchronization, then one
+synchronize; wall microseconds per call is then the host's cost per call (the GPU keeps up).
+fwd: inputs without gradients; fwd+bwd: ``torch.autograd.backward(out, dout)`` per call.
+Every entry runs beside SDPA's cuDNN backend on the same shapes (``F.scaled_dot_product_attention``
+on (B, H, S, D) views; under torchrun SDPA runs on the local shard, the work of one rank's step).
+``--sync-check`` also counts the host synchronizations of one steady-state call of each entry
+(``torch.cuda.set_sync_debug_mode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ringflash
+
+
+def _sdpa(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
+        )
+    return out.transpose(1, 2)
+
+
+def entries(args, group) -> dict[str, Callable]:
+    """name -> f(q, k, v) -> out, every entry on the same (B, S, H, D) inputs."""
+    c = args.causal
+    found: dict[str, Callable] = {
+        "sdpa_cudnn": lambda q, k, v: _sdpa(q, k, v, c),
+        "flash_attn_func": lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=c),
+    }
+
+    def varlen(q, k, v):
+        b, s = q.shape[:2]
+        cu = _cu_seqlens(b, s, q.device)
+        flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+        return ringflash.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=c).view(q.shape)
+
+    found["flash_attn_varlen_func"] = varlen
+    if group is not None:
+        found["ring_flash_attn_func"] = lambda q, k, v: ringflash.ring_flash_attn_func(
+            q, k, v, causal=c, group=group
+        )
+        found["zigzag_ring_flash_attn_func"] = lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(
+            q, k, v, causal=c, group=group
+        )
+        for mode in ("ulysses", "allgather"):
+            found[f"sp_attn_func[{mode}]"] = lambda q, k, v, m=mode: ringflash.sp_attn_func(
+                q, k, v, causal=c, group=group, sp_mode=m
+            )
+    return {n: f for n, f in found.items() if not args.entries or n in args.entries}
+
+
+_CU: dict = {}
+
+
+def _cu_seqlens(batch: int, seqlen: int, device) -> torch.Tensor:
+    """One cu_seqlens tensor per shape, made once, as a packed batch's is shared by every layer."""
+    key = (batch, seqlen, device)
+    if key not in _CU:
+        _CU[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    return _CU[key]
+
+
+def _step(f, q, k, v, dout, backward: bool):
+    out = f(q, k, v)
+    if backward:
+        torch.autograd.backward(out, dout)
+
+
+def host_us(f, q, k, v, dout, backward: bool, calls: int, rounds: int) -> float:
+    """Median over ``rounds`` of wall µs per call over ``calls`` unsynchronized calls."""
+    for _ in range(20):
+        _step(f, q, k, v, dout, backward)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            _step(f, q, k, v, dout, backward)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def sync_count(f, q, k, v, dout, backward: bool) -> int:
+    """Host synchronizations that torch sees in one steady-state call (after warm-up)."""
+    _step(f, q, k, v, dout, backward)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(f, q, k, v, dout, backward)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def profile(f, q, k, v, dout, backward: bool, calls: int, lines: int) -> str:
+    for _ in range(5):
+        _step(f, q, k, v, dout, backward)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        _step(f, q, k, v, dout, backward)
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()
+
+
+def device_trace(f, q, k, v, dout, backward: bool, calls: int) -> str:
+    """torch.profiler's table of ``calls`` calls: each kernel's device time beside the host's."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(5):
+        _step(f, q, k, v, dout, backward)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            _step(f, q, k, v, dout, backward)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, default=128, help="tokens per rank")
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--entries", nargs="*", help="only these (names as printed)")
+    p.add_argument("--sync-check", action="store_true")
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd+bwd calls per entry")
+    p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
+    p.add_argument(
+        "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
+    )
+    args = p.parse_args()
+
+    group = None
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        group = dist.group.WORLD
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    torch.manual_seed(0)
+    b, s, h, d = args.batch, args.seqlen, args.heads, args.head_dim
+    hk = args.kv_heads or h
+    if group is not None and h % dist.get_world_size() == 0 and hk % dist.get_world_size() != 0:
+        hk = h  # Ulysses needs the k/v heads to split too
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(b, s, n, d, **kw) for n in (h, hk, hk))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    if lead:
+        world = dist.get_world_size() if group is not None else 1
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, world {world}")
+        shape = f"B={b} S={s}/rank H={h}/{hk} D={d} causal={args.causal} bf16"
+        print(f"# {shape}, {args.calls} calls x {args.rounds}")
+        print(
+            f"{'entry':32s} {'fwd us':>8s} {'fwd+bwd us':>11s}"
+            + (" syncs fwd/fwd+bwd" if args.sync_check else "")
+        )
+    for name, f in entries(args, group).items():
+        with torch.no_grad():
+            fwd = host_us(f, q, k, v, None, False, args.calls, args.rounds)
+        both = host_us(f, qg, kg, vg, dout, True, args.calls, args.rounds)
+        line = f"{name:32s} {fwd:8.1f} {both:11.1f}"
+        if args.sync_check:
+            with torch.no_grad():
+                sf = sync_count(f, q, k, v, None, False)
+            line += f" {sf:4d} / {sync_count(f, qg, kg, vg, dout, True)}"
+        if lead:
+            print(line, flush=True)
+        if args.trace and lead:
+            with torch.no_grad():
+                print(device_trace(f, q, k, v, None, False, args.trace))
+        if args.profile:
+            text = profile(f, qg, kg, vg, dout, True, args.profile, 45)
+            if lead and args.out:
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
+                    fh.write(f"\n######## {name} ({args.profile} fwd+bwd calls)\n{text}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
