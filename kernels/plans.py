@@ -22,16 +22,21 @@ _PLANS: OrderedDict[tuple, tuple[AttentionProblem, tuple]] = OrderedDict()
 _BUILDS = [0]
 
 
-def _layout(t: object) -> tuple:
-    if type(t) is not torch.Tensor:  # subclasses, non-tensors: never cached
+def layout_key(t: object) -> tuple:
+    """A plain tensor's shape, strides, dtype and device; TypeError for anything else (tensor
+    subclasses, non-tensors: never cached)."""
+    if type(t) is not torch.Tensor:
         raise TypeError
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _identity(t: object) -> object:
+def identity_key(t: object) -> object:
+    """None, or a plain tensor's id and version (a cache entry must hold the tensor, so that the
+    id is not reused while it lives); TypeError for anything else and for inference tensors,
+    which have no version counter to see a write."""
     if t is None:
         return None
-    if type(t) is not torch.Tensor or t.is_inference():  # no version counter to see a write
+    if type(t) is not torch.Tensor or t.is_inference():
         raise TypeError
     return (id(t), t._version)
 
@@ -57,8 +62,8 @@ def cached_problem(
     scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                deterministic)  # fmt: skip
     try:
-        key = (_layout(q), _layout(k), _layout(v), _identity(cu_seqlens_q), _identity(cu_seqlens_k),
-               _identity(alibi_slopes), scalars)  # fmt: skip
+        key = (layout_key(q), layout_key(k), layout_key(v), identity_key(cu_seqlens_q),
+               identity_key(cu_seqlens_k), identity_key(alibi_slopes), scalars)  # fmt: skip
         hit = _PLANS.get(key)
     except TypeError:
         key = hit = None

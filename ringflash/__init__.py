@@ -42,7 +42,7 @@ from .llama3 import (
 from .loss import sequence_parallel_chunked_cross_entropy, sequence_parallel_cross_entropy
 from .merge import merge_partial
 from .modules import ReferenceDecoder, SequenceParallelAttention
-from .ring import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
+from .ring_functions import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
 from .ring_packed import (
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
@@ -61,7 +61,7 @@ from .ring_varlen import (
     zigzag_ring_flash_attn_varlen_func,
 )
 from .sharding import gather_sequence, shard_sequence
-from .ulysses import SP_MODES, sp_attn_func, ulysses_attn_func
+from .sp_functions import SP_MODES, sp_attn_func, ulysses_attn_func
 
 __version__ = "0.1.0"
 

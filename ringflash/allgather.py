@@ -42,6 +42,7 @@ from .kernels import (
 )
 from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
 from .ring import check_shards
+from .setup_cache import SetupCache, resolved_or_none
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -60,7 +61,7 @@ class GatherCall:
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """What a call runs, built once per call from shapes and options: ``steps[i]``, the kernel
+    """What a call runs, built once per call signature (``SETUPS``): ``steps[i]``, the kernel
     calls of head stride i (K/V heads [i * stride, (i + 1) * stride)); ``order``: the gathered
     rows (shard after shard) that make the natural token order, None where they already do."""
 
@@ -366,6 +367,20 @@ def layout_setup(
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens)  # fmt: skip
+    resolved = resolved_or_none(group)
+    key = None
+    if error is None and resolved is not None:
+        key = SETUPS.key(q, k, v, resolved, heads_k_stride=heads_k_stride, **options)
+    hit = SETUPS.get(key)
+    if hit is not None:  # built before for this signature; the ranks' check still runs
+        base, plan, group = hit
+        try:
+            sinks = check_sinks(sinks, base.heads_q, q.device)
+        except (ValueError, TypeError) as e:
+            error = e
+        join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
+                        sp_mode="allgather", **options)  # fmt: skip
+        return base, plan, group, sinks
     stride = None
     try:
         base, sinks = check_shards(q, k, v, sinks=sinks, mode="all-gather", **options)
@@ -381,7 +396,13 @@ def layout_setup(
     bounds = None if cu_seqlens is None else (0, *itertools.accumulate(doc_lens))
     calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
     order = natural_order(layout, world, total, bounds, q.device)
-    return base, gather_plan(calls, base.heads_k, stride, q.shape[1], order), group, sinks
+    plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order)
+    SETUPS.put(key, (base, plan, group), group, alibi_slopes, cu_seqlens)
+    return base, plan, group, sinks
+
+
+# All-gather setups by call signature (layout_setup).
+SETUPS = SetupCache()
 
 
 def _check_local_k_slice(local_k_slice: object, gathered: int) -> slice:

@@ -24,7 +24,7 @@ from .comm import group_from_name, group_name
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
 from .layouts import check_layout
-from .ring import apply_sinks
+from .merge import apply_sinks
 
 
 def _setup(q: Tensor, k: Tensor, v: Tensor, args: tuple, check_ranks: bool):

@@ -15,7 +15,7 @@ adds no kernel to the device stream. Only when the digests differ is the full si
 to say what differs.
 
 Cost: it waits on the host, never on the device stream. Ranks of one host compare through a
-shared-memory mailbox (``comm.HostMailbox``: 8 us per call between 2 CPU ranks of the CI
+shared-memory mailbox (``comm.HostMailbox``: 8-14 us per call between 2 CPU ranks of the CI
 machine, docs/experiments.md §54); a group spanning hosts uses a 16-byte all-reduce over gloo
 (0.8 ms there, 1.9 ms between 2 ranks of an H200 node), which the host hides only where it runs
 ahead of the device. ``RINGFLASH_CHECK_RANKS=0`` (set the same on every rank) skips the exchange,

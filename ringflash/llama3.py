@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from .allgather_ops import prepared_allgather_attention
+from .conventions import attention_returns, check_dropout
 from .kernels import cu_seqlens_tensor
 from .layouts import host_bounds
-from .ring import attention_returns, check_dropout
 from .ring_packed import unstacked_or_error
 
 

@@ -12,7 +12,8 @@ from torch import nn
 from .kernels import check_sinks
 from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout, document_lengths
-from .ulysses import check_sp_mode, sp_attn_func, whole_sequence_attention
+from .sp_functions import check_sp_mode, sp_attn_func
+from .ulysses import whole_sequence_attention
 
 
 class SequenceParallelAttention(nn.Module):

@@ -7,6 +7,9 @@ dK/dV contribution for the visiting shard to a float32 accumulator that travels 
 arrives back at the shard's owner, which adds its own contribution last. The transfer of step
 i+1's data is issued before step i's kernels, so it overlaps them. Buffers are allocated once per
 call.
+
+This module is the engine (eager, plain tensors); the public entry points, which run it or its
+custom op under torch.compile, are in ``ring_functions.py``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from .kernels import (
     check_sinks,
     uses_fused_backward,
 )
-from .kernels.ops import use_ops
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
-from .merge import merge_partial, merge_sinks
+from .merge import apply_sinks, merge_partial
 from .schedule import BlockTask, ring_schedule
+from .setup_cache import SetupCache, resolved_or_none
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -256,20 +259,6 @@ class _RingFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def check_dropout(dropout_p: object) -> None:
-    """ringflash attention has no dropout: only 0.0 is accepted (flash-attn's 4th argument)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p}: ringflash attention has no dropout; pass 0.0")
-
-
-def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
-    """The final (out, lse) with the sinks joining every row's softmax (``merge_sinks``), or as
-    they are. Differentiable in out, lse and sinks."""
-    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
-
-
 def check_shards(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -322,10 +311,22 @@ def ring_setup(
     error: Exception | None = None,
 ) -> tuple[AttentionProblem, RingPlan, RingComm, torch.Tensor | None]:
     """Validate a ring call and plan it: (base problem, plan, comm, checked sinks); arguments as
-    in ``ring_attention``."""
+    in ``ring_attention``. Built once per call signature (``SETUPS``); the ranks' check runs on
+    every call."""
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens)  # fmt: skip
+    resolved = resolved_or_none(group)
+    key = SETUPS.key(q, k, v, resolved, **options) if error is None and resolved is not None else None
+    hit = SETUPS.get(key)
+    if hit is not None:
+        base, plan, comm = hit
+        try:
+            sinks = check_sinks(sinks, base.heads_q, q.device)
+        except (ValueError, TypeError) as e:
+            error = e
+        join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
+        return base, plan, comm, sinks
     try:
         base, sinks = check_shards(q, k, v, sinks=sinks, mode="ring", **options)
     except (ValueError, TypeError) as e:
@@ -333,7 +334,13 @@ def ring_setup(
     comm = RingComm(resolve_group_or_raise(group, error))
     join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
     doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
-    return base, ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device), comm, sinks
+    plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
+    SETUPS.put(key, (base, plan, comm), comm.group, alibi_slopes, cu_seqlens)
+    return base, plan, comm, sinks
+
+
+# Ring setups by call signature (ring_setup).
+SETUPS = SetupCache()
 
 
 def ring_attention(
@@ -359,19 +366,11 @@ def ring_attention(
     missing process group; ``check_ranks``: check that every rank passed the same arguments
     (``consistency.check_ranks_agree``; callers that checked a larger group already skip it).
     ``error``: an argument error the caller found; it is raised after the check, which this
-    rank must still join. Traced by torch.compile, the ring is one opaque custom op
-    (``ringflash/ops.py``) that checks and plans when it runs."""
+    rank must still join. Eager only: traced by torch.compile, the entry points run the custom
+    op ``ringflash::ring_attn_forward`` instead (``ring_functions.dispatch_ring_attention``)."""
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, group=group, layout=layout,
                    cu_seqlens=cu_seqlens, check_ranks=check_ranks)  # fmt: skip
-    if use_ops(q):
-        from .ops import ring_attention_op  # ops.py builds on this module
-
-        if error is not None:
-            raise error
-        if sinks is not None:
-            check_sinks(sinks, q.shape[2], q.device)
-        return apply_sinks(*ring_attention_op(q, k, v, **options), sinks)
     base, plan, comm, sinks = ring_setup(q, k, v, sinks=sinks, error=error, **options)
     k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
     out, lse = _RingFlashAttention.apply(q, k, v, base, plan, comm)
@@ -395,147 +394,3 @@ def ring_plan(
         seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
         cu_local = cumulative_lengths(seq_lens, device)
     return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
-
-
-def attention_returns(
-    out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool
-) -> torch.Tensor | tuple:
-    """ring-flash-attn's return convention: out, or (out, lse, None) with ``return_attn_probs``
-    (it never returns probabilities either: the third slot is None); ours: (out, lse) with
-    ``return_lse``."""
-    if return_attn_probs:
-        return out, lse, None
-    return (out, lse) if return_lse else out
-
-
-def _ring_entry(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse, error=None,
-):  # fmt: skip
-    """The dense entry points' one body; ``error``: an argument error the caller found (a packed
-    tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
-    try:
-        check_dropout(dropout_p)
-    except (ValueError, TypeError) as e:
-        error = error or e  # raised after the rank check, which every rank must join
-    out, lse = ring_attention(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,
-        cu_seqlens=cu_seqlens, error=error,
-    )  # fmt: skip
-    return attention_returns(out, lse, return_attn_probs, return_lse)
-
-
-def ring_flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: torch.Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
-    *,
-    layout: str = "contiguous",
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple:
-    """Exact attention over a sequence sharded across ``group``, differentiable; ring-flash-attn's
-    ``ring_flash_attn_func`` (same arguments, order, defaults and returns; contiguous shards).
-
-    Args:
-        q: this rank's shard (batch, local_seqlen, heads_q, head_dim) of the full sequence,
-            split by ``layout`` (``shard_sequence(x, group, layout=layout)``); float16/bfloat16/float32.
-        k, v: this rank's shards (batch, local_seqlen, heads_k, head_dim); heads_q % heads_k == 0.
-        dropout_p: must be 0.0 (no dropout; anything else is a ValueError).
-        softmax_scale, causal, window_size: as in ``flash_attn_func``, over the full sequence.
-        alibi_slopes: float32 (heads_q,) or (batch, heads_q): bias -slope * |i - j| in global
-            token positions, as in flash-attn.
-        deterministic: only kernels that sum in a fixed order.
-        return_attn_probs: return (out, lse, None), as ring-flash-attn does (no probabilities).
-        group: the sequence-parallel process group (default: the world).
-        layout: how the sequence is split: "contiguous" (ring-flash-attn's ``ring_flash_attn_func``;
-            the default), "zigzag" (balanced causal work, ``zigzag_ring_flash_attn_func``) or
-            "stripe" (``stripe_flash_attn_func``). It must be the layout the shards were cut with
-            (``shard_sequence``'s default is "zigzag"): the data cannot tell.
-        cu_seqlens: packed documents (batch must be 1): int cumulative lengths (0, ..., total)
-            of the documents of the *full* sequence, the same on every rank; attention stays
-            inside each document, and each is split by ``layout`` on its own (shard with
-            ``shard_sequence(..., cu_seqlens=...)``). A CPU tensor or a list avoids a device sync.
-        softcap: scores -> softcap * tanh(scores / softcap) (Gemma-2); 0.0 = off.
-        sinks: (heads_q,) learned sink logits (gpt-oss): each joins every row's softmax
-            denominator with no value; applied once to the merged result. Its gradient is this
-            rank's rows' contribution: sum it over the group as for any replicated parameter
-            (``reduce_gradients`` does).
-        return_lse: return (out, lse).
-
-    Returns:
-        out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; with
-        ``return_lse`` also the float32 LSE (batch, heads_q, local_seqlen) (including the sinks,
-        differentiable). Every rank of the group must call this with the same shapes and options,
-        else every rank raises ValueError naming what differs.
-    """
-    return _ring_entry(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-        return_attn_probs, group, layout=layout, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
-        return_lse=return_lse,
-    )  # fmt: skip
-
-
-def zigzag_ring_flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: torch.Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
-    *,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple:
-    """``ring_flash_attn_func`` on zigzag shards (rank r holds chunks r and 2W-1-r of 2W), as
-    ring-flash-attn's ``zigzag_ring_flash_attn_func``; causal=False works too."""
-    return _ring_entry(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-        return_attn_probs, group, layout="zigzag", cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
-        return_lse=return_lse,
-    )  # fmt: skip
-
-
-def stripe_flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    alibi_slopes: torch.Tensor | None = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
-    *,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple:
-    """``ring_flash_attn_func`` on stripe shards (token t on rank t mod W), as ring-flash-attn's
-    ``stripe_flash_attn_func``; windows and causal=False work too."""
-    return _ring_entry(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-        return_attn_probs, group, layout="stripe", cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
-        return_lse=return_lse,
-    )  # fmt: skip

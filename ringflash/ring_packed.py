@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels.functional import unstack_packed
-from .ring import _ring_entry
+from .ring_functions import _ring_entry
 from .ring_varlen import _varlen_entry
 
 _DENSE_SHAPE = "(batch, local_seqlen, {parts}, heads, head_dim)"

@@ -19,18 +19,12 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_from_name, group_name, resolve_group_or_raise
+from .conventions import attention_returns, check_dropout
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
 from .layouts import check_layout, host_bounds
-from .ring import (
-    apply_sinks,
-    attention_returns,
-    check_dropout,
-    ring_attention,
-    ring_backward,
-    ring_forward,
-    ring_setup,
-)
+from .merge import apply_sinks
+from .ring import ring_attention, ring_backward, ring_forward, ring_setup
 
 
 def _local_bounds(cu_seqlens: object, tokens: int, max_seqlen: object) -> list[int]:

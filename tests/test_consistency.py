@@ -7,6 +7,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ def _disagreeing_calls():
         "packed": lambda: ringflash.ring_flash_attn_func(
             *(t[:, :8] for t in agreed), cu_seqlens=[0, 4, 16] if rank == 0 else [0, 8, 16]
         ),
+        "q not a tensor on one rank": lambda: ringflash.ring_flash_attn_func(
+            None if rank else agreed[0], *agreed[1:], causal=True
+        ),
         "agreed again": lambda: ringflash.ring_flash_attn_func(*agreed, causal=True),
     })  # fmt: skip
     return errors
@@ -62,6 +66,10 @@ def test_disagreeing_ranks_raise_on_every_rank(rank_pool):
         assert "layout: rank 0: 'zigzag', rank 1: 'spiral'" in errors["bad layout on one rank"]
         assert "layout must be one of" in errors["bad layout on one rank"]  # rank 1's own error, shown to all
         assert "cu_seqlens: rank 0: (0, 4, 16), rank 1: (0, 8, 16)" in errors["packed"]
+        assert (
+            "q: rank 0: ('tensor', (1, 8, 2, 16), 'float32'), rank 1: None"
+            in errors["q not a tensor on one rank"]
+        )
         assert "error: rank 0: None, rank 1: 'ValueError: dropout_p=0.1" in errors["dropout on one rank"]
 
 
@@ -151,3 +159,13 @@ def test_disagreeing_ranks_raise_across_hosts(rank_pool):
         assert errors["agreed"] is None and errors["agreed again"] is None
         assert "causal: rank 0: True, rank 1: False" in errors["causal"]
         assert "cu_seqlens: rank 0: (0, 4, 16), rank 1: (0, 8, 16)" in errors["packed"]
+
+
+def test_mailbox_names_a_rank_that_never_comes():
+    words = np.zeros((3, 2), dtype=np.uint64)
+    mailbox = comm.HostMailbox(words, rank=0, timeout=0.2)
+    words[2, 0] = np.uint64((1 << 56) | 7)  # rank 2 reached the first check; rank 1 never does
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not reach ringflash's argument check"):
+        mailbox.agree(7)
+    assert time.monotonic() - start < 5

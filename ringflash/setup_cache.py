@@ -1,0 +1,77 @@
+"""Sequence-parallel setups (validated base problem, plan, comm) built once per call signature.
+
+A ring or all-gather call checks its shards, resolves its group, reads the document lengths and
+plans every step's kernel calls: hundreds of microseconds of Python per call, the same for every
+layer and step of a model. The setup depends only on q/k/v's shapes, strides, dtypes and devices,
+the group and the options, tensors among them (ALiBi slopes, cu_seqlens) by identity and version:
+a call whose key was seen takes what was built then. The ranks' agreement check is not part of
+it and runs on every call (``consistency``): a rank that finds its setup cached still joins it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from .comm import resolve_group
+from .kernels.plans import identity_key, layout_key
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _option_key(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return identity_key(value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_option_key(x) for x in value))
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    raise TypeError  # a value the key cannot stand for: never cached
+
+
+class SetupCache:
+    """Setups by call signature, the least recently used dropped past ``size``."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._entries: OrderedDict[tuple, tuple[object, tuple]] = OrderedDict()
+        self._size = size
+        self.builds = 0  # setups stored (tests count them)
+
+    def key(self, q: object, k: object, v: object, group: object, **options: object) -> tuple | None:
+        """The call's key, or None where it cannot be cached (tensor subclasses, inference
+        tensors among the options, values of other types)."""
+        try:
+            parts = (layout_key(q), layout_key(k), layout_key(v), id(group))
+            return parts + tuple((name, _option_key(value)) for name, value in sorted(options.items()))
+        except TypeError:
+            return None
+
+    def get(self, key: tuple | None) -> object | None:
+        if key is None:
+            return None
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: tuple | None, setup: object, *pinned: object) -> None:
+        """Store ``setup``; ``pinned``: the group and the tensors whose ids are in the key, held
+        so that the ids cannot be reused while the entry lives."""
+        self.builds += 1
+        if key is None:
+            return
+        self._entries[key] = (setup, pinned)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+def resolved_or_none(group: object) -> dist.ProcessGroup | None:
+    """The process group a ``group=`` argument names (``comm.resolve_group``), or None where it
+    names none: such a call is not cached, and its setup raises the error in its usual order."""
+    try:
+        return resolve_group(group)
+    except (RuntimeError, TypeError, ValueError):
+        return None

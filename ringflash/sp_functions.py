@@ -1,0 +1,199 @@
+"""``sp_attn_func``, the one entry point for every sequence-parallel mode, and
+``ulysses_attn_func``: the eager engines (``ring.py``, ``ulysses.py``, ``allgather.py``) or, traced
+by torch.compile, their custom ops (``ops.py``, ``allgather_ops.py``). Layers: these entries -> the
+ops -> the engines; nothing below imports this module."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .allgather_ops import allgather_attention
+from .comm import resolve_group
+from .consistency import call_signature, check_ranks_agree
+from .conventions import attention_returns, check_dropout
+from .kernels import check_sinks, check_window
+from .kernels.ops import use_ops
+from .kernels.problem import check_alibi_slopes
+from .layouts import check_layout
+from .merge import apply_sinks
+from .mesh import check_ulysses_size, check_ulysses_type, ulysses_ring_mesh
+from .ops import ulysses_attention_op
+from .ring_functions import dispatch_ring_attention
+from .ulysses import mesh_attention
+
+SP_MODES = ("ring", "ulysses", "hybrid", "allgather")
+
+
+def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
+    """What ``sp_mode`` and ``ulysses_size`` must satisfy whatever the group's size (so that a
+    model configured for sequence parallelism fails on one device too, not first on many)."""
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+    if sp_mode in ("ring", "allgather") and ulysses_size not in (None, 1):
+        raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
+    if sp_mode == "hybrid" and ulysses_size is None:
+        raise ValueError('sp_mode="hybrid" needs ulysses_size')
+    if ulysses_size is not None:
+        check_ulysses_type(ulysses_size)
+
+
+def _contradiction(ulysses_size: object, sp_mode: str, expected: str) -> str:
+    return (
+        f'ulysses_size={ulysses_size!r} contradicts sp_mode="{sp_mode}", whose Ulysses group size is '
+        f"{expected}: shards cut for another size hold other tokens; pass the sp_mode they were cut for"
+    )
+
+
+def sp_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "zigzag",
+    sp_mode: str = "ring",
+    ulysses_size: int | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    heads_k_stride: int | None = None,
+) -> torch.Tensor | tuple:
+    """Exact attention over a sequence sharded across ``group``, in any sequence-parallel mode.
+
+    Positional arguments as in ``ring_flash_attn_func`` (flash-attn's order, ``dropout_p`` fourth).
+
+    Args:
+        q: this rank's shard (batch, local_seqlen, heads_q, head_dim), laid out as
+            ``shard_sequence(x, group, layout=layout, ulysses_size=U)`` makes it.
+        k, v: (batch, local_seqlen, heads_k, head_dim); heads_q % heads_k == 0.
+        dropout_p: must be 0.0.
+        softmax_scale, causal, window_size: as in ``flash_attn_func``, over the full sequence.
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q), as in flash-attn.
+        deterministic: only kernels that sum in a fixed order.
+        return_attn_probs: return (out, lse, None), as ring-flash-attn does.
+        group: the sequence-parallel group of W ranks (default: the world).
+        layout: token layout of the ring part ("zigzag", "stripe", "contiguous").
+        sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W), "hybrid"
+            (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across) or
+            "allgather" (U = 1: every rank gathers the whole sequence's K/V, ``heads_k_stride``
+            heads at a time, overlapped with the kernels; any ``layout``, see ``allgather.py``).
+        ulysses_size: the Ulysses group size U for "hybrid"; with "ring" only None or 1, with
+            "ulysses" only None or W (any other value raises ValueError).
+        cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
+            ``ring_flash_attn_func``; shard with ``shard_sequence(..., ulysses_size=U, cu_seqlens=...)``.
+        softcap: scores -> softcap * tanh(scores / softcap); 0.0 = off.
+        sinks: (heads_q,) sink logits (gpt-oss), applied once to each head's merged result; its
+            gradient is this rank's contribution (sum over the group: ``reduce_gradients``).
+        return_lse: also return the float32 LSE (batch, heads_q, local_seqlen).
+        heads_k_stride: "allgather" only: K/V heads gathered at a time, a divisor of heads_k
+            (None: all, one gather); memory: the full sequence's K/V of heads_k_stride heads (twice,
+            double-buffered, when heads_k_stride < heads_k, so the next gather overlaps the kernels).
+
+    Returns:
+        out (batch, local_seqlen, heads_q, head_dim) in q's dtype (and the LSE). Every rank of the
+        group must pass the same shapes and options, else every rank raises ValueError.
+    """
+    error = None
+    try:
+        check_dropout(dropout_p)
+        check_sp_mode(sp_mode, ulysses_size)
+        check_layout(layout)
+        if heads_k_stride is not None and sp_mode != "allgather":
+            raise ValueError(f'heads_k_stride={heads_k_stride!r} is for sp_mode="allgather", not "{sp_mode}"')
+        if sp_mode in ("ulysses", "hybrid"):
+            check_window(causal, window_size)
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                    raise ValueError(f"{name} must be a 4-D tensor (batch, local_seqlen, heads, head_dim)")
+            alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+            sinks = check_sinks(sinks, q.shape[2], q.device)
+            if cu_seqlens is not None and q.shape[0] != 1:
+                raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    except (ValueError, TypeError) as e:
+        error = e
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic)  # fmt: skip
+    if sp_mode == "allgather":
+        out, lse = allgather_attention(
+            q, k, v, group=group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
+            sinks=sinks, heads_k_stride=heads_k_stride, error=error, **options,
+        )  # fmt: skip
+        return attention_returns(out, lse, return_attn_probs, return_lse)
+    if sp_mode != "ring" and use_ops(q):  # traced: one opaque op, which checks the ranks when it runs
+        if error is not None:
+            raise error
+        if alibi_slopes is not None:
+            raise NotImplementedError("alibi_slopes with Ulysses/hybrid under torch.compile")
+        if sp_mode == "ulysses" and ulysses_size is not None:
+            world = dist.get_world_size(resolve_group(group))
+            if ulysses_size != world:
+                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
+        u = 0 if sp_mode == "ulysses" else ulysses_size
+        out, lse = ulysses_attention_op(
+            q, k, v, group=group, layout=layout, ulysses_size=u, cu_seqlens=cu_seqlens, **options
+        )
+        return attention_returns(*apply_sinks(out, lse, sinks), return_attn_probs, return_lse)
+    if sp_mode == "ring" and error is None:
+        out, lse = dispatch_ring_attention(q, k, v, group=group, layout=layout, cu_seqlens=cu_seqlens,
+                                  alibi_slopes=alibi_slopes, sinks=sinks, **options)  # fmt: skip
+        return attention_returns(out, lse, return_attn_probs, return_lse)
+    try:
+        group = resolve_group(group)
+    except (RuntimeError, TypeError):
+        if error is not None:
+            raise error from None
+        raise
+    world = dist.get_world_size(group)
+    if error is None:
+        try:
+            if sp_mode == "ulysses" and ulysses_size not in (None, world):
+                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
+            u = world if sp_mode == "ulysses" else check_ulysses_size(ulysses_size, world)
+        except (ValueError, TypeError) as e:
+            error = e
+    signature = call_signature(
+        q, k, v, sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu_seqlens,
+        alibi_slopes=alibi_slopes, sinks=sinks, **options,
+    )  # fmt: skip
+    check_ranks_agree(group, signature, error)
+    mesh = ulysses_ring_mesh(group, u)
+    out, lse = mesh_attention(q, k, v, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
+                               sinks=sinks, **options)  # fmt: skip
+    return attention_returns(out, lse, return_attn_probs, return_lse)
+
+
+def ulysses_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple:
+    """DeepSpeed-Ulysses attention: ``sp_attn_func(..., sp_mode="ulysses")``. Shards are
+    contiguous slices of the sequence (``shard_sequence(x, group, layout="contiguous")``)."""
+    return sp_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+        return_attn_probs, group, layout="contiguous", sp_mode="ulysses", softcap=softcap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip

@@ -1,0 +1,59 @@
+"""ringflash/setup_cache.py through the ring: a call signature seen before builds no setup, the
+results stay exact, and ranks whose caches differ still all raise on disagreeing calls (the check
+runs on every call, cached or not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import errors_of, worker_device
+
+import ringflash
+from ringflash import ring
+
+
+def _qkv(seqlen: int, seed: int = 0, heads: int = 2, head_dim: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, seqlen, heads, head_dim, generator=g).to(worker_device()) for _ in range(3)]
+
+
+def _builds_and_results():
+    shape = dict(heads=3, head_dim=24)  # a signature no other test of the pool's ranks uses
+    first = ringflash.ring_flash_attn_func(*_qkv(8, **shape), causal=True)
+    built = ring.SETUPS.builds
+    fresh = [ringflash.ring_flash_attn_func(*_qkv(8, seed, **shape), causal=True) for seed in (1, 0)]
+    same_shapes = ring.SETUPS.builds - built
+    ringflash.ring_flash_attn_func(*_qkv(8, **shape), causal=False)  # another option
+    ringflash.ring_flash_attn_func(*(t[:, :4] for t in _qkv(8, **shape)), causal=True)  # another length
+    return same_shapes, ring.SETUPS.builds - built, torch.equal(first, fresh[1]), torch.equal(first, fresh[0])
+
+
+def test_same_signature_builds_one_setup(rank_pool):
+    for same_shapes, total, repeat_equal, other_equal in rank_pool(2).run(_builds_and_results):
+        assert same_shapes == 0 and total == 2
+        assert repeat_equal and not other_equal
+
+
+def _caches_differ():
+    """Both ranks cache signatures A and B; then rank 0 calls A while rank 1 calls B, both
+    found in their caches: a cache that skipped the check would hang here."""
+    first = dist.get_rank() == 0
+    a, b, c = _qkv(8), _qkv(12), _qkv(16)
+    call = lambda qkv: lambda: ringflash.ring_flash_attn_func(*qkv, causal=True)  # noqa: E731
+    return errors_of({
+        "A": call(a),
+        "B": call(b),
+        "A on rank 0, B on the others": call(a if first else b),
+        "cached on rank 0 only": call(a if first else c),
+        "A again": call(a),
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_different_caches_all_raise(rank_pool, world):
+    for errors in rank_pool(world).run(_caches_differ, timeout=120):
+        assert errors["A"] is None and errors["B"] is None and errors["A again"] is None
+        for name in ("A on rank 0, B on the others", "cached on rank 0 only"):
+            assert "called with different arguments" in errors[name], errors[name]
+            assert "q: rank 0: ('tensor', (1, 8, 2, 16)" in errors[name]
