@@ -88,6 +88,8 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # compiled asynchronously
             compiled = compiled.result()
+        if compiled is None:  # nothing to reuse (Triton returned no kernel)
+            return
         names = _parameters(kernel)
         tail = tuple(kwargs[n] if n in kwargs else d for n, d in names[len(args) :])
         _COMPILED[key] = (compiled, tail)

@@ -1,4 +1,5 @@
-"""Ulysses and hybrid (Ulysses x ring) sequence parallelism, and the one entry point for all modes.
+"""The Ulysses and hybrid (Ulysses x ring) sequence-parallel engine (eager); its entry point,
+``sp_attn_func``, is in ``sp_functions.py``.
 
 Ulysses re-partitions q, k, v from "my tokens, all heads" to "my heads, the tokens of my Ulysses
 group" with one all-to-all (q, k, v batched together), runs attention there, and swaps back.
