@@ -371,9 +371,9 @@ def layout_setup(
     key = None
     if error is None and resolved is not None:
         key = SETUPS.key(q, k, v, resolved, heads_k_stride=heads_k_stride, **options)
-    hit = SETUPS.get(key)
+    hit = SETUPS.get(key, resolved)
     if hit is not None:  # built before for this signature; the ranks' check still runs
-        base, plan, group = hit
+        (base, plan), group = hit, resolved
         try:
             sinks = check_sinks(sinks, base.heads_q, q.device)
         except (ValueError, TypeError) as e:
@@ -397,7 +397,7 @@ def layout_setup(
     calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
     order = natural_order(layout, world, total, bounds, q.device)
     plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order)
-    SETUPS.put(key, (base, plan, group), group, alibi_slopes, cu_seqlens)
+    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens)
     return base, plan, group, sinks
 
 

@@ -318,9 +318,10 @@ def ring_setup(
                    cu_seqlens=cu_seqlens)  # fmt: skip
     resolved = resolved_or_none(group)
     key = SETUPS.key(q, k, v, resolved, **options) if error is None and resolved is not None else None
-    hit = SETUPS.get(key)
+    hit = SETUPS.get(key, resolved)
     if hit is not None:
-        base, plan, comm = hit
+        base, plan, rank, world_size = hit
+        comm = RingComm.known(resolved, rank, world_size)
         try:
             sinks = check_sinks(sinks, base.heads_q, q.device)
         except (ValueError, TypeError) as e:
@@ -335,7 +336,7 @@ def ring_setup(
     join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
     doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
     plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
-    SETUPS.put(key, (base, plan, comm), comm.group, alibi_slopes, cu_seqlens)
+    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, alibi_slopes, cu_seqlens)
     return base, plan, comm, sinks
 
 

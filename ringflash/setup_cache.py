@@ -10,6 +10,7 @@ it and runs on every call (``consistency``): a rank that finds its setup cached 
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -35,7 +36,7 @@ class SetupCache:
     """Setups by call signature, the least recently used dropped past ``size``."""
 
     def __init__(self, size: int = 64) -> None:
-        self._entries: OrderedDict[tuple, tuple[object, tuple]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[object, weakref.ref, tuple]] = OrderedDict()
         self._size = size
         self.builds = 0  # setups stored (tests count them)
 
@@ -48,22 +49,27 @@ class SetupCache:
         except TypeError:
             return None
 
-    def get(self, key: tuple | None) -> object | None:
+    def get(self, key: tuple | None, group: object) -> object | None:
+        """The setup stored under ``key`` for this ``group`` (the key holds its id; a group that
+        died and whose id was reused is not the one stored), or None."""
         if key is None:
             return None
         hit = self._entries.get(key)
-        if hit is None:
+        if hit is None or hit[1]() is not group:
             return None
         self._entries.move_to_end(key)
         return hit[0]
 
-    def put(self, key: tuple | None, setup: object, *pinned: object) -> None:
-        """Store ``setup``; ``pinned``: the group and the tensors whose ids are in the key, held
-        so that the ids cannot be reused while the entry lives."""
+    def put(self, key: tuple | None, setup: object, group: object, *pinned: object) -> None:
+        """Store ``setup`` for ``group``, held weakly: a cache that kept a process group alive past
+        ``destroy_process_group`` would destroy it at interpreter exit, when gloo's threads can no
+        longer be joined cleanly ("terminate called without an active exception"). ``pinned``: the
+        tensors whose ids are in the key, held so that the ids cannot be reused while the entry
+        lives."""
         self.builds += 1
         if key is None:
             return
-        self._entries[key] = (setup, pinned)
+        self._entries[key] = (setup, weakref.ref(group), pinned)
         if len(self._entries) > self._size:
             self._entries.popitem(last=False)
 

@@ -4,6 +4,9 @@ runs on every call, cached or not)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ from distributed import errors_of, worker_device
 
 import ringflash
 from ringflash import ring
+from ringflash.setup_cache import SetupCache
 
 
 def _qkv(seqlen: int, seed: int = 0, heads: int = 2, head_dim: int = 16):
@@ -57,3 +61,23 @@ def test_ranks_with_different_caches_all_raise(rank_pool, world):
         for name in ("A on rank 0, B on the others", "cached on rank 0 only"):
             assert "called with different arguments" in errors[name], errors[name]
             assert "q: rank 0: ('tensor', (1, 8, 2, 16)" in errors[name]
+
+
+def test_cache_holds_the_group_weakly():
+    """A cached setup must not keep a process group alive past destroy_process_group (its
+    destruction at interpreter exit aborted a gloo rank), nor serve a new group at a reused id."""
+
+    class Group:  # stands in for a ProcessGroup: weakly referenceable
+        pass
+
+    cache = SetupCache()
+    group = Group()
+    alive = weakref.ref(group)
+    q = torch.zeros(1, 4, 1, 8)
+    key = cache.key(q, q, q, group, causal=True)
+    cache.put(key, "setup", group)
+    assert cache.get(key, group) == "setup"
+    del group
+    gc.collect()
+    assert alive() is None
+    assert cache.get(key, Group()) is None
