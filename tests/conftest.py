@@ -20,7 +20,7 @@ if INTERPRET:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# The longest tests on the CPU (a -n 2 run, 2026-11-26: 45-130 s each, subprocesses) start
+# The longest tests on the CPU (-n 2 runs, 2026-11-26 and 11-28: 30-130 s each) start
 # first, in this order: xdist hands tests out in collection order, and one of them started near
 # the end would run on alone after the other worker has finished.
 LONG_FIRST = (
@@ -30,6 +30,9 @@ LONG_FIRST = (
     "test_compile.py::test_fused_backward_compiles_for_sm90[masked]",
     "test_compile.py::test_infini_hopper_kernels_compile_for_sm90",
     "test_compile.py::test_dq_kernel_compiles_for_sm90",
+    "test_torch_compile.py::test_ring_entries_compile_with_captured_scalar_outputs",
+    "test_llama3.py::test_compiled_equals_eager",
+    "test_torch_compile.py::test_inductor_keeps_the_ops_opaque",
 )
 
 
