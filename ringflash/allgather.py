@@ -42,7 +42,7 @@ from .kernels import (
 )
 from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
 from .ring import check_shards
-from .setup_cache import SetupCache, resolved_or_none
+from .setup_cache import SetupCache
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -367,11 +367,7 @@ def layout_setup(
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens)  # fmt: skip
-    resolved = resolved_or_none(group)
-    key = None
-    if error is None and resolved is not None:
-        key = SETUPS.key(q, k, v, resolved, heads_k_stride=heads_k_stride, **options)
-    hit = SETUPS.get(key, resolved)
+    key, resolved, hit = SETUPS.lookup(q, k, v, group, error, heads_k_stride=heads_k_stride, **options)
     if hit is not None:  # built before for this signature; the ranks' check still runs
         (base, plan), group = hit, resolved
         try:

@@ -36,7 +36,7 @@ from .kernels import (
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
 from .merge import apply_sinks, merge_partial
 from .schedule import BlockTask, ring_schedule
-from .setup_cache import SetupCache, resolved_or_none
+from .setup_cache import SetupCache
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -316,9 +316,7 @@ def ring_setup(
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens)  # fmt: skip
-    resolved = resolved_or_none(group)
-    key = SETUPS.key(q, k, v, resolved, **options) if error is None and resolved is not None else None
-    hit = SETUPS.get(key, resolved)
+    key, resolved, hit = SETUPS.lookup(q, k, v, group, error, **options)
     if hit is not None:
         base, plan, rank, world_size = hit
         comm = RingComm.known(resolved, rank, world_size)

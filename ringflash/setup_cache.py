@@ -60,6 +60,18 @@ class SetupCache:
         self._entries.move_to_end(key)
         return hit[0]
 
+    def lookup(
+        self, q: object, k: object, v: object, group: object, error: Exception | None, **options: object
+    ) -> tuple[tuple | None, dist.ProcessGroup | None, object | None]:
+        """(key, the group ``group=`` names, the setup stored for them or None) of a call; a call
+        with an argument error, or whose group names none, gets no key (it is never cached, and
+        its setup raises in its usual order)."""
+        resolved = _resolved_or_none(group)
+        if error is not None or resolved is None:
+            return None, resolved, None
+        key = self.key(q, k, v, resolved, **options)
+        return key, resolved, self.get(key, resolved)
+
     def put(self, key: tuple | None, setup: object, group: object, *pinned: object) -> None:
         """Store ``setup`` for ``group``, held weakly: a cache that kept a process group alive past
         ``destroy_process_group`` would destroy it at interpreter exit, when gloo's threads can no
@@ -74,7 +86,7 @@ class SetupCache:
             self._entries.popitem(last=False)
 
 
-def resolved_or_none(group: object) -> dist.ProcessGroup | None:
+def _resolved_or_none(group: object) -> dist.ProcessGroup | None:
     """The process group a ``group=`` argument names (``comm.resolve_group``), or None where it
     names none: such a call is not cached, and its setup raises the error in its usual order."""
     try:
