@@ -13,7 +13,14 @@ the key hand the arguments to the compiled kernel's launcher directly.
 
 The interpreter (TRITON_INTERPRET=1) has no compiled kernels: there ``launch`` is
 ``kernel[grid](...)``. ``RINGFLASH_TRITON_BINDING=1`` in the environment makes every call go
-through Triton's binding (to compare, or to rule this module out).
+through Triton's binding, ``RINGFLASH_TRITON_BINDING=run`` through the compiled kernel's ``run``
+(to compare, or to rule this module out).
+
+Under the Triton releases in ``DIRECT_RELEASES`` a later call goes one step further down: to
+the compiled kernel's C launcher itself, with its TMA descriptors encoded here, skipping the
+Python wrappers around it (scratch allocation, which these kernels do not use, and a loop
+over every argument that looks for descriptors). Kernels that need scratch memory, and every
+other release, go through the compiled kernel's ``run``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime import driver
 
@@ -33,6 +41,8 @@ from .configs import INTERPRET
 _MAX_KEYS = 4096
 _COMPILED: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
 _DEFAULTS: dict[object, tuple[tuple[str, Any], ...]] = {}
+_MAX_LAYOUTS = 1024
+_LAYOUTS: dict[int, object] = {}
 
 
 def _parameters(kernel) -> tuple[tuple[str, Any], ...]:
@@ -57,19 +67,79 @@ def _arg_key(a: object) -> object:
         return (type(a), a)
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a TMA descriptor
-        return ("desc", base.dtype, tuple(a.block_shape), a.layout, a.padding)
+        # The layout by identity (hashing the dataclass cost microseconds per call), pinned in
+        # _LAYOUTS so that its id is never reused; tma.shared_layout makes each layout once.
+        layout = a.layout
+        if _LAYOUTS.get(id(layout)) is not layout:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:  # layouts made per call: key on their value
+                return ("desc", base.dtype, tuple(a.block_shape), layout, a.padding)
+            _LAYOUTS[id(layout)] = layout
+        return ("desc", base.dtype, tuple(a.block_shape), id(layout), a.padding)
     raise TypeError  # anything else: Triton's binding
 
 
+# The releases whose launcher internals ``_direct_launcher`` reads (validated on an H100/H200).
+DIRECT_RELEASES = ("3.6.",)
+
+
+def _binding() -> str:
+    """RINGFLASH_TRITON_BINDING: "0" (default) this module's launches, "1" Triton's binding,
+    "run" this module's key but the compiled kernel's ``run`` (no direct C launches)."""
+    return "1" if INTERPRET else os.environ.get("RINGFLASH_TRITON_BINDING", "0")
+
+
 def bypass_enabled() -> bool:
-    return not INTERPRET and os.environ.get("RINGFLASH_TRITON_BINDING", "0") != "1"
+    return _binding() != "1"
+
+
+def _direct_launcher(compiled, n_args: int) -> tuple | None:
+    """(C launch function, cooperative, pdl, ((argument index, descriptor metadata), ...)) of a
+    compiled kernel whose launcher can be called directly, or None. Reads Triton 3.6's
+    ``CudaLauncher`` and the closure of its descriptor wrapper (``wrap_handle_tensordesc``)."""
+    if not triton.__version__.startswith(DIRECT_RELEASES):
+        return None
+    run = compiled.run
+    if type(run).__name__ != "CudaLauncher" or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    fn, descriptors = run.launch, ()
+    if getattr(fn, "__name__", None) == "inner":  # the descriptor wrapper around the C launcher
+        try:
+            cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+            fn, meta = cells["launcher"], cells["tensordesc_meta"]
+            indices = sorted(cells["tensordesc_indices"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        meta = list(meta) if meta else [None] * len(indices)
+        if len(meta) != len(indices) or any(i >= n_args for i in indices):
+            return None  # a descriptor among the keyword arguments: not a shape this reads
+        descriptors = tuple(zip(indices, meta))
+    return fn, run.launch_cooperative_grid, run.launch_pdl, descriptors
+
+
+def _expand(args: tuple, descriptors: tuple) -> list:
+    """The arguments with each TMA descriptor replaced by what the C launcher takes for it
+    (Triton's ``make_tensordesc_arg``: the encoded tensor map, then the shape and strides)."""
+    out, start = [], 0
+    for i, meta in descriptors:
+        out.extend(args[start:i])
+        out.extend(_make_tensordesc_arg(args[i], meta))
+        start = i + 1
+    out.extend(args[start:])
+    return out
+
+
+try:
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:  # no NVIDIA backend: no direct launches
+    DIRECT_RELEASES = ()
 
 
 def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit``/``gluon.jit`` kernel, ``grid`` a
     tuple of 1-3 ints; the keyword arguments (constexprs and launch options) come in the same
     order at every call site, as Python keeps them."""
-    if not bypass_enabled():
+    binding = _binding()
+    if binding == "1":
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
@@ -92,18 +162,26 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
             return
         names = _parameters(kernel)
         tail = tuple(kwargs[n] if n in kwargs else d for n, d in names[len(args) :])
-        _COMPILED[key] = (compiled, tail)
+        _COMPILED[key] = (compiled, tail, _direct_launcher(compiled, len(args)))
         if len(_COMPILED) > _MAX_KEYS:
             _COMPILED.popitem(last=False)
         return
-    compiled, tail = hit
+    compiled, tail, direct = hit
     stream = driver.active.get_current_stream(device)
     grid = (*grid, 1, 1)
     enter = knobs.runtime.launch_enter_hook
     metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
-    compiled.run(
-        grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-        enter, knobs.runtime.launch_exit_hook, *args, *tail,
+    if direct is None or binding == "run":
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
+            enter, knobs.runtime.launch_exit_hook, *args, *tail,
+        )  # fmt: skip
+        return
+    fn, cooperative, pdl, descriptors = direct
+    fn(
+        grid[0], grid[1], grid[2], stream, compiled.function, cooperative, pdl, None, None,
+        compiled.packed_metadata, metadata, enter, knobs.runtime.launch_exit_hook,
+        *(_expand(args, descriptors) if descriptors else args), *tail,
     )  # fmt: skip
 
 

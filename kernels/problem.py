@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,10 @@ class AttentionProblem:
     alibi_slopes: torch.Tensor | None = None
     # Only kernels that sum in a fixed order (the caller asked for reproducible gradients).
     deterministic: bool = False
+    # What the launchers derive from the problem alone (which kernels can run it, their grids
+    # and constexprs), filled on first use: a problem built once per call signature
+    # (plans.cached_problem, the ring's setups) then decides nothing twice. Not compared.
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def varlen(self) -> bool:
@@ -54,6 +58,14 @@ class AttentionProblem:
         """(q start, q stride, k start, k stride, q per_len, k per_len) as the kernels take them."""
         qp, kp = self.q_positions, self.k_positions
         return qp.start, qp.stride, kp.start, kp.stride, qp.per_len, kp.per_len
+
+    def derive(self, key: object, compute) -> object:
+        """``compute()`` (never None), remembered under ``key`` (which must name everything
+        besides the problem that the value depends on) for this problem's later calls."""
+        found = self.derived.get(key)
+        if found is None:
+            found = self.derived[key] = compute()
+        return found
 
     def lse_shape(self, total_q: int) -> tuple[int, ...]:
         if self.varlen:

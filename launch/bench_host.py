@@ -12,6 +12,16 @@ Every entry runs beside SDPA's cuDNN backend on the same shapes (``F.scaled_dot_
 on (B, H, S, D) views; under torchrun SDPA runs on the local shard, the work of one rank's step).
 ``--sync-check`` also counts the host synchronizations of one steady-state call of each entry
 (``torch.cuda.set_sync_debug_mode``).
+
+The entries take turns, one timing each per round (``--rounds``, medians over rounds).
+``--ab-binding`` adds the single-device entries under ``RINGFLASH_TRITON_BINDING=1`` (Triton's
+per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``run``), same run.
+
+``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
+before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
+runs when the host does not run ahead of the device: there the host time before the first
+kernel adds to the device time. For realistic shapes, e.g.
+``--event-pairs 50 --batch 16 --seqlen 4096 --heads 16 --head-dim 128``.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -106,6 +117,24 @@ def host_us(f, q, k, v, dout, backward: bool, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def event_pair_us(f, q, k, v, dout, backward: bool, pairs: int) -> float:
+    """Median µs between two CUDA events around one call, the device idle before each call."""
+    for _ in range(5):
+        _step(f, q, k, v, dout, backward)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(pairs):
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        _step(f, q, k, v, dout, backward)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def sync_count(f, q, k, v, dout, backward: bool) -> int:
     """Host synchronizations that torch sees in one steady-state call (after warm-up)."""
     _step(f, q, k, v, dout, backward)
@@ -152,6 +181,31 @@ def device_trace(f, q, k, v, dout, backward: bool, calls: int) -> str:
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
 
 
+def extras(args, name: str, f, plain: tuple, grads: tuple, line: str, lead: bool) -> None:
+    """Print an entry's line with its sync counts (``--sync-check``), then its ``--trace`` table
+    and ``--profile`` output."""
+    q, k, v = plain
+    qg, kg, vg, dout = grads
+    if args.sync_check:
+        with torch.no_grad():
+            sf = sync_count(f, q, k, v, None, False)
+        line += f" {sf:4d} / {sync_count(f, qg, kg, vg, dout, True)}"
+    if lead:
+        print(line, flush=True)
+    if args.trace and lead:
+        with torch.no_grad():
+            print(device_trace(f, q, k, v, None, False, args.trace))
+    if args.profile:
+        with torch.no_grad():
+            text_fwd = profile(f, q, k, v, None, False, args.profile, 30)
+        text = profile(f, qg, kg, vg, dout, True, args.profile, 45)
+        if lead and args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
+                fh.write(f"\n######## {name} ({args.profile} fwd calls)\n{text_fwd}")
+                fh.write(f"\n######## {name} ({args.profile} fwd+bwd calls)\n{text}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=1)
@@ -164,7 +218,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--entries", nargs="*", help="only these (names as printed)")
     p.add_argument("--sync-check", action="store_true")
-    p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd+bwd calls per entry")
+    p.add_argument("--event-pairs", type=int, default=0, help="time this many single calls between events")
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd, fwd+bwd calls per entry")
+    p.add_argument(
+        "--ab-binding", action="store_true",
+        help="also run the single-device entries with RINGFLASH_TRITON_BINDING=1 and =run",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
@@ -192,29 +251,42 @@ def main() -> None:
         shape = f"B={b} S={s}/rank H={h}/{hk} D={d} causal={args.causal} bf16"
         print(f"# {shape}, {args.calls} calls x {args.rounds}")
         print(
-            f"{'entry':32s} {'fwd us':>8s} {'fwd+bwd us':>11s}"
+            f"{'entry':40s} {'fwd us':>8s} {'fwd+bwd us':>11s}"
             + (" syncs fwd/fwd+bwd" if args.sync_check else "")
         )
-    for name, f in entries(args, group).items():
-        with torch.no_grad():
-            fwd = host_us(f, q, k, v, None, False, args.calls, args.rounds)
-        both = host_us(f, qg, kg, vg, dout, True, args.calls, args.rounds)
-        line = f"{name:32s} {fwd:8.1f} {both:11.1f}"
-        if args.sync_check:
-            with torch.no_grad():
-                sf = sync_count(f, q, k, v, None, False)
-            line += f" {sf:4d} / {sync_count(f, qg, kg, vg, dout, True)}"
-        if lead:
-            print(line, flush=True)
-        if args.trace and lead:
-            with torch.no_grad():
-                print(device_trace(f, q, k, v, None, False, args.trace))
-        if args.profile:
-            text = profile(f, qg, kg, vg, dout, True, args.profile, 45)
-            if lead and args.out:
-                os.makedirs(args.out, exist_ok=True)
-                with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
-                    fh.write(f"\n######## {name} ({args.profile} fwd+bwd calls)\n{text}")
+    if lead and args.event_pairs:
+        print(f"# one call between two CUDA events, device idle before it: median µs of {args.event_pairs}")
+    found = entries(args, group)
+    if args.ab_binding:  # the single-device entries again under Triton's binding and compiled.run
+        for name in ("flash_attn_func", "flash_attn_varlen_func"):
+            if name in found:
+                for mode in ("1", "run"):
+                    found[f"{name}[binding={mode}]"] = (found[name], {"RINGFLASH_TRITON_BINDING": mode})
+    found = {n: f if isinstance(f, tuple) else (f, {}) for n, f in found.items()}
+    # Rounds interleave the entries (each entry one timing per round, medians over rounds): a
+    # slow stretch of the machine then touches every entry alike.
+    samples = {name: [] for name in found}
+    for _ in range(1 if args.event_pairs else args.rounds):
+        for name, (f, env) in found.items():
+            with mock.patch.dict(os.environ, env):
+                if args.event_pairs:
+                    with torch.no_grad():
+                        fwd = event_pair_us(f, q, k, v, None, False, args.event_pairs)
+                    both = event_pair_us(f, qg, kg, vg, dout, True, args.event_pairs)
+                else:
+                    with torch.no_grad():
+                        fwd = host_us(f, q, k, v, None, False, args.calls, 1)
+                    both = host_us(f, qg, kg, vg, dout, True, args.calls, 1)
+            samples[name].append((fwd, both))
+    base = None
+    for name, (f, env) in found.items():
+        fwd = statistics.median(t[0] for t in samples[name])
+        both = statistics.median(t[1] for t in samples[name])
+        line = f"{name:40s} {fwd:8.1f} {both:11.1f}"
+        base = base or (name, fwd, both)  # SDPA cuDNN comes first unless --entries leaves it out
+        line += f"   {fwd / base[1]:5.2f}x / {both / base[2]:5.2f}x of {base[0]}"
+        with mock.patch.dict(os.environ, env):
+            extras(args, name, f, (q, k, v), (qg, kg, vg, dout), line, lead)
     if dist.is_initialized():
         dist.destroy_process_group()
 

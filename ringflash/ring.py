@@ -34,7 +34,7 @@ from .kernels import (
     uses_fused_backward,
 )
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
-from .merge import apply_sinks, merge_partial
+from .merge import apply_sinks, merge_unchecked
 from .schedule import BlockTask, ring_schedule
 from .setup_cache import SetupCache
 
@@ -90,25 +90,63 @@ def ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward for local shards q (B, n, Hq, D), k/v (B, n, Hk, D); returns (out, lse (B, Hq, n))."""
     b, n, hq, d = q.shape
-    acc_out = torch.zeros((b, n, hq, d), device=q.device, dtype=torch.float32)
-    acc_lse = torch.full((b, hq, n), float("-inf"), device=q.device, dtype=torch.float32)
-    blk_out = torch.empty_like(acc_out)
-    blk_lse = torch.empty_like(acc_lse)
+    # A call whose query rows nothing has written yet writes the accumulator itself (a row's
+    # first partial is its merge with the empty (0, -inf)); later calls over them merge. Where
+    # the first step reaches every row so, the accumulator needs no fill.
+    first = _first_writes(plan[0], n)
+    if first is not None:
+        acc_out = torch.empty((b, n, hq, d), device=q.device, dtype=torch.float32)
+        acc_lse = torch.empty((b, hq, n), device=q.device, dtype=torch.float32)
+    else:
+        acc_out = torch.zeros((b, n, hq, d), device=q.device, dtype=torch.float32)
+        acc_lse = torch.full((b, hq, n), float("-inf"), device=q.device, dtype=torch.float32)
+    if first is None or len(plan) > 1 or not all(first):
+        blk_out = torch.empty_like(acc_out)
+        blk_lse = torch.empty_like(acc_lse)
     bufs = _receive_buffers(k, v, plan)
     kv = [k, v]
     for i, calls in enumerate(plan):
         pending = comm.exchange(kv, bufs[i % 2]) if i + 1 < len(plan) else None
-        for c in calls:
+        for j, c in enumerate(calls):
+            if i == 0 and first is not None and first[j]:
+                attention_forward(
+                    q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
+                    out=acc_out[c.q_index], lse=acc_lse[c.lse_index],
+                )  # fmt: skip
+                continue
             attention_forward(
                 q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
                 out=blk_out[c.q_index], lse=blk_lse[c.lse_index],
             )  # fmt: skip
             qs = c.q_slice
-            merge_partial(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
+            merge_unchecked(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
         if pending is not None:
             pending.wait()
             kv = bufs[i % 2]
     return acc_out.to(q.dtype), acc_lse
+
+
+def _first_writes(calls: tuple[KernelCall, ...], n: int) -> tuple[bool, ...] | None:
+    """For each call of a step, in order: whether nothing before it wrote its query rows (True)
+    or an earlier call wrote all of them (False); None where a call half-overlaps the rows
+    written before it or the calls miss a row of [0, n)."""
+    written: list[tuple[int, int]] = []
+    first = []
+    for c in calls:
+        a, b = c.q_slice.start, c.q_slice.stop
+        if all(b <= lo or a >= hi for lo, hi in written):
+            written.append((a, b))
+            first.append(True)
+        elif any(lo <= a and b <= hi for lo, hi in written):
+            first.append(False)
+        else:
+            return None
+    end = 0
+    for lo, hi in sorted(written):
+        if lo != end:
+            return None
+        end = hi
+    return tuple(first) if end == n else None
 
 
 def backward_is_fused(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """Steady-state calls make no host synchronization, and a forward + backward captured in a CUDA
-graph replays to the results of eager calls: single device (``gpu``) and the ring over NCCL
-(``multigpu``). GPU only: CUDA graphs and the sync debug mode need a device."""
+graph replays to the results of eager calls: single device (``gpu``; also through
+``torch.compile(mode="reduce-overhead")``) and the zigzag ring, Ulysses and the all-gather mode
+over NCCL (``multigpu``). GPU only: CUDA graphs and the sync debug mode need a device."""
 
 from __future__ import annotations
 
@@ -107,19 +108,45 @@ def test_captured_step_replays_like_eager(name):
         assert dq < 1e-3  # the Hopper backward adds dQ tiles in a varying order
 
 
+@pytest.mark.gpu
+def test_reduce_overhead_compile_replays_like_eager():
+    """``torch.compile(mode="reduce-overhead")`` (CUDA graphs through Inductor's cudagraph trees)
+    of a forward + backward through ``flash_attn_func``: each call on new inputs equals eager."""
+    compiled = torch.compile(_dense, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # the first calls record, the later ones replay
+        q, k, v, dout = _inputs((2, 512, 8, 128), 2, torch.bfloat16, torch.device("cuda"), seed)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = [t.clone() for t in _step(compiled, *(t.clone().requires_grad_() for t in (q, k, v)), dout)]
+        want = _step(_dense, *(t.clone().requires_grad_() for t in (q, k, v)), dout)
+        errors = [rel_err(g, w) for g, w in zip(got, want)]
+        assert max(errors[0], errors[2], errors[3]) == 0 and errors[1] < 1e-3, (seed, errors)
+
+
 def _ring(q, k, v):
     return ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True)
 
 
-def _ring_on_rank():
+def _ulysses(q, k, v):
+    return ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses")
+
+
+def _allgather(q, k, v):
+    return ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="allgather")
+
+
+SP_CASES = {"zigzag-ring": _ring, "ulysses": _ulysses, "allgather": _allgather}
+
+
+def _sp_on_rank(name):
     device = worker_device()
     shape = (1, 1024, 8, 128)
-    _no_syncs(_ring, shape, 2, torch.bfloat16, device)
-    return _captured_matches_eager(_ring, shape, 2, torch.bfloat16, device)
+    _no_syncs(SP_CASES[name], shape, 2, torch.bfloat16, device)
+    return _captured_matches_eager(SP_CASES[name], shape, 2, torch.bfloat16, device)
 
 
 @pytest.mark.multigpu
-def test_ring_captured_on_gpus_replays_like_eager(rank_pool):
-    for errors in rank_pool(2).run(_ring_on_rank):
+@pytest.mark.parametrize("name", sorted(SP_CASES))
+def test_sequence_parallel_captured_on_gpus_replays_like_eager(rank_pool, name):
+    for errors in rank_pool(2).run(_sp_on_rank, name):
         for out, dq, dk, dv in errors:
-            assert out == 0 and max(dq, dk, dv) < 1e-3, (out, dq, dk, dv)
+            assert out == 0 and max(dq, dk, dv) < 1e-3, (name, out, dq, dk, dv)

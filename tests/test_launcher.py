@@ -4,8 +4,11 @@ not 16-byte aligned, another int) never runs a kernel compiled for another."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import triton
 from reference import reference_attention, rel_err
 
 import ringflash
@@ -28,6 +31,41 @@ def test_key_separates_what_triton_specializes_on():
 
 def test_interpreter_keeps_tritons_binding():
     assert launcher.bypass_enabled() == (not launcher.INTERPRET)
+
+
+def test_expand_puts_each_descriptors_launcher_arguments_in_its_place(monkeypatch):
+    monkeypatch.setattr(launcher, "_make_tensordesc_arg", lambda arg, meta: [f"map({arg})", meta, 7])
+    got = launcher._expand(("a", "D1", "b", "c", "D2"), ((1, "m1"), (4, "m2")))
+    assert got == ["a", "map(D1)", "m1", 7, "b", "c", "map(D2)", "m2", 7]
+
+
+def _fake_compiled(inner, scratch=0):
+    CudaLauncher = type("CudaLauncher", (), {})  # the class name is what _direct_launcher checks
+    run = CudaLauncher()
+    run.launch, run.global_scratch_size, run.profile_scratch_size = inner, scratch, 0
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    return SimpleNamespace(run=run)
+
+
+def test_direct_launcher_reads_tritons_descriptor_wrapper(monkeypatch):
+    """The closure of the installed Triton's wrapper holds what _direct_launcher reads (a
+    release that renamed it would get None, i.e. the compiled kernel's run)."""
+    if not triton.__version__.startswith(launcher.DIRECT_RELEASES):
+        pytest.skip(f"Triton {triton.__version__}: no direct launches")
+    from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+    def raw(*args):
+        return args
+
+    signature = {"x": "i32", "desc": "tensordesc<bf16[64, 64]>", "y": "*fp32", "d2": "tensordesc<bf16[64, 64]>"}
+    meta = [{"swizzle": 3}, {"swizzle": 2}]
+    compiled = _fake_compiled(wrap_handle_tensordesc(raw, signature, meta))
+    assert launcher._direct_launcher(compiled, 4) == (raw, False, True, ((1, meta[0]), (3, meta[1])))
+    assert launcher._direct_launcher(compiled, 2) is None  # a descriptor past the positional ones
+    assert launcher._direct_launcher(_fake_compiled(raw), 4) == (raw, False, True, ())
+    assert launcher._direct_launcher(_fake_compiled(raw, scratch=64), 4) is None  # needs scratch
+    monkeypatch.setattr(launcher.triton, "__version__", "9.9.0")
+    assert launcher._direct_launcher(compiled, 4) is None
 
 
 def _qkv(dtype, offset=0, s=200, h=2, d=64, seed=0):
@@ -82,7 +120,7 @@ def test_same_results_as_tritons_binding(dtype, monkeypatch):
     q, k, v = (t.requires_grad_() for t in _qkv(dtype, seed=7))
     dout = torch.randn_like(q)
     results = []
-    for binding in ("0", "1", "0"):
+    for binding in ("0", "1", "run", "0"):
         monkeypatch.setenv("RINGFLASH_TRITON_BINDING", binding)
         out = ringflash.flash_attn_func(q, k, v, causal=True)
         results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))

@@ -63,3 +63,20 @@ def test_written_cu_seqlens_is_read_and_validated_again():
     cu[1] = 30  # now out of order: validated again, not taken from the cache
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0, never decrease"):
         ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, causal=True)
+
+
+def test_problem_remembers_what_is_derived_from_it():
+    """AttentionProblem.derive: computed once per problem and key; a problem made from it by
+    dataclasses.replace (the ring's per-step problems) starts empty; equality ignores it."""
+    from dataclasses import replace
+
+    from ringflash.kernels import build_problem
+
+    q, k, v = _qkv()
+    problem = build_problem(q, k, v, None, True, (-1, -1))
+    calls = []
+    assert problem.derive("x", lambda: calls.append(1) or ("value", 1)) == ("value", 1)
+    assert problem.derive("x", lambda: calls.append(1) or "other") == ("value", 1)
+    assert problem.derive(("x", 2), lambda: False) is False and calls == [1]
+    other = replace(problem, max_seqlen_q=problem.max_seqlen_q)
+    assert other.derived == {} and other == problem

@@ -233,6 +233,26 @@ def test_zigzag_indices_balance():
     assert len(set(work)) == 1
 
 
+@pytest.mark.parametrize("layout", ringflash.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_first_step_writes_the_accumulator_where_it_reaches_every_row(layout, causal):
+    """ring_forward skips the accumulator's fill where the first step's calls reach every query
+    row, the first call over some rows writing them and later ones merging: true of every
+    layout's plan, so the ring tests above run that path. A first step that misses rows or
+    half-overlaps earlier calls takes the fill."""
+    q = torch.zeros(1, 16, 2, 8, device=worker_device())
+    base = ringflash.kernels.build_problem(q, q, q, None, causal, (-1, -1))
+    for rank in range(4):
+        plan = ring.ring_plan(base, layout, ring.RingComm.known(None, rank, 4), (64,), False, q.device)
+        first = ring._first_writes(plan[0], 16)
+        assert first is not None and first[0], (layout, rank)
+    call = plan[0][0]
+    rows = lambda a, b: ring.replace(call, q_slice=slice(a, b))  # noqa: E731
+    assert ring._first_writes((rows(0, 8), rows(8, 16), rows(8, 16)), 16) == (True, True, False)
+    assert ring._first_writes((rows(0, 8),), 16) is None  # rows 8-15 missed
+    assert ring._first_writes((rows(0, 8), rows(4, 16)), 16) is None  # half over rows 0-7
+
+
 def _bad_calls():
     q = torch.randn(1, 6, 2, 16, device=worker_device())
     errors = errors_of(

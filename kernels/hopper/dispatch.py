@@ -99,20 +99,13 @@ def _position_extent(positions: TokenPositions, max_len: int) -> int:
     return abs(positions.start) + (abs(positions.per_len) + positions.stride) * max_len
 
 
-def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the problem is one the Hopper kernels can take at all: an sm_90 GPU, bf16/fp16,
-    non-empty, positions and window bounds below ``POSITION_LIMIT``, ALiBi with positions and
-    their differences below ``ALIBI_POSITION_LIMIT``, and q/k/v (batch, seqlen, heads, head_dim)
-    or packed (total, heads, head_dim) with heads packed in each token's row
-    (``tma.tma_layout_ok``). Each kernel adds its own conditions (head dims, masks):
-    ``forward.forward_supports``, ``backward.backward_supports``."""
-    if (
-        INTERPRET
-        or not q.is_cuda
-        or problem.max_seqlen_q == 0
-        or problem.max_seqlen_k == 0
-        or q.dtype not in (torch.bfloat16, torch.float16)
-    ):
+_HALVES = (torch.bfloat16, torch.float16)
+
+
+def _positions_ok(problem: AttentionProblem) -> bool:
+    """The problem's part of ``hopper_path_ok``: non-empty, positions and window bounds within
+    ``POSITION_LIMIT`` (and ``ALIBI_POSITION_LIMIT`` with ALiBi)."""
+    if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
         return False
     extents = (
         _position_extent(problem.q_positions, problem.max_seqlen_q),
@@ -122,14 +115,23 @@ def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, 
     )
     if max(abs(x) for x in extents) >= POSITION_LIMIT:
         return False
-    if problem.alibi_slopes is not None and extents[0] + extents[1] >= ALIBI_POSITION_LIMIT:
+    return problem.alibi_slopes is None or extents[0] + extents[1] < ALIBI_POSITION_LIMIT
+
+
+def hopper_path_ok(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the problem is one the Hopper kernels can take at all: an sm_90 GPU, bf16/fp16,
+    non-empty, positions and window bounds below ``POSITION_LIMIT``, ALiBi with positions and
+    their differences below ``ALIBI_POSITION_LIMIT``, and q/k/v (batch, seqlen, heads, head_dim)
+    or packed (total, heads, head_dim) with heads packed in each token's row
+    (``tma.tma_layout_ok``). Each kernel adds its own conditions (head dims, masks):
+    ``forward.forward_supports``, ``backward.backward_supports``. The problem's part is decided
+    once per problem (``AttentionProblem.derive``), the tensors' on every call."""
+    if INTERPRET or not q.is_cuda or q.dtype not in _HALVES:
         return False
-    if not _is_sm90(q.device):
+    if not problem.derive("hopper_positions", lambda: _positions_ok(problem)) or not _is_sm90(q.device):
         return False
     tma = hopper_module("tma")
-    if problem.varlen:
-        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
-    return tma is not None and all(tma.tma_layout_ok(t) for t in (q, k, v))
+    return tma is not None and tma.tma_layout_ok(q) and tma.tma_layout_ok(k) and tma.tma_layout_ok(v)
 
 
 def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -143,7 +145,7 @@ def uses_fused_forward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tens
     if not (enabled("RINGFLASH_FUSED_FORWARD") and hopper_path_ok(problem, q, k, v)):
         return False
     module = hopper_module("forward")
-    return module is not None and module.forward_supports(problem)
+    return module is not None and problem.derive("forward_supports", lambda: module.forward_supports(problem))
 
 
 def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -160,7 +162,7 @@ def uses_fused_backward(problem: AttentionProblem, q: torch.Tensor, k: torch.Ten
     if not enabled("RINGFLASH_FUSED_BACKWARD") or not hopper_path_ok(problem, q, k, v):
         return False
     module = hopper_module("backward")
-    if module is None or not module.backward_supports(problem):
+    if module is None or not problem.derive("backward_supports", lambda: module.backward_supports(problem)):
         return False
     if module.computes_dq(problem):
         return not (torch.are_deterministic_algorithms_enabled() or problem.deterministic)

@@ -407,16 +407,15 @@ def query_tile_launch(
     """The launch arguments shared by the kernels over query tiles, for ``problem`` at the build
     that runs its head_dim (``run_head_dim`` over HEAD_DIMS), with key tiles of ``block_n`` rows
     (q/k/v and lse as the kernels' wrappers take them)."""
-    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
     varlen = problem.varlen
+    total_q = q.shape[0] if varlen else None
+    head_dim, grid, packed_docs, window, constexprs = problem.derive(
+        ("query_tiles", block_n, total_q), lambda: _query_tile_constants(problem, block_n, total_q)
+    )
     q4, k4, v4 = (t.unsqueeze(0) if varlen else t for t in (q, k, v))
     qd, q_rows = rows_descriptor(q4, HALF_M, head_dim)
     kd, k_rows = rows_descriptor(k4, block_n, head_dim)
     vd, v_rows = rows_descriptor(v4, block_n, head_dim)
-    bounds = problem.bounds
-    grid, packed_docs = tile_grid(
-        problem.max_seqlen_q, problem.heads_q, problem.batch, BLOCK_M, q.shape[0] if varlen else None
-    )
     return QueryTileLaunch(
         grid=grid,
         packed_docs=packed_docs,
@@ -426,11 +425,21 @@ def query_tile_launch(
         cu_q=problem.cu_seqlens_q if varlen else lse,
         cu_k=problem.cu_seqlens_k if varlen else lse,
         slopes=lse if problem.alibi_slopes is None else problem.alibi_slopes,
-        window=(bounds.left or 0, bounds.right or 0),
-        constexprs=dict(
-            GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
-            TENSOR_DIM=problem.head_dim, VARLEN=varlen, HAS_LEFT=bounds.left is not None,
-            HAS_RIGHT=bounds.right is not None, SOFTCAP=bool(problem.softcap),
-            HAS_ALIBI=problem.alibi_slopes is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
-        ),
+        window=window,
+        constexprs=constexprs,
+    )
+
+
+def _query_tile_constants(problem: AttentionProblem, block_n: int, total_q: int | None) -> tuple:
+    """What ``query_tile_launch`` takes from the problem alone: (build head_dim, grid,
+    packed_docs, window, constexprs), derived once per problem."""
+    head_dim = run_head_dim(problem.head_dim, HEAD_DIMS)
+    bounds = problem.bounds
+    grid, packed_docs = tile_grid(problem.max_seqlen_q, problem.heads_q, problem.batch, BLOCK_M, total_q)
+    constexprs = dict(
+        GROUP=problem.group, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        TENSOR_DIM=problem.head_dim, VARLEN=problem.varlen, HAS_LEFT=bounds.left is not None,
+        HAS_RIGHT=bounds.right is not None, SOFTCAP=bool(problem.softcap),
+        HAS_ALIBI=problem.alibi_slopes is not None, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
+    return head_dim, grid, packed_docs, (bounds.left or 0, bounds.right or 0), constexprs

@@ -154,15 +154,18 @@ def reduce_add_tile(desc, row, head, smem):
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
-    """Whether TMA can read ``t`` (batch, seqlen, heads, head_dim) as rows of heads * head_dim:
-    heads packed, 16-byte aligned rows, batches a whole number of rows apart."""
-    b, s, h, d = t.shape
-    size = t.element_size()
+    """Whether TMA can read ``t`` (batch, seqlen, heads, head_dim), or packed (total, heads,
+    head_dim) as one batch entry, as rows of heads * head_dim: heads packed, 16-byte aligned
+    rows, batches a whole number of rows apart."""
+    if t.dim() == 3:
+        (s, h, d), (ss, sh, sd), b, sb = t.shape, t.stride(), 1, 0
+    else:
+        (b, s, h, d), (sb, ss, sh, sd) = t.shape, t.stride()
     return (
-        t.stride(3) == 1
-        and (h == 1 or t.stride(2) == d)
-        and (s == 1 or t.stride(1) >= h * d)
-        and t.stride(1) * size % 16 == 0
-        and (b == 1 or t.stride(0) % t.stride(1) == 0)
+        sd == 1
+        and (h == 1 or sh == d)
+        and (s == 1 or ss >= h * d)
+        and ss * t.element_size() % 16 == 0
+        and (b == 1 or sb % ss == 0)
         and t.data_ptr() % 16 == 0
     )
