@@ -57,7 +57,8 @@ def test_direct_launcher_reads_tritons_descriptor_wrapper(monkeypatch):
     def raw(*args):
         return args
 
-    signature = {"x": "i32", "desc": "tensordesc<bf16[64, 64]>", "y": "*fp32", "d2": "tensordesc<bf16[64, 64]>"}
+    desc = "tensordesc<bf16[64, 64]>"
+    signature = {"x": "i32", "desc": desc, "y": "*fp32", "d2": desc}
     meta = [{"swizzle": 3}, {"swizzle": 2}]
     compiled = _fake_compiled(wrap_handle_tensordesc(raw, signature, meta))
     assert launcher._direct_launcher(compiled, 4) == (raw, False, True, ((1, meta[0]), (3, meta[1])))
