@@ -33,11 +33,17 @@ LONG_FIRST = (
     "test_torch_compile.py::test_ring_entries_compile_with_captured_scalar_outputs",
     "test_llama3.py::test_compiled_equals_eager",
     "test_torch_compile.py::test_inductor_keeps_the_ops_opaque",
+    # Not long, but early too: after some hundreds of other tests in the same worker, Dynamo's
+    # fake-tensor propagation has segfaulted in its varlen return_attn_probs case (seen in full
+    # local runs under torch 2.11 and 2.14.1; never alone, nor in 3 runs of its file). A
+    # mitigation, not a fix: early, a worker has run little else.
+    "test_torch_compile.py::test_entries_compile_with_captured_scalar_outputs",
 )
 
 
 def _long_first(item) -> int:
-    return next((i for i, name in enumerate(LONG_FIRST) if item.nodeid.endswith(name)), len(LONG_FIRST))
+    ids = (item.nodeid, item.nodeid.split("[")[0])  # a name without parameters takes all of them
+    return next((i for i, n in enumerate(LONG_FIRST) if any(x.endswith(n) for x in ids)), len(LONG_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
