@@ -24,7 +24,33 @@ from .ops import ulysses_attention_op
 from .ring_functions import dispatch_ring_attention
 from .ulysses import mesh_attention
 
-SP_MODES = ("ring", "ulysses", "hybrid", "allgather")
+SP_MODES = ("ring", "ulysses", "hybrid", "allgather", "auto")
+
+# sp_mode="auto" runs the all-gather mode up to this many tokens per rank, the ring above: on 2
+# H200s (GQA 32/8 and MHA 32/32, head_dim 128, causal, zigzag; docs/performance.md) the all-gather
+# mode ran at 1.0-1.5x the ring's fwd+bwd throughput up to 8K tokens per rank (its one gather
+# against the ring's latency-bound steps), equal at 16K, the ring ahead above and with less
+# memory: the all-gather mode holds the whole sequence's K/V, hence the second bound.
+AUTO_ALLGATHER_MAX_LOCAL = 8192
+AUTO_ALLGATHER_MAX_TOTAL = 131072
+
+
+def auto_sp_mode(q: object, group: dist.ProcessGroup | None) -> str:
+    """The mode ``sp_mode="auto"`` runs for shards like ``q`` (batch, local_seqlen, heads,
+    head_dim) over ``group``: "allgather" for short shards of a sequence whose whole K/V fits
+    (``AUTO_ALLGATHER_MAX_LOCAL``/``_TOTAL``), else "ring". Both accept the same shards (any
+    layout) and options and give the same results; ranks that pass shards of different lengths
+    may choose differently, and each engine's rank check then raises on every rank. Anything that
+    is not a 4-D tensor, or a group that cannot be resolved, gets "ring", whose checks say why."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return "ring"
+    try:
+        world = dist.get_world_size(resolve_group(group))
+    except (RuntimeError, TypeError, ValueError):
+        return "ring"
+    local = q.shape[1]
+    short = local <= AUTO_ALLGATHER_MAX_LOCAL and local * world <= AUTO_ALLGATHER_MAX_TOTAL
+    return "allgather" if short else "ring"
 
 
 def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
@@ -32,7 +58,7 @@ def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
     model configured for sequence parallelism fails on one device too, not first on many)."""
     if sp_mode not in SP_MODES:
         raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
-    if sp_mode in ("ring", "allgather") and ulysses_size not in (None, 1):
+    if sp_mode in ("ring", "allgather", "auto") and ulysses_size not in (None, 1):
         raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
     if sp_mode == "hybrid" and ulysses_size is None:
         raise ValueError('sp_mode="hybrid" needs ulysses_size')
@@ -87,7 +113,9 @@ def sp_attn_func(
         sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W), "hybrid"
             (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across) or
             "allgather" (U = 1: every rank gathers the whole sequence's K/V, ``heads_k_stride``
-            heads at a time, overlapped with the kernels; any ``layout``, see ``allgather.py``).
+            heads at a time, overlapped with the kernels; any ``layout``, see ``allgather.py``)
+            or "auto" (U = 1: "allgather" for shards of up to ``AUTO_ALLGATHER_MAX_LOCAL`` tokens
+            of a sequence of up to ``AUTO_ALLGATHER_MAX_TOTAL``, else "ring"; ``auto_sp_mode``).
         ulysses_size: the Ulysses group size U for "hybrid"; with "ring" only None or 1, with
             "ulysses" only None or W (any other value raises ValueError).
         cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
@@ -111,6 +139,8 @@ def sp_attn_func(
         check_layout(layout)
         if heads_k_stride is not None and sp_mode != "allgather":
             raise ValueError(f'heads_k_stride={heads_k_stride!r} is for sp_mode="allgather", not "{sp_mode}"')
+        if sp_mode == "auto":
+            sp_mode = auto_sp_mode(q, group)
         if sp_mode in ("ulysses", "hybrid"):
             check_window(causal, window_size)
             for name, t in (("q", q), ("k", k), ("v", v)):

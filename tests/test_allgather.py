@@ -4,6 +4,7 @@ out, LSE, dq/dk/dv and d sinks. And the plan's pieces on their own."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,7 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
+from ringflash import sp_functions
 from ringflash.allgather import check_heads_k_stride, default_heads_k_stride, natural_order
 from ringflash.layouts import layout_indices
 
@@ -179,3 +181,57 @@ def test_one_rank_wrong_raises_everywhere(rank_pool):
 def test_heads_k_stride_only_with_allgather():
     with pytest.raises(ValueError, match='heads_k_stride=2 is for sp_mode="allgather"'):
         ringflash.sp_attn_func(*[torch.zeros(1, 4, 2, 16)] * 3, sp_mode="ring", heads_k_stride=2)
+
+
+def _auto_against_pinned(max_local: int):
+    """On a rank: sp_mode="auto" with AUTO_ALLGATHER_MAX_LOCAL = max_local against the modes
+    pinned, bit for bit (same engine), on shards of 8 tokens; returns the mode auto picked."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8, h, 16, generator=g).to(worker_device()) for h in (4, 2, 2))
+    with _auto_bound(max_local):
+        picked = sp_functions.auto_sp_mode(q, None)
+        auto = ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="auto", return_lse=True)
+    pinned = ringflash.sp_attn_func(q, k, v, causal=True, sp_mode=picked, return_lse=True)
+    assert all(torch.equal(a, p) for a, p in zip(auto, pinned))
+    return picked
+
+
+@contextmanager
+def _auto_bound(max_local: int):
+    """AUTO_ALLGATHER_MAX_LOCAL set for a block (a rank's process serves later tests too)."""
+    saved = sp_functions.AUTO_ALLGATHER_MAX_LOCAL
+    sp_functions.AUTO_ALLGATHER_MAX_LOCAL = max_local
+    try:
+        yield
+    finally:
+        sp_functions.AUTO_ALLGATHER_MAX_LOCAL = saved
+
+
+@pytest.mark.parametrize("max_local, mode", [(8192, "allgather"), (4, "ring")])
+def test_auto_runs_allgather_for_short_shards_else_the_ring(rank_pool, max_local, mode):
+    assert rank_pool(2).run(_auto_against_pinned, max_local) == [mode, mode]
+
+
+def test_auto_sp_mode_bounds():
+    from ringflash.sp_functions import AUTO_ALLGATHER_MAX_LOCAL, AUTO_ALLGATHER_MAX_TOTAL, auto_sp_mode
+
+    assert AUTO_ALLGATHER_MAX_TOTAL >= AUTO_ALLGATHER_MAX_LOCAL
+    assert auto_sp_mode(torch.zeros(1, AUTO_ALLGATHER_MAX_LOCAL, 1, 8), None) == "ring"  # no process group
+    assert auto_sp_mode("not a tensor", None) == "ring"  # the ring's checks name what is wrong
+    with pytest.raises(ValueError, match="ulysses_size=2 contradicts"):
+        ringflash.sp_attn_func(*[torch.zeros(1, 4, 2, 16)] * 3, sp_mode="auto", ulysses_size=2)
+
+
+def _auto_with_lengths_that_differ():
+    """Rank 0's shard is under the bound, rank 1's over it: they pick different engines."""
+    n = 8 if torch.distributed.get_rank() == 0 else 12
+    q = torch.randn(1, n, 2, 16, device=worker_device())
+    with _auto_bound(10):
+        ringflash.sp_attn_func(q, q, q, causal=True, sp_mode="auto")
+
+
+def test_auto_with_shards_that_differ_raises_everywhere(rank_pool):
+    """One rank in the all-gather engine, the other in the ring's: both rank checks still meet, so
+    both raise instead of one waiting in a gather."""
+    errors = rank_pool(2).run(errors_of, {"call": _auto_with_lengths_that_differ})
+    assert all(e["call"] and "ValueError" in e["call"] for e in errors), errors

@@ -323,7 +323,7 @@ def enable(
         # under transformers' own keyword, or (one device) found from restarting position_ids.
         batch, seqlen = q.shape[:2]
         if cu_seq_lens_q is None and position_ids is not None:
-            u = 1 if sp_mode in ("ring", "allgather") else None if sp_mode == "ulysses" else ulysses_size
+            u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
             shard = dict(group=group, layout=layout, ulysses_size=u, packed_hint=PACKED_HINT)
             if torch.compiler.is_compiling():  # no host sync in a graph: device-side asserts
                 assert_unpacked_in_graph(position_ids, batch, seqlen, **shard)
