@@ -189,7 +189,7 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
 
     torch.manual_seed(0)
     model = AttentionBlock(attention).to(dev)
-    layout_u = {"ring": 1, "ulysses": dist.get_world_size(), "hybrid": ulysses_size}[sp_mode]
+    layout_u = {"ring": 1, "auto": 1, "ulysses": dist.get_world_size(), "hybrid": ulysses_size}[sp_mode]
     shard = lambda x: ringflash.shard_sequence(x.to(dev), mesh, layout="zigzag", ulysses_size=layout_u)  # noqa: E731
     breaks = torch._dynamo.explain(model)(shard(torch.randn(1, 16, 32))).graph_break_count
     torch._dynamo.reset()  # explain's static-shape frame must not serve the compiled model
@@ -205,10 +205,13 @@ def _sp_compiled_matches_eager(sp_mode: str, ulysses_size: int | None) -> tuple[
     return counter.frame_count, breaks
 
 
-@pytest.mark.parametrize("sp_mode, ulysses_size", [("ring", None), ("ulysses", None), ("hybrid", 1)])
+@pytest.mark.parametrize(
+    "sp_mode, ulysses_size", [("ring", None), ("ulysses", None), ("hybrid", 1), ("auto", None)]
+)
 def test_compiled_sequence_parallel_block_matches_eager(rank_pool, sp_mode, ulysses_size):
-    """Ring, Ulysses (K/V heads replicated for the 2 ranks) and a hybrid whose inner attention is
-    the ring, on 2 ranks: no graph break, one compiled frame for two lengths, eager's numbers."""
+    """Ring, Ulysses (K/V heads replicated for the 2 ranks), a hybrid whose inner attention is
+    the ring and "auto" (here the all-gather mode), on 2 ranks: no graph break, one compiled
+    frame for two lengths, eager's numbers."""
     assert rank_pool(2).run(_sp_compiled_matches_eager, sp_mode, ulysses_size) == [(1, 0), (1, 0)]
 
 
