@@ -116,7 +116,7 @@ def _hf_packed_step(sp_mode: str):
     return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("sp_mode", ["ring", "allgather"])
+@pytest.mark.parametrize("sp_mode", ["ring", "allgather", "auto"])
 def test_hf_packed_sequences(rank_pool, sp_mode):
     """A packed row through a Llama model equals eager attention on each document alone."""
     results = rank_pool(2).run(_hf_packed_step, sp_mode)

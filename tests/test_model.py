@@ -51,6 +51,7 @@ def _sp_step(sp_size: int, layout: str, kv_heads: int, sp_mode: str):
         (4, 4, "stripe", 4, "ring"),
         (4, 2, "zigzag", 1, "ring"),
         (2, 2, "zigzag", 2, "ulysses"),
+        (2, 2, "zigzag", 2, "auto"),  # here the all-gather mode
     ],
 )
 def test_sequence_parallel_step_matches_single_process(
