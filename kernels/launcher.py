@@ -39,7 +39,7 @@ from .configs import INTERPRET
 
 # Compiled kernels by launch key; bounded: a key holds only values, never a tensor.
 _MAX_KEYS = 4096
-_COMPILED: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
+_COMPILED: OrderedDict[tuple, tuple[Any, tuple, tuple | None]] = OrderedDict()  # (kernel, tail, direct)
 _DEFAULTS: dict[object, tuple[tuple[str, Any], ...]] = {}
 _MAX_LAYOUTS = 1024
 _LAYOUTS: dict[int, object] = {}
