@@ -347,8 +347,7 @@ def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, ac
     and the dQ kernel (hopper/dq.py) writes dq directly."""
     module = hopper_module("backward")
     tma_ok = hopper_module("tma").tma_layout_ok
-    vl = problem.varlen
-    if not tma_ok(as_4d(dout, vl)):
+    if not tma_ok(dout):
         dout = dout.contiguous()
     if not module.computes_dq(problem):
         module.fused_backward(dout, q, k, v, lse, delta, problem, None, dk, dv, accumulate)
@@ -358,7 +357,7 @@ def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, ac
         if out is not dq:
             dq.add_(out) if accumulate else dq.copy_(out)
         return dq, dk, dv
-    direct = dq.dtype == torch.float32 and tma_ok(as_4d(dq, vl))
+    direct = dq.dtype == torch.float32 and tma_ok(dq)
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     if direct and not accumulate:
         dq32.zero_()

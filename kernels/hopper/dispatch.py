@@ -183,7 +183,7 @@ def uses_fused_updates_backward(
     if not enabled("RINGFLASH_HOPPER_INFINI") or not uses_fused_backward(problem, q, k, v):
         return False
     tma = hopper_module("tma")
-    dq_ok = tma is not None and tma.tma_layout_ok(dq.unsqueeze(0))
+    dq_ok = tma is not None and tma.tma_layout_ok(dq)
     return dq_ok and hopper_module("infini_updates") is not None
 
 

@@ -467,7 +467,7 @@ def _check_retrieval(problem: AttentionProblem, q, out, gated, m, z, gate) -> No
     if not (problem.varlen and problem.head_dim == 128 and q.dtype == torch.bfloat16):
         raise ValueError("retrieval needs packed segments of bf16 q, k, v at head_dim 128")
     same = all(t.shape == q.shape and t.stride() == q.stride() and t.dtype == q.dtype for t in (out, gated))
-    if not same or not tma_layout_ok(q.unsqueeze(0)):
+    if not same or not tma_layout_ok(q):
         raise ValueError("retrieval: the output and the gated output must have q's shape, strides and dtype")
     if m.shape[-2:] != (128, 128) or m.numel() != states * 128 * 128 or m.dtype != torch.bfloat16:
         raise ValueError(f"retrieval: M must be {states} bf16 128 x 128 matrices, got {m.dtype} {m.shape}")
