@@ -108,18 +108,15 @@ def ring_forward(
     for i, calls in enumerate(plan):
         pending = comm.exchange(kv, bufs[i % 2]) if i + 1 < len(plan) else None
         for j, c in enumerate(calls):
-            if i == 0 and first is not None and first[j]:
-                attention_forward(
-                    q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
-                    out=acc_out[c.q_index], lse=acc_lse[c.lse_index],
-                )  # fmt: skip
-                continue
+            direct = i == 0 and first is not None and first[j]
+            out, lse = (acc_out, acc_lse) if direct else (blk_out, blk_lse)
             attention_forward(
                 q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
-                out=blk_out[c.q_index], lse=blk_lse[c.lse_index],
+                out=out[c.q_index], lse=lse[c.lse_index],
             )  # fmt: skip
-            qs = c.q_slice
-            merge_unchecked(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
+            if not direct:
+                qs = c.q_slice
+                merge_unchecked(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
         if pending is not None:
             pending.wait()
             kv = bufs[i % 2]
