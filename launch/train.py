@@ -14,7 +14,7 @@ attention runs as ringflash's opaque custom ops), with Inductor on GPUs and aot_
 
 World = D x S ranks: sequence-parallel groups of --sp-size consecutive ranks, each training on
 one sequence sharded over its ranks; D data-parallel replicas. --sp-impl ringflash runs the
-model's attention through ringflash (--sp-mode ring | ulysses | hybrid | allgather); --sp-impl
+model's attention through ringflash (--sp-mode auto | ring | ulysses | hybrid | allgather); --sp-impl
 deepspeed-ulysses runs the same model, data and loss with DeepSpeed's own Ulysses
 (UlyssesSPAttentionHF over PyTorch SDPA, contiguous shards) for comparison. --attention
 infini replaces every attention layer with Infini-attention (segments of --segment-len tokens
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=65536 if ON_GPU else 256, help="tokens per sequence")
     p.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     p.add_argument("--sp-impl", default="ringflash", choices=["ringflash", "deepspeed-ulysses"])
-    p.add_argument("--sp-mode", default="ring", choices=ringflash.SP_MODES)
+    p.add_argument("--sp-mode", default="auto", choices=ringflash.SP_MODES)
     p.add_argument("--ulysses-size", type=int, default=None, help="Ulysses group size for --sp-mode hybrid")
     p.add_argument("--layout", default=None, choices=ringflash.LAYOUTS, help="default: zigzag")
     p.add_argument(
@@ -188,7 +188,8 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     sp = args.sp_size or dist.get_world_size()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.attention == "infini":
-        if args.sp_impl != "ringflash" or args.sp_mode != "ring" or args.layout not in (None, "contiguous"):
+        ringflash_defaults = args.sp_impl == "ringflash" and args.sp_mode in ("auto", "ring")
+        if not ringflash_defaults or args.layout not in (None, "contiguous"):
             raise ValueError(
                 "--attention infini shards contiguously with ringflash: leave --sp-impl, --sp-mode and "
                 "--layout at their defaults (or --layout contiguous)"
@@ -206,7 +207,8 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     elif args.sp_impl == "ringflash":
         mpu = rf_ds.sequence_parallel_mpu(sp)
         sp_group, layout = mpu.groups.sp_group, args.layout or "zigzag"
-        ulysses = {"ring": 1, "allgather": 1, "ulysses": sp, "hybrid": args.ulysses_size or 1}[args.sp_mode]
+        # Ulysses group size: 1 for auto, ring and allgather
+        ulysses = {"ulysses": sp, "hybrid": args.ulysses_size or 1}.get(args.sp_mode, 1)
         attn = rf_hf.enable(
             group=sp_group, layout=layout, sp_mode=args.sp_mode, ulysses_size=args.ulysses_size
         )

@@ -34,7 +34,7 @@ class SequenceParallelAttention(nn.Module):
         softmax_scale: float | None = None,
         group: dist.ProcessGroup | None = None,
         layout: str = "zigzag",
-        sp_mode: str = "ring",
+        sp_mode: str = "auto",
         ulysses_size: int | None = None,
         *,
         softcap: float = 0.0,

@@ -26,30 +26,32 @@ from .ulysses import mesh_attention
 
 SP_MODES = ("ring", "ulysses", "hybrid", "allgather", "auto")
 
-# sp_mode="auto" runs the all-gather mode up to this many tokens per rank, the ring above: on 2
-# H200s (GQA 32/8 and MHA 32/32, head_dim 128, causal, zigzag; docs/performance.md) the all-gather
-# mode ran at 1.0-1.5x the ring's fwd+bwd throughput up to 8K tokens per rank (its one gather
-# against the ring's latency-bound steps), equal at 16K, the ring ahead above and with less
-# memory: the all-gather mode holds the whole sequence's K/V, hence the second bound.
+# sp_mode="auto" (the default) runs the all-gather mode up to this many tokens per rank (batch x
+# local_seqlen), the ring above. Measured fwd+bwd (GQA 32/8 and MHA 32/32, head_dim 128, causal,
+# zigzag; docs/performance.md): on 2 H200s the all-gather mode ran 1.0-1.5x the ring up to 8K
+# tokens per rank (one gather against the ring's latency-bound steps), equal at 16K; on 4 H200s
+# 1.98 / 1.43 / 1.03x the ring at 2K / 4K / 8K, 1.02x at 16K. The ring keeps less memory (the
+# all-gather mode holds the whole sequence's K/V), hence the second bound.
 AUTO_ALLGATHER_MAX_LOCAL = 8192
 AUTO_ALLGATHER_MAX_TOTAL = 131072
 
 
 def auto_sp_mode(q: object, group: dist.ProcessGroup | None) -> str:
     """The mode ``sp_mode="auto"`` runs for shards like ``q`` (batch, local_seqlen, heads,
-    head_dim) over ``group``: "allgather" for short shards of a sequence whose whole K/V fits
-    (``AUTO_ALLGATHER_MAX_LOCAL``/``_TOTAL``), else "ring". Both accept the same shards (any
-    layout) and options and give the same results; ranks that pass shards of different lengths
-    may choose differently, and each engine's rank check then raises on every rank. Anything that
-    is not a 4-D tensor, or a group that cannot be resolved, gets "ring", whose checks say why."""
+    head_dim) over ``group``: "allgather" when this rank's batch x local_seqlen tokens are at most
+    ``AUTO_ALLGATHER_MAX_LOCAL`` and the group's at most ``AUTO_ALLGATHER_MAX_TOTAL``, else
+    "ring". Both accept the same shards (any layout) and options and give the same results; ranks
+    that pass shards of different sizes may choose differently, and each engine's rank check then
+    raises on every rank. Anything that is not a 4-D tensor, or a group that cannot be resolved,
+    gets "ring", whose checks say why."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         return "ring"
     try:
         world = dist.get_world_size(resolve_group(group))
     except (RuntimeError, TypeError, ValueError):
         return "ring"
-    local = q.shape[1]
-    short = local <= AUTO_ALLGATHER_MAX_LOCAL and local * world <= AUTO_ALLGATHER_MAX_TOTAL
+    tokens = q.shape[0] * q.shape[1]
+    short = tokens <= AUTO_ALLGATHER_MAX_LOCAL and tokens * world <= AUTO_ALLGATHER_MAX_TOTAL
     return "allgather" if short else "ring"
 
 
@@ -87,7 +89,7 @@ def sp_attn_func(
     group: dist.ProcessGroup | None = None,
     *,
     layout: str = "zigzag",
-    sp_mode: str = "ring",
+    sp_mode: str = "auto",
     ulysses_size: int | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     softcap: float = 0.0,
@@ -110,14 +112,15 @@ def sp_attn_func(
         return_attn_probs: return (out, lse, None), as ring-flash-attn does.
         group: the sequence-parallel group of W ranks (default: the world).
         layout: token layout of the ring part ("zigzag", "stripe", "contiguous").
-        sp_mode: "ring" (U = 1), "ulysses" (U = W: heads_q must be divisible by W), "hybrid"
-            (U = ``ulysses_size``, Ulysses within groups of U consecutive ranks, ring across) or
-            "allgather" (U = 1: every rank gathers the whole sequence's K/V, ``heads_k_stride``
-            heads at a time, overlapped with the kernels; any ``layout``, see ``allgather.py``)
-            or "auto" (U = 1: "allgather" for shards of up to ``AUTO_ALLGATHER_MAX_LOCAL`` tokens
-            of a sequence of up to ``AUTO_ALLGATHER_MAX_TOTAL``, else "ring"; ``auto_sp_mode``).
-        ulysses_size: the Ulysses group size U for "hybrid"; with "ring" only None or 1, with
-            "ulysses" only None or W (any other value raises ValueError).
+        sp_mode: "auto" (the default, U = 1: "allgather" for up to ``AUTO_ALLGATHER_MAX_LOCAL``
+            tokens per rank and ``AUTO_ALLGATHER_MAX_TOTAL`` in the group, else "ring"; both take
+            the same shards and give the same results; ``auto_sp_mode``), "ring" (U = 1),
+            "ulysses" (U = W: heads_q must be divisible by W), "hybrid" (U = ``ulysses_size``,
+            Ulysses within groups of U consecutive ranks, ring across) or "allgather" (U = 1:
+            every rank gathers the whole sequence's K/V, ``heads_k_stride`` heads at a time,
+            overlapped with the kernels; any ``layout``, see ``allgather.py``).
+        ulysses_size: the Ulysses group size U for "hybrid"; with "auto", "ring" and "allgather"
+            only None or 1, with "ulysses" only None or W (any other value raises ValueError).
         cu_seqlens: packed documents (batch 1), cumulative lengths over the full sequence, as in
             ``ring_flash_attn_func``; shard with ``shard_sequence(..., ulysses_size=U, cu_seqlens=...)``.
         softcap: scores -> softcap * tanh(scores / softcap); 0.0 = off.

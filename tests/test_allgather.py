@@ -183,16 +183,18 @@ def test_heads_k_stride_only_with_allgather():
         ringflash.sp_attn_func(*[torch.zeros(1, 4, 2, 16)] * 3, sp_mode="ring", heads_k_stride=2)
 
 
-def _auto_against_pinned(max_local: int):
-    """On a rank: sp_mode="auto" with AUTO_ALLGATHER_MAX_LOCAL = max_local against the modes
-    pinned, bit for bit (same engine), on shards of 8 tokens; returns the mode auto picked."""
+def _auto_against_pinned(max_local: int, batch: int):
+    """On a rank: sp_mode="auto" (given, and as the default) with AUTO_ALLGATHER_MAX_LOCAL =
+    max_local against the mode it picked, pinned, bit for bit (same engine), on shards of batch x
+    8 tokens; returns the mode auto picked."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 8, h, 16, generator=g).to(worker_device()) for h in (4, 2, 2))
+    q, k, v = (torch.randn(batch, 8, h, 16, generator=g).to(worker_device()) for h in (4, 2, 2))
     with _auto_bound(max_local):
         picked = sp_functions.auto_sp_mode(q, None)
         auto = ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="auto", return_lse=True)
+        default = ringflash.sp_attn_func(q, k, v, causal=True, return_lse=True)
     pinned = ringflash.sp_attn_func(q, k, v, causal=True, sp_mode=picked, return_lse=True)
-    assert all(torch.equal(a, p) for a, p in zip(auto, pinned))
+    assert all(torch.equal(a, p) and torch.equal(d, p) for a, d, p in zip(auto, default, pinned))
     return picked
 
 
@@ -207,9 +209,12 @@ def _auto_bound(max_local: int):
         sp_functions.AUTO_ALLGATHER_MAX_LOCAL = saved
 
 
-@pytest.mark.parametrize("max_local, mode", [(8192, "allgather"), (4, "ring")])
-def test_auto_runs_allgather_for_short_shards_else_the_ring(rank_pool, max_local, mode):
-    assert rank_pool(2).run(_auto_against_pinned, max_local) == [mode, mode]
+# The bound counts batch x local_seqlen tokens: 2 x 8 is over 12.
+@pytest.mark.parametrize(
+    "max_local, batch, mode", [(8192, 1, "allgather"), (4, 1, "ring"), (12, 2, "ring"), (16, 2, "allgather")]
+)
+def test_auto_runs_allgather_for_short_shards_else_the_ring(rank_pool, max_local, batch, mode):
+    assert rank_pool(2).run(_auto_against_pinned, max_local, batch) == [mode, mode]
 
 
 def test_auto_sp_mode_bounds():

@@ -279,7 +279,7 @@ def _softcap(softcap: object) -> float:
 def enable(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
-    sp_mode: str = "ring",
+    sp_mode: str = "auto",
     ulysses_size: int | None = None,
 ) -> str:
     """Register ringflash as a transformers attention implementation; returns its name.
