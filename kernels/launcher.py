@@ -54,6 +54,7 @@ def _parameters(kernel) -> tuple[tuple[str, Any], ...]:
     return found
 
 
+Tensor = torch.Tensor
 _TYPED_VALUES = frozenset((float, bool, str, type(None)))
 
 
@@ -147,9 +148,10 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
         key = (
             kernel,
             device,
-            tuple([a if type(a) is int else _arg_key(a) for a in args]),
+            tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
+                   else _arg_key(a) for a in args]),  # ints and tensors inline: _arg_key's keys, no call
             tuple(kwargs.items()),
-        )
+        )  # fmt: skip
         hit = _COMPILED.get(key)
     except TypeError:  # an argument this module does not key on, or one not hashable
         kernel[grid](*args, **kwargs)
@@ -169,20 +171,29 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
     compiled, tail, direct = hit
     stream = driver.active.get_current_stream(device)
     grid = (*grid, 1, 1)
-    enter = knobs.runtime.launch_enter_hook
-    metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
+    enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+    hooked = enter is not None or leave is not None
+    metadata = compiled.launch_metadata(grid, stream, *args, *tail) if hooked else None
     if direct is None or binding == "run":
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-            enter, knobs.runtime.launch_exit_hook, *args, *tail,
+            enter, leave, *args, *tail,
         )  # fmt: skip
         return
     fn, cooperative, pdl, descriptors = direct
     fn(
         grid[0], grid[1], grid[2], stream, compiled.function, cooperative, pdl, None, None,
-        compiled.packed_metadata, metadata, enter, knobs.runtime.launch_exit_hook,
+        compiled.packed_metadata, metadata, enter, leave,
         *(_expand(args, descriptors) if descriptors else args), *tail,
     )  # fmt: skip
+
+
+def _hook(hook: object) -> object:
+    """A Triton launch hook, or None where nothing would run: Triton 3.6 keeps each as a chain
+    (``knobs.HookChain``) that is never None, so every launch built its metadata and called two
+    empty chains from C. A hook registered later is seen at the next launch."""
+    calls = getattr(hook, "calls", None)
+    return None if hook is None or (type(calls) is list and not calls) else hook
 
 
 def compiled_launches() -> int:

@@ -328,3 +328,29 @@ def test_few_persistent_programs_walk_every_item(monkeypatch, programs, head_dim
     seen = exp_lse > -float("inf")
     assert (lse.cpu()[~seen] == -float("inf")).all() and (out[:, :300] == 0).all()
     assert rel_err(lse.double().cpu()[seen], exp_lse[seen]) < 1e-4, "dense lse"
+
+
+def test_tile_counter_is_zero_after_every_launch_on_every_stream():
+    """The persistent forward's per-stream tile counter, never refilled, is set back to 0 by the
+    launch that takes its last claim: launches of different item counts back to back (more items
+    than SMs, so programs claim), on the default stream and on a side stream, each equal float64.
+    A counter left at the last launch's count would end the next launch's programs after their
+    first item, leaving rows unwritten."""
+    from ringflash.kernels.hopper import forward as hopper_forward
+
+    def run(batch: int, seqlen: int, seed: int) -> None:
+        q, k, v = (cuda_randn(batch, seqlen, 8, D, seed=seed + s) for s in range(3))
+        problem = build_problem(q, k, v, None, True, (-1, -1))
+        assert uses_fused_forward(problem, q, k, v)
+        out, lse = attention_forward(q, k, v, problem)
+        _check(out, lse, q, k, v, True, torch.bfloat16)
+
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            for batch, seqlen, seed in ((2, 2048, 70), (1, 1024, 80), (3, 1536, 90)):
+                run(batch, seqlen, seed)
+        stream.synchronize()
+    counters = hopper_forward._TILE_COUNTERS
+    for stream in (torch.cuda.current_stream(), side):
+        assert counters[(torch.cuda.current_device(), stream.cuda_stream)].item() == 0

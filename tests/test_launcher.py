@@ -33,6 +33,17 @@ def test_interpreter_keeps_tritons_binding():
     assert launcher.bypass_enabled() == (not launcher.INTERPRET)
 
 
+def test_empty_launch_hooks_are_not_called():
+    """Triton 3.6's hooks are chains that are never None: an empty chain is passed as None (no
+    metadata, no call), a chain with a hook or a plain callable as itself."""
+    chain = getattr(triton.knobs, "HookChain", None)
+    if chain is not None:
+        empty, hooked = chain(), chain()
+        hooked.add(print)
+        assert launcher._hook(empty) is None and launcher._hook(hooked) is hooked
+    assert launcher._hook(None) is None and launcher._hook(print) is print
+
+
 def test_expand_puts_each_descriptors_launcher_arguments_in_its_place(monkeypatch):
     monkeypatch.setattr(launcher, "_make_tensordesc_arg", lambda arg, meta: [f"map({arg})", meta, 7])
     got = launcher._expand(("a", "D1", "b", "c", "D2"), ((1, "m1"), (4, "m2")))
@@ -129,3 +140,25 @@ def test_same_results_as_tritons_binding(dtype, monkeypatch):
         (out, dq, dk, dv), (out2, dq2, dk2, dv2) = results[0], other
         assert torch.equal(out, out2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
         assert rel_err(dq2, dq) < 1e-3  # the Hopper backward adds dQ tiles in a varying order
+
+
+@pytest.mark.gpu
+@GPU
+def test_registered_launch_hooks_see_every_launch():
+    """A hook added to Triton's launch chains after the kernels were compiled and launched is
+    called for each later launch (profilers such as Proton register so), and no more once removed."""
+    q, k, v = _qkv(torch.bfloat16, seed=9)
+    ringflash.flash_attn_func(q, k, v, causal=True)
+    names: list[str] = []
+    enter = triton.knobs.runtime.launch_enter_hook
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    enter.add(hook)
+    try:
+        ringflash.flash_attn_func(q, k, v, causal=True)
+        torch.cuda.synchronize()
+    finally:
+        enter.remove(hook)
+    assert names, "the enter hook saw no launch"
+    seen = len(names)
+    ringflash.flash_attn_func(q, k, v, causal=True)
+    assert len(names) == seen

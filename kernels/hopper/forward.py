@@ -43,6 +43,8 @@ global positions) are built in only where a problem has them (docs/experiments.m
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
 
+import threading
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.runtime import driver
 
 from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
@@ -158,6 +161,10 @@ def _load_partition(
             load_key_tiles(p, BLOCK_N, 0, p.n_tiles)
         k += 1
         ring += p.n_tiles
+        # A launch's claims take 0 .. n_items - 1 once each (one per item, so the last is past
+        # the end): whoever takes the last sets the counter back to 0 for the next launch on
+        # this stream (``_tile_counter``), here, where the claim's round trip is long over.
+        gl.atomic_xchg(TILE_COUNTER, 0, mask=next_item == n_items - 1 + gl.num_programs(0))
         item = next_item
     slot, phase = q_stage(rings, k)
     for w in gl.static_range(2):
@@ -456,9 +463,53 @@ def fused_forward(
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
         launch.slopes, *problem.position_args(), *launch.window, *launch.grid,
-        torch.zeros(1, dtype=torch.int32, device=q.device), *descs, *memory, Q_STAGES=Q_STAGES[build],
+        _tile_counter(q.device), *descs, *memory, Q_STAGES=Q_STAGES[build],
         MEMORY=retrieval is not None, **launch.constexprs,
     )  # fmt: skip
+
+
+# The persistent forward's tile counters, one per (device, stream), each zero between launches
+# (the kernel resets it: ``_load_partition``): launches on one stream run in order, those on
+# other streams get their own. A fill per call cost a torch.zeros and a kernel launch.
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The tile counter for a launch on ``device``'s current stream, made on the first launch
+    there; a first launch inside a CUDA graph's capture gets a fresh one, whose fill the graph
+    records."""
+    key = (device.index, driver.active.get_current_stream(device.index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        counter = _TILE_COUNTERS[key] = _new_counter(device)
+    return counter
+
+
+def _new_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 counter from the ordinary memory pool, made on a thread of its own: this
+    thread's allocations may be routed to a CUDA graph's private pool (torch.compile's
+    cudagraph trees warm up so), which must hold no tensor that outlives the graph. The current
+    stream waits for its fill."""
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device):
+                made["counter"] = torch.zeros(1, dtype=torch.int32, device=device)
+                made["filled"] = torch.cuda.Event()
+                made["filled"].record()
+        except Exception as e:  # raised below, on the caller's thread
+            made["error"] = e
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    if "error" in made:
+        raise made["error"]
+    torch.cuda.current_stream(device).wait_event(made["filled"])
+    return made["counter"]
 
 
 def _check_retrieval(problem: AttentionProblem, q, out, gated, m, z, gate) -> None:
