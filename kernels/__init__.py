@@ -1,7 +1,8 @@
 """Single-device Triton FlashAttention (imported as ``ringflash.kernels``).
 
 Knows nothing of torch.distributed. ``flash_attn_func``/``flash_attn_varlen_func`` and their
-packed forms (flash-attn 2.x's names and signatures) are the autograd-aware entry points;
+packed forms (flash-attn 2.x's names and signatures) are the autograd-aware entry points,
+``flash_attn_with_kvcache`` the inference one (a KV cache, split-KV decoding);
 ``attention_forward``/``attention_backward`` with ``build_problem`` are the low-level calls the
 ring engine uses, with masks in global token positions (``TokenPositions``);
 ``merge_attention_partial`` and ``merge_sinks`` are the merge rule; ``pad_head_dim`` serves
@@ -21,6 +22,7 @@ from .functional import (
     padded_head_dim,
 )
 from .hopper.dispatch import uses_fused_backward, uses_fused_forward
+from .kvcache import flash_attn_with_kvcache
 from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window, cu_seqlens_tensor
@@ -46,6 +48,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "merge_attention_partial",
     "merge_sinks",
     "pad_head_dim",

@@ -31,6 +31,7 @@ from .kernels import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from .layouts import LAYOUTS, layout_indices, zigzag_indices
 from .llama3 import (
@@ -79,6 +80,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "gather_sequence",
     "infini_attention",
     "layout_indices",

@@ -1,0 +1,218 @@
+"""Split-KV attention over a KV cache ("flash-decoding"): the kernel behind ``flash_attn_with_kvcache``.
+
+A decode step has one query row (or a few: chunked prefill, speculative tokens) per head, too
+few rows to fill a GPU by tiling the queries, so the keys are split instead: program (split,
+sequence x KV head, query tile) walks its split's key tiles once for all the query heads that
+share the KV head (``group`` of them: each K/V byte is read once per split), and writes a
+float32 partial output and LSE. ``merge_splits`` folds the splits with the merge rule.
+
+Keys sit in a cache, dense (cache_rows, capacity, heads_k, head_dim) with the sequence's row
+from ``batch_idx``, or paged (pages, page_size, heads_k, head_dim) with the row of key j on page
+``block_table[b, j // page_size]``. Sequence b has ``seqlens_k[b]`` keys; query t of
+``seqlen_q`` sits at position seqlens_k[b] - seqlen_q + t (the bottom-right alignment of
+flash-attn's causal mask), and the window/causal bounds, softcap and ALiBi are those of the
+other kernels (``scores.py``), in the log2 domain.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import block_d
+from .forward import dot_precision
+from .launcher import launch
+from .scores import LOG2E, tanh
+
+BLOCK_N = 64
+# Programs per SM that ``default_splits`` aims for, and the fewest keys a split is given.
+PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, K, V, OUT, LSE, SEQLENS_K, BATCH_IDX, BLOCK_TABLE, SLOPES,
+    seqlen_q, group, heads_k, keys_per_split, page_size, table_stride,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
+    qk_scale, softcap_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = bk // heads_k
+    hk = bk % heads_k
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query t = r // group, head hk * group + r % group
+    row_ok = rows < seqlen_q * group
+    t = rows // group
+    h = hk * group + rows % group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    seqlen_k = tl.load(SEQLENS_K + b)
+    q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen_k)
+    if HAS_RIGHT:  # no key past the last row's bound
+        end = tl.minimum(
+            end, seqlen_k - seqlen_q + (pid_m * BLOCK_M + BLOCK_M - 1) // group + window_right + 1
+        )
+    if HAS_LEFT:  # no tile before the first row's bound
+        start = tl.maximum(
+            start, (seqlen_k - seqlen_q + (pid_m * BLOCK_M) // group - window_left) // BLOCK_N * BLOCK_N
+        )
+    b64 = b.to(tl.int64)
+    q_ptrs = (
+        Q + b64 * stride_qb + t[:, None].to(tl.int64) * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b64 * (heads_k * group) + h, mask=row_ok, other=0.0) * 1.4426950408889634
+    if PAGED:
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+    else:
+        row = b64
+        if HAS_BATCH_IDX:
+            row = tl.load(BATCH_IDX + b).to(tl.int64)
+        k_base = K + row * stride_kb + hk * stride_kh
+        v_base = V + row * stride_vb + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + b64 * table_stride + cols // page_size, mask=col_ok, other=0).to(
+                tl.int64
+            )
+            k_rows = page * stride_kb + (cols % page_size) * stride_ks
+            v_rows = page * stride_vb + (cols % page_size) * stride_vs
+        else:
+            k_rows = cols.to(tl.int64) * stride_ks
+            v_rows = cols.to(tl.int64) * stride_vs
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            s = tanh(qk * qk_scale) * softcap_log2
+        else:
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            s -= slope[:, None] * tl.abs((q_pos[:, None] - cols[None, :]).to(tl.float32))
+        visible = row_ok[:, None] & col_ok[None, :]
+        if HAS_RIGHT:
+            visible &= cols[None, :] <= q_pos[:, None] + window_right
+        if HAS_LEFT:
+            visible &= cols[None, :] >= q_pos[:, None] - window_left
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen: no NaN
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    o_ptrs = (
+        OUT + split * stride_os + b64 * stride_ob + t[:, None].to(tl.int64) * stride_oq
+        + h[:, None] * stride_oh + offs_d[None, :]
+    )  # fmt: skip
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t, lse, mask=row_ok)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_splits(batch: int, heads_k: int, query_tiles: int, capacity: int, device: torch.device) -> int:
+    """``num_splits=0``: enough splits for about ``PROGRAMS_PER_SM`` programs per SM over the
+    batch's (sequence, KV head, query tile) programs, each split at least ``MIN_KEYS_PER_SPLIT``
+    keys of the cache's ``capacity`` (the keys in use are on the device: the host reads none)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * heads_k * query_tiles)
+    return max(1, min(wanted, triton.cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def split_kv_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window: tuple[int | None, int | None],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    batch_idx: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
+    ``seqlens_k[b]`` keys of each sequence, checked by the caller (``kvcache.py``).
+
+    k_cache/v_cache: (cache_rows, capacity, heads_k, head_dim), or (pages, page_size, heads_k,
+    head_dim) with ``block_table`` (batch, pages per sequence) int32; unit stride in head_dim.
+    seqlens_k: (batch,) int32 on q's device. window: (left, right) bounds around each query's
+    position, None = unbounded (causal: right 0). alibi_slopes: float32 (batch, heads_q)
+    contiguous or None. batch_idx: (batch,) int32 cache rows or None (row b). num_splits >= 1.
+    Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype and float32 lse (batch,
+    heads_q, seqlen_q); rows that see no key get out 0 and lse -inf."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_k = k_cache.shape[2]
+    group = heads_q // heads_k
+    rows = seqlen_q * group
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    query_tiles = triton.cdiv(rows, block_m)
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    keys_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), BLOCK_N) * BLOCK_N
+    parts = torch.empty(num_splits, batch, seqlen_q, heads_q, head_dim, device=q.device, dtype=torch.float32)
+    lses = torch.empty(num_splits, batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
+    left, right = window
+    qk_scale, softcap_log2 = (
+        (softmax_scale / softcap, softcap * LOG2E) if softcap else (softmax_scale * LOG2E, None)
+    )
+    launch(
+        _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
+        q, k_cache, v_cache, parts, lses, seqlens_k, batch_idx, block_table, alibi_slopes,
+        seqlen_q, group, heads_k, keys_per_split, k_cache.shape[1],
+        0 if block_table is None else block_table.stride(0),
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *parts.stride()[:4], *lses.stride()[:3],
+        qk_scale, softcap_log2, left or 0, right or 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=bool(softcap),
+        HAS_ALIBI=alibi_slopes is not None, PAGED=block_table is not None,
+        HAS_BATCH_IDX=batch_idx is not None,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    )  # fmt: skip
+    out, lse = merge_splits(parts, lses)
+    return out.to(q.dtype), lse
+
+
+def merge_splits(parts: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge rule over the leading split dimension: parts (splits, batch, seqlen, heads,
+    head_dim) float32, lses (splits, batch, heads, seqlen) -> (out float32, lse); a row that
+    no split saw keeps out 0 and lse -inf (no NaN)."""
+    if parts.shape[0] == 1:
+        return parts[0], lses[0]
+    top = lses.amax(0)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    weights = torch.exp(lses - top)  # (splits, batch, heads, seqlen), 0 for empty splits
+    total = weights.sum(0)
+    lse = torch.where(total > 0, top + torch.log(total), float("-inf"))
+    scale = (weights / torch.where(total > 0, total, 1.0)).permute(0, 1, 3, 2)[..., None]
+    return (parts * scale).sum(0), lse

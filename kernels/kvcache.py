@@ -1,0 +1,322 @@
+"""``flash_attn_with_kvcache``: attention of new queries over a KV cache, flash-attn 2.x's
+signature and semantics (appends in place, rotary, paged caches, bottom-right causal masks),
+on the split-KV kernel (``decode.py``). Inference only: nothing here is differentiable.
+
+What flash-attn leaves undefined (a cache too small for the appended tokens, page-table
+entries out of range, positions past the rotary tables) raises ValueError here: one read of
+the small index tensors on the host per call (``check_bounds=True``, ringflash's keyword), or
+none with ``check_bounds=False`` and inside a CUDA graph's capture, where no read is possible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode import default_splits, split_kv_attention
+from .merge import check_sinks, merge_sinks
+from .problem import (
+    MAX_HEAD_DIM,
+    _check_tensor,
+    check_alibi_slopes,
+    check_softcap,
+    check_window,
+    resolve_scale,
+)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    sinks: torch.Tensor | None = None,
+    check_bounds: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over a KV cache, after appending k/v to it in place; flash-attn 2.x's
+    ``flash_attn_with_kvcache`` with the same arguments in the same order (inference: no
+    gradients).
+
+    Sequence b's keys are the cache's first ``cache_seqlens[b]`` rows, then the appended k/v:
+    seqlen_k = cache_seqlens[b] + seqlen_new. With causal=True the mask is aligned to the
+    bottom-right corner (query t of seqlen_q sits at position seqlen_k - seqlen_q + t, as in
+    ``flash_attn_func``), so a decode step (seqlen_q = 1) sees every key and a chunk of new
+    tokens sees the cache and the chunk's earlier tokens.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim), float16/bfloat16/float32 (float16/float32 on
+            the CPU interpreter); head_dim in [1, 256].
+        k_cache, v_cache: (cache_rows, capacity, heads_k, head_dim) in q's dtype (cache_rows >=
+            batch, or the rows ``cache_batch_idx`` names), or with ``block_table`` (pages,
+            page_size, heads_k, head_dim) (any page_size); heads_q % heads_k == 0; unit stride in
+            head_dim. Written in place where k/v are appended.
+        k, v: None, or (batch, seqlen_new, heads_k, head_dim) new keys/values written into the
+            cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) in q's dtype, rotary_dim <=
+            head_dim even: rotary embedding of the new k at their positions and of q (at
+            positions cache_seqlens[b] + t when causal or windowed, else all at cache_seqlens[b]);
+            needs k and v.
+        cache_seqlens: int or (batch,) int32: keys already in each sequence's cache (default 0).
+        cache_batch_idx: None, or (batch,) int32: the cache row of each sequence (dense caches).
+        cache_leftpad: must be None (not supported yet).
+        block_table: None, or (batch, pages_per_sequence) int32: page of each sequence's keys
+            j * page_size .. (j + 1) * page_size - 1.
+        softmax_scale: scale of q k^T; defaults to 1/sqrt(head_dim).
+        causal, window_size: as in ``flash_attn_func`` (bottom-right aligned).
+        softcap: > 0: scores -> softcap * tanh(scores / softcap); 0 = off.
+        rotary_interleaved: True: rotate dims (0, 1), (2, 3), ... (GPT-J); False: dims i and
+            i + rotary_dim / 2 (GPT-NeoX).
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q): bias -slope * |position_q - j|.
+        num_splits: key splits per sequence (each split's partial merged exactly); 0 chooses
+            enough to fill the GPU (``decode.default_splits``).
+        return_softmax_lse: also return the LSE.
+        sinks: (heads_q,) float: one extra logit per query head in every row's softmax
+            denominator, with no value (gpt-oss); ringflash's keyword.
+        check_bounds: read cache_seqlens / cache_batch_idx / block_table on the host (one device
+            sync) to raise ValueError on entries out of range; False (or inside a CUDA graph's
+            capture) skips it, and such entries are then undefined behaviour, as in flash-attn.
+
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim) in q's dtype; with ``return_softmax_lse``
+        (out, lse), lse float32 (batch, heads_q, seqlen_q), natural log (with sinks: over them
+        too); a row that sees no key gets out 0 and lse -inf (with sinks: the sink).
+    """
+    q = _check_tensor("q", q, 4)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    paged = block_table is not None
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4)
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
+            )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    cache_rows, capacity, heads_k, cache_dim = k_cache.shape
+    if cache_dim != head_dim or not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"k_cache's head_dim must be q's ({head_dim}, at most {MAX_HEAD_DIM}), got {cache_dim}"
+        )
+    if heads_k == 0 or heads_q % heads_k:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of the cache's heads_k ({heads_k})")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported yet; pass cache_leftpad=None")
+    causal, window = check_window(causal, window_size)
+    softcap = check_softcap(softcap)
+    scale = resolve_scale(softmax_scale, head_dim)
+    slopes = check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
+    sinks = check_sinks(sinks, heads_q, q.device)
+    for name, flag in (("rotary_interleaved", rotary_interleaved), ("return_softmax_lse", return_softmax_lse),
+                       ("check_bounds", check_bounds)):  # fmt: skip
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen), got {num_splits!r}")
+    seqlen_new = _check_new_kv(k, v, batch, heads_k, head_dim, q)
+    seqlens = _cache_seqlens(cache_seqlens, batch, q.device)
+    batch_idx = _index_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+    table = _index_tensor("block_table", block_table, None, q.device)
+    if paged:
+        if table.dim() != 2 or table.shape[0] != batch:
+            raise ValueError(
+                f"block_table must be (batch, pages per sequence) = ({batch}, n), got {tuple(table.shape)}"
+            )
+        if batch_idx is not None:
+            raise ValueError(
+                "cache_batch_idx indexes dense caches; with block_table the table names the pages"
+            )
+        capacity *= table.shape[1]
+    elif batch_idx is None and cache_rows < batch:
+        raise ValueError(
+            f"k_cache has {cache_rows} rows for a batch of {batch}: pass cache_batch_idx or a larger cache"
+        )
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
+    if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_values(seqlens, seqlen_new, capacity, batch_idx, cache_rows, table, k_cache.shape[0], rotary)
+    if rotary is not None:
+        cos, sin = rotary
+        positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
+        k = apply_rotary(k, cos[positions], sin[positions], rotary_interleaved)
+        q_positions = seqlens[:, None].long() + (
+            torch.arange(seqlen_q, device=q.device)
+            if causal or window != (-1, -1)
+            else torch.zeros(1, dtype=torch.long, device=q.device)
+        )
+        q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
+    if seqlen_new:
+        _append(k_cache, v_cache, k, v, seqlens, batch_idx, table)
+    if batch == 0 or seqlen_q == 0:  # nothing to attend (the appends above still happen)
+        out = torch.zeros_like(q)
+        lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        return (out, lse) if return_softmax_lse else out
+    seqlens_k = (seqlens + seqlen_new).to(torch.int32)
+    left = window[0] if window[0] >= 0 else None
+    right = 0 if causal else window[1] if window[1] >= 0 else None
+    rows = seqlen_q * (heads_q // heads_k)
+    splits = num_splits or default_splits(batch, heads_k, -(-rows // 64), capacity, q.device)
+    out, lse = split_kv_attention(
+        q, k_cache, v_cache, seqlens_k, softmax_scale=scale, window=(left, right), softcap=softcap,
+        alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits,
+    )  # fmt: skip
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_new_kv(k, v, batch: int, heads_k: int, head_dim: int, q: torch.Tensor) -> int:
+    """seqlen_new of the appended k/v (0 without), after checking their shapes and dtypes."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: pass both or neither")
+    if k is None:
+        return 0
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
+            )
+        if t.shape[0] != batch or t.shape[2:] != (heads_k, head_dim):
+            raise ValueError(
+                f"{name} must be (batch, seqlen_new, heads_k, head_dim) = ({batch}, n, {heads_k}, "
+                f"{head_dim}), got {tuple(t.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    return k.shape[1]
+
+
+def _cache_seqlens(cache_seqlens: object, batch: int, device: torch.device) -> torch.Tensor:
+    """cache_seqlens as an int32 (batch,) tensor on the device (an int is each sequence's)."""
+    if cache_seqlens is None:
+        cache_seqlens = 0
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    t = _index_tensor("cache_seqlens", cache_seqlens, (batch,), device)
+    return t
+
+
+def _index_tensor(name: str, t: object, shape: tuple | None, device: torch.device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise TypeError(f"{name} must be a torch.int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return t.contiguous()
+
+
+def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
+    """(cos, sin) checked, or None without rotary."""
+    if cos is None and sin is None:
+        return None
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin go together: pass both or neither")
+    if seqlen_new == 0:
+        raise ValueError(
+            "rotary_cos/rotary_sin rotate the appended keys: pass k and v too (as flash-attn requires)"
+        )
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be a 2-D (seqlen_ro, rotary_dim / 2) tensor in q's dtype on q's device"
+            )
+    if cos.shape != sin.shape or not 1 <= 2 * cos.shape[1] <= head_dim:
+        raise ValueError(
+            f"rotary_cos/sin must share a shape (seqlen_ro, rotary_dim / 2), rotary_dim <= head_dim "
+            f"({head_dim}); got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    return cos, sin
+
+
+def _check_values(
+    seqlens, seqlen_new: int, capacity: int, batch_idx, cache_rows: int, table, pages: int, rotary
+) -> None:
+    """Index values in range, read on the host in one copy."""
+    parts = [seqlens.min()[None], (seqlens.max() + seqlen_new)[None]]
+    if batch_idx is not None:
+        parts += [batch_idx.min()[None], batch_idx.max()[None]]
+    if table is not None and table.numel():
+        # The pages the keys use: sequence b's first ceil(seqlen_k / page_size) entries.
+        page_size = capacity // table.shape[1]
+        used = (
+            torch.arange(table.shape[1], device=table.device)[None] * page_size
+            < (seqlens + seqlen_new)[:, None]
+        )
+        parts += [torch.where(used, table, 0).min()[None], torch.where(used, table, 0).max()[None]]
+    values = torch.cat([p.to(torch.int64) for p in parts]).tolist()
+    low, high = values[:2]
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {low}")
+    if high > capacity:
+        raise ValueError(
+            f"the cache holds {capacity} keys per sequence, but cache_seqlens + seqlen_new reaches {high}"
+        )
+    if rotary is not None and high > rotary[0].shape[0]:
+        raise ValueError(
+            f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the appended keys reach "
+            f"position {high - 1}"
+        )
+    rest = values[2:]
+    if batch_idx is not None:
+        if rest[0] < 0 or rest[1] >= cache_rows:
+            raise ValueError(
+                f"cache_batch_idx entries must be in [0, {cache_rows}), got {rest[0]}..{rest[1]}"
+            )
+        rest = rest[2:]
+    if rest and (rest[0] < 0 or rest[1] >= pages):
+        raise ValueError(
+            f"block_table entries in use must be pages in [0, {pages}), got {rest[0]}..{rest[1]}"
+        )
+
+
+def _append(k_cache, v_cache, k, v, seqlens, batch_idx, table) -> None:
+    """Write k/v (batch, seqlen_new, heads_k, head_dim) at positions seqlens[b] + i, in place."""
+    batch, seqlen_new = k.shape[:2]
+    positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=k.device)
+    if table is not None:
+        page_size = k_cache.shape[1]
+        rows = table.long().gather(1, positions // page_size)
+        index = (rows, positions % page_size)
+    else:
+        rows = (batch_idx.long() if batch_idx is not None else torch.arange(batch, device=k.device))[:, None]
+        index = (rows.expand(batch, seqlen_new), positions)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, heads, head_dim) with its first rotary_dim = 2 * cos.shape[-1] dims
+    rotated by cos/sin (batch, seqlen or 1, rotary_dim / 2) per position; the rest unchanged."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, :, None].float(), sin[:, :, None].float()
+    rot, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((rotated.to(x.dtype), rest), dim=-1)

@@ -1,0 +1,329 @@
+"""kernels/kvcache.py and kernels/decode.py: ``flash_attn_with_kvcache`` against a float64
+reference built from the cache's own contents, with flash-attn's test parametrization (cache
+lengths 1, 127, 129 mixed per batch row, new tokens 0-3, queries 1-3, GQA, paged caches with
+shuffled page tables, every split count)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE
+from reference import reference_attention, rel_err
+
+import ringflash
+from ringflash.kernels import kvcache
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(DEVICE, dtype)
+
+
+def _setup(batch, capacity, heads_k, head_dim, dtype, lengths, seqlen_new, seed=0):
+    k_cache = _randn(batch, capacity, heads_k, head_dim, dtype=dtype, seed=seed)
+    v_cache = _randn(batch, capacity, heads_k, head_dim, dtype=dtype, seed=seed + 1)
+    k = _randn(batch, seqlen_new, heads_k, head_dim, dtype=dtype, seed=seed + 2) if seqlen_new else None
+    v = _randn(batch, seqlen_new, heads_k, head_dim, dtype=dtype, seed=seed + 3) if seqlen_new else None
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, k, v, seqlens
+
+
+def _expected(q, keys, values, lengths, **kw):
+    """Per sequence: float64 attention over its first lengths[b] keys (bottom-right aligned)."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        o, lse = reference_attention(q[b : b + 1], keys[b : b + 1, :n], values[b : b + 1, :n], **kw)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _assert_close(out, lse, exp_out, exp_lse, dtype):
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out.double().cpu(), exp_out) < TOL[dtype], "out"
+    seen = exp_lse > -math.inf
+    assert (lse.cpu()[~seen] == -math.inf).all()
+    assert rel_err(lse.double().cpu()[seen], exp_lse[seen]) < 1e-4, "lse"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("seqlen_q", "seqlen_new", "heads", "heads_k", "head_dim", "num_splits"),
+    [(1, 1, 4, 2, 64, 0), (1, 0, 4, 1, 36, 3), (3, 3, 4, 2, 64, 2), (2, 1, 2, 2, 128, 1)],
+)
+def test_matches_float64_over_the_appended_cache(
+    dtype, causal, seqlen_q, seqlen_new, heads, heads_k, head_dim, num_splits
+):
+    lengths = [1, 127, 129]
+    capacity = 136
+    k_cache, v_cache, k, v, seqlens = _setup(
+        3, capacity, heads_k, head_dim, dtype, lengths, seqlen_new, seed=1
+    )
+    before = k_cache.clone(), v_cache.clone()
+    q = _randn(3, seqlen_q, heads, head_dim, dtype=dtype, seed=9)
+    out, lse = ringflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=causal, num_splits=num_splits,
+        return_softmax_lse=True,
+    )  # fmt: skip
+    keys, values = before
+    if seqlen_new:  # where flash-attn appends: rows lengths[b] .. lengths[b] + seqlen_new - 1
+        for b, n in enumerate(lengths):
+            keys[b, n : n + seqlen_new], values[b, n : n + seqlen_new] = k[b], v[b]
+    assert torch.equal(k_cache, keys) and torch.equal(v_cache, values)  # nothing else written
+    total = [n + seqlen_new for n in lengths]
+    exp_out, exp_lse = _expected(q, keys, values, total, causal=causal)
+    _assert_close(out, lse, exp_out, exp_lse, dtype)
+
+
+def test_every_split_count_gives_the_same_answer():
+    dtype = torch.float32
+    k_cache, v_cache, _, _, seqlens = _setup(2, 200, 2, 32, dtype, [197, 64], 0, seed=3)
+    q = _randn(2, 1, 4, 32, dtype=dtype, seed=4)
+    exp_out, exp_lse = _expected(q, k_cache, v_cache, [197, 64])
+    first = None
+    for splits in range(1, 17):
+        out, lse = ringflash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits, return_softmax_lse=True
+        )
+        _assert_close(out, lse, exp_out, exp_lse, dtype)
+        first = first if first is not None else out
+        assert (out - first).abs().max() < 1e-5, splits
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_paged_cache_equals_dense(page_size):
+    """A paged cache with a shuffled page table (pages of other sequences between) gives the
+    dense answer, and its appends land on the pages the table names."""
+    dtype, batch, heads_k, head_dim, pages_per_seq = torch.float32, 2, 2, 32, 4
+    lengths, seqlen_new = [page_size * 2 + 5, 3], 2
+    capacity = page_size * pages_per_seq
+    k_dense, v_dense, k, v, seqlens = _setup(
+        batch, capacity, heads_k, head_dim, dtype, lengths, seqlen_new, seed=5
+    )
+    order = torch.randperm(batch * pages_per_seq, generator=torch.Generator().manual_seed(0))
+    table = order.view(batch, pages_per_seq).to(DEVICE, torch.int32)
+    k_paged = torch.zeros(batch * pages_per_seq, page_size, heads_k, head_dim, dtype=dtype, device=DEVICE)
+    v_paged = torch.zeros_like(k_paged)
+    for b in range(batch):
+        for j in range(pages_per_seq):
+            k_paged[table[b, j]] = k_dense[b, j * page_size : (j + 1) * page_size]
+            v_paged[table[b, j]] = v_dense[b, j * page_size : (j + 1) * page_size]
+    q = _randn(batch, 2, 4, head_dim, dtype=dtype, seed=6)
+    kw = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+    dense = ringflash.flash_attn_with_kvcache(q, k_dense, v_dense, k, v, **kw)
+    paged = ringflash.flash_attn_with_kvcache(q, k_paged, v_paged, k, v, block_table=table, **kw)
+    for a, b in zip(dense, paged):
+        assert (a - b).abs().max() < 1e-5
+    for b in range(batch):
+        for j in range(pages_per_seq):
+            assert torch.equal(k_paged[table[b, j]], k_dense[b, j * page_size : (j + 1) * page_size])
+
+
+def test_cache_batch_idx_picks_the_rows():
+    dtype = torch.float32
+    k_cache, v_cache, k, v, _ = _setup(4, 40, 1, 16, dtype, [0] * 4, 1, seed=7)
+    k, v = k[:2], v[:2]
+    rows = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+    before = k_cache.clone()
+    q = _randn(2, 1, 2, 16, dtype=dtype, seed=8)
+    out, lse = ringflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=rows, return_softmax_lse=True
+    )
+    before[3, 10], before[1, 20] = k[0, 0], k[1, 0]
+    assert torch.equal(k_cache, before)
+    exp_out, exp_lse = _expected(q, k_cache[rows.long()], v_cache[rows.long()], [11, 21])
+    _assert_close(out, lse, exp_out, exp_lse, dtype)
+
+
+def _rotate64(x, cos, sin, interleaved):
+    """Rotary in float64 as complex multiplication: pairs (2i, 2i+1) or (i, i + half)."""
+    half = cos.shape[-1]
+    x = x.double()
+    if interleaved:
+        pairs = torch.complex(x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2])
+    else:
+        pairs = torch.complex(x[..., :half], x[..., half : 2 * half])
+    rotated = pairs * torch.complex(cos.double(), sin.double())[:, :, None]
+    parts = (rotated.real, rotated.imag)
+    head = torch.stack(parts, -1).flatten(-2) if interleaved else torch.cat(parts, -1)
+    return torch.cat((head, x[..., 2 * half :]), -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_on_q_and_the_appended_keys(interleaved, causal):
+    """flash-attn's positions: the new keys at cache_seqlens + i; q at cache_seqlens + t when
+    causal, else all at cache_seqlens."""
+    dtype, head_dim, rotary_dim, seqlen_new = torch.float32, 32, 16, 2
+    lengths = [5, 30]
+    k_cache, v_cache, k, v, seqlens = _setup(2, 40, 1, head_dim, dtype, lengths, seqlen_new, seed=10)
+    angles = torch.arange(64, dtype=torch.float64)[:, None] * (0.3 + torch.arange(rotary_dim // 2) / 10)
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    q = _randn(2, seqlen_new, 2, head_dim, dtype=dtype, seed=11)
+    keys, values = k_cache.clone().double().cpu(), v_cache.clone().double().cpu()
+    out, lse = ringflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=seqlens, causal=causal,
+        rotary_interleaved=interleaved, return_softmax_lse=True,
+    )  # fmt: skip
+    rq = []
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n, n + seqlen_new)
+        keys[b, pos] = _rotate64(k[b : b + 1].cpu(), cos.cpu()[pos][None], sin.cpu()[pos][None], interleaved)[
+            0
+        ]
+        values[b, pos] = v[b].double().cpu()
+        qpos = pos if causal else torch.full((seqlen_new,), n)
+        rq.append(_rotate64(q[b : b + 1].cpu(), cos.cpu()[qpos][None], sin.cpu()[qpos][None], interleaved))
+    assert rel_err(k_cache.double().cpu(), keys) < 1e-6  # the cache holds the rotated keys
+    exp_out, exp_lse = _expected(
+        torch.cat(rq), keys, values, [n + seqlen_new for n in lengths], causal=causal
+    )
+    _assert_close(out, lse, exp_out, exp_lse, dtype)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(window_size=(5, 0)),
+        dict(window_size=(3, 2)),
+        dict(causal=True, window_size=(4, -1)),
+        dict(softcap=2.0),
+        dict(alibi=True, causal=True),
+        dict(sinks=True),
+        dict(softmax_scale=0.3, softcap=1.5, alibi=True, sinks=True, causal=True),
+    ],
+    ids=lambda f: "-".join(f),
+)
+def test_masks_and_score_features(features):
+    features = dict(features)
+    dtype, heads, heads_k, head_dim = torch.float32, 4, 2, 32
+    lengths, seqlen_new = [9, 70], 3
+    k_cache, v_cache, k, v, seqlens = _setup(2, 80, heads_k, head_dim, dtype, lengths, seqlen_new, seed=12)
+    q = _randn(2, 3, heads, head_dim, dtype=dtype, seed=13, scale=2.0)
+    slopes = (
+        torch.rand(2, heads, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        if features.pop("alibi", 0)
+        else None
+    )
+    sinks = (
+        (torch.randn(heads, generator=torch.Generator().manual_seed(2)) + 1).to(DEVICE)
+        if features.pop("sinks", 0)
+        else None
+    )
+    keys, values = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        keys[b, n : n + seqlen_new], values[b, n : n + seqlen_new] = k[b], v[b]
+    out, lse = ringflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, alibi_slopes=slopes, sinks=sinks, num_splits=2,
+        return_softmax_lse=True, **features,
+    )  # fmt: skip
+    exp_out, exp_lse = _expected_with_features(q, keys, values, lengths, seqlen_new, slopes, sinks, features)
+    _assert_close(out, lse, exp_out, exp_lse, dtype)
+
+
+def _expected_with_features(q, keys, values, lengths, seqlen_new, slopes, sinks, features):
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        total = n + seqlen_new
+        o, lse = reference_attention(
+            q[b : b + 1], keys[b : b + 1, :total], values[b : b + 1, :total],
+            alibi_slopes=None if slopes is None else slopes[b].cpu(),
+            sinks=sinks, **features,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def test_prefill_then_decode_equals_causal_attention_over_the_sequence():
+    """A prompt appended in one call, then tokens one at a time: each step's output equals
+    causal attention over the whole sequence so far (flash_attn_func on it)."""
+    dtype, heads, heads_k, head_dim, prompt, steps = torch.float32, 4, 2, 32, 37, 5
+    total = prompt + steps
+    q_all = _randn(1, total, heads, head_dim, dtype=dtype, seed=20)
+    k_all = _randn(1, total, heads_k, head_dim, dtype=dtype, seed=21)
+    v_all = _randn(1, total, heads_k, head_dim, dtype=dtype, seed=22)
+    k_cache = torch.zeros(1, 64, heads_k, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    whole = ringflash.flash_attn_func(q_all, k_all, v_all, causal=True)
+    out = ringflash.flash_attn_with_kvcache(
+        q_all[:, :prompt],
+        k_cache,
+        v_cache,
+        k_all[:, :prompt],
+        v_all[:, :prompt],
+        cache_seqlens=0,
+        causal=True,
+    )
+    pieces = [out]
+    for i in range(prompt, total):
+        s = slice(i, i + 1)
+        pieces.append(ringflash.flash_attn_with_kvcache(
+            q_all[:, s], k_cache, v_cache, k_all[:, s], v_all[:, s], cache_seqlens=i, causal=True
+        ))  # fmt: skip
+    assert rel_err(torch.cat(pieces, 1), whole) < 1e-5
+
+
+def test_bad_input_raises_clear_errors():
+    dtype = torch.float32
+    k_cache, v_cache, k, v, _ = _setup(2, 16, 2, 16, dtype, [0, 0], 2, seed=30)
+    q = _randn(2, 1, 4, 16, dtype=dtype, seed=31)
+    seq = lambda *n: torch.tensor(n, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    table = torch.tensor([[0, 1], [2, 5]], dtype=torch.int32, device=DEVICE)
+    pages = torch.zeros(4, 8, 2, 16, dtype=dtype, device=DEVICE)
+    cases = {
+        "cache holds 16": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=seq(3, 15)
+        ),
+        "cache_seqlens must be >= 0": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seq(-1, 2)
+        ),
+        "block_table entries": lambda: kvcache.flash_attn_with_kvcache(
+            q, pages, pages, cache_seqlens=seq(3, 9), block_table=table
+        ),
+        "cache_batch_idx entries": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=1, cache_batch_idx=seq(0, 2)
+        ),
+        "q's dtype": lambda: kvcache.flash_attn_with_kvcache(q.half(), k_cache, v_cache),
+        "multiple of the cache's heads_k": lambda: kvcache.flash_attn_with_kvcache(
+            q[:, :, :3], k_cache, v_cache
+        ),
+        "head_dim": lambda: kvcache.flash_attn_with_kvcache(q[..., :8], k_cache, v_cache),
+        "pass both or neither": lambda: kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k),
+        "pass k and v too": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, rotary_cos=k_cache[0, :, 0, :4], rotary_sin=k_cache[0, :, 0, :4]
+        ),
+        "positions": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, k_cache[0, :4, 0, :4], k_cache[0, :4, 0, :4], cache_seqlens=3
+        ),
+        "cache_leftpad": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_leftpad=seq(0, 0)
+        ),
+        "num_splits": lambda: kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=-1),
+        "int32": lambda: kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seq(1, 1).long()),
+    }
+    for match, call in cases.items():
+        before = k_cache.clone()
+        with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
+            call()
+        assert torch.equal(k_cache, before), f"{match}: the cache was written before the error"
+
+
+def test_signature_is_flash_attns():
+    import inspect
+
+    names = list(inspect.signature(ringflash.flash_attn_with_kvcache).parameters)
+    assert names[:19] == [
+        "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+        "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size", "softcap",
+        "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse",
+    ]  # fmt: skip
+    kinds = inspect.signature(ringflash.flash_attn_with_kvcache).parameters
+    assert all(kinds[n].kind is inspect.Parameter.KEYWORD_ONLY for n in names[19:])
