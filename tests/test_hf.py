@@ -374,3 +374,22 @@ def test_hf_refuses_keys_that_do_not_end_at_the_last_query(device):
         with pytest.raises(ValueError, match="last query"):
             mask(**causal, **kw)
     assert mask(batch_size=1, mask_function=mu.bidirectional_mask_function, q_length=8, kv_length=16) is None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gpt_oss"])
+def test_generate_gives_eagers_tokens(device, model_type):
+    """Greedy ``generate`` with a KV cache (prefill, then one query against the cached keys per
+    step: bottom-right causal) gives the tokens of the same weights under eager attention."""
+    import ringflash.integrations.hf as rf_hf
+
+    prompt = _ids(2)[:, :12].to(device)
+    tokens = {}
+    for implementation in (rf_hf.enable(), "eager"):
+        model = _model(model_type, implementation).to(device).eval()
+        with torch.no_grad():
+            tokens[implementation] = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+    ours, eager = tokens.values()
+    assert ours.shape == (2, 22) and torch.equal(ours, eager)
