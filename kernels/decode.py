@@ -4,7 +4,8 @@ A decode step has one query row (or a few: chunked prefill, speculative tokens) 
 few rows to fill a GPU by tiling the queries, so the keys are split instead: program (split,
 sequence x KV head, query tile) walks its split's key tiles once for all the query heads that
 share the KV head (``group`` of them: each K/V byte is read once per split), and writes a
-float32 partial output and LSE. ``merge_splits`` folds the splits with the merge rule.
+float32 partial output and LSE, and ``merge_splits`` folds the splits with the merge rule in
+one more launch (a single split writes the result itself).
 
 Keys sit in a cache, dense (cache_rows, capacity, heads_k, head_dim) with the sequence's row
 from ``batch_idx``, or paged (pages, page_size, heads_k, head_dim) with the row of key j on page
@@ -36,8 +37,8 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, OUT, LSE, SEQLENS_K, BATCH_IDX, BLOCK_TABLE, SLOPES,
-    seqlen_q, group, heads_k, keys_per_split, page_size, table_stride,
+    Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES,
+    seqlen_q, seqlen_new, group, heads_k, keys_per_split, page_size, table_stride,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
@@ -56,7 +57,7 @@ def _split_kv_kernel(
     h = hk * group + rows % group
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    seqlen_k = tl.load(SEQLENS_K + b)
+    seqlen_k = tl.load(SEQLENS + b) + seqlen_new  # the cache's keys, then the appended ones
     q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seqlen_k)
@@ -129,7 +130,7 @@ def _split_kv_kernel(
         OUT + split * stride_os + b64 * stride_ob + t[:, None].to(tl.int64) * stride_oq
         + h[:, None] * stride_oh + offs_d[None, :]
     )  # fmt: skip
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t, lse, mask=row_ok)
 
 
@@ -138,20 +139,28 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_splits(batch: int, heads_k: int, query_tiles: int, capacity: int, device: torch.device) -> int:
+def _block_m(rows: int) -> int:
+    """Query rows (tokens x the query heads of one KV head) per program."""
+    return max(16, min(64, triton.next_power_of_2(rows)))
+
+
+def default_splits(batch: int, heads_k: int, rows: int, capacity: int, device: torch.device) -> int:
     """``num_splits=0``: enough splits for about ``PROGRAMS_PER_SM`` programs per SM over the
-    batch's (sequence, KV head, query tile) programs, each split at least ``MIN_KEYS_PER_SPLIT``
-    keys of the cache's ``capacity`` (the keys in use are on the device: the host reads none)."""
+    batch's (sequence, KV head, query tile) programs (``rows`` query rows per KV head), each
+    split at least ``MIN_KEYS_PER_SPLIT`` keys of the cache's ``capacity`` (the keys in use are
+    on the device: the host reads none)."""
+    query_tiles = -(-rows // _block_m(rows))
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * heads_k * query_tiles)
-    return max(1, min(wanted, triton.cdiv(capacity, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    wanted = -(-PROGRAMS_PER_SM * sms // (batch * heads_k * query_tiles))
+    return max(1, min(wanted, -(-capacity // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
 def split_kv_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seqlens_k: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    seqlen_new: int,
     *,
     softmax_scale: float,
     window: tuple[int | None, int | None],
@@ -162,33 +171,39 @@ def split_kv_attention(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
-    ``seqlens_k[b]`` keys of each sequence, checked by the caller (``kvcache.py``).
+    cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
 
     k_cache/v_cache: (cache_rows, capacity, heads_k, head_dim), or (pages, page_size, heads_k,
     head_dim) with ``block_table`` (batch, pages per sequence) int32; unit stride in head_dim.
-    seqlens_k: (batch,) int32 on q's device. window: (left, right) bounds around each query's
-    position, None = unbounded (causal: right 0). alibi_slopes: float32 (batch, heads_q)
-    contiguous or None. batch_idx: (batch,) int32 cache rows or None (row b). num_splits >= 1.
-    Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype and float32 lse (batch,
-    heads_q, seqlen_q); rows that see no key get out 0 and lse -inf."""
+    cache_seqlens: (batch,) int32 on q's device. window: (left, right) bounds around each
+    query's position, None = unbounded (causal: right 0). alibi_slopes: float32 (batch,
+    heads_q) contiguous or None. batch_idx: (batch,) int32 cache rows or None (row b).
+    num_splits >= 1: one writes the result directly, more write float32 partials that
+    ``merge_splits`` folds. Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype and
+    float32 lse (batch, heads_q, seqlen_q); rows that see no key get out 0 and lse -inf."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_k = k_cache.shape[2]
     group = heads_q // heads_k
     rows = seqlen_q * group
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
-    query_tiles = triton.cdiv(rows, block_m)
+    block_m = _block_m(rows)
+    query_tiles = -(-rows // block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    keys_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), BLOCK_N) * BLOCK_N
-    parts = torch.empty(num_splits, batch, seqlen_q, heads_q, head_dim, device=q.device, dtype=torch.float32)
-    lses = torch.empty(num_splits, batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
+    keys_per_split = -(-capacity // (num_splits * BLOCK_N)) * BLOCK_N
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
+    if num_splits == 1:  # the kernel writes the result
+        parts, lses = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        parts = torch.empty(num_splits, *q.shape, device=q.device, dtype=torch.float32)
+        lses = torch.empty(num_splits, *lse.shape, device=q.device, dtype=torch.float32)
     left, right = window
     qk_scale, softcap_log2 = (
         (softmax_scale / softcap, softcap * LOG2E) if softcap else (softmax_scale * LOG2E, None)
     )
     launch(
         _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
-        q, k_cache, v_cache, parts, lses, seqlens_k, batch_idx, block_table, alibi_slopes,
-        seqlen_q, group, heads_k, keys_per_split, k_cache.shape[1],
+        q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes,
+        seqlen_q, seqlen_new, group, heads_k, keys_per_split, k_cache.shape[1],
         0 if block_table is None else block_table.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *parts.stride()[:4], *lses.stride()[:3],
@@ -199,20 +214,54 @@ def split_kv_attention(
         HAS_BATCH_IDX=batch_idx is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )  # fmt: skip
-    out, lse = merge_splits(parts, lses)
-    return out.to(q.dtype), lse
+    if num_splits > 1:
+        merge_splits(parts, lses, out, lse)
+    return out, lse
 
 
-def merge_splits(parts: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge rule over the leading split dimension: parts (splits, batch, seqlen, heads,
-    head_dim) float32, lses (splits, batch, heads, seqlen) -> (out float32, lse); a row that
-    no split saw keeps out 0 and lse -inf (no NaN)."""
-    if parts.shape[0] == 1:
-        return parts[0], lses[0]
-    top = lses.amax(0)
-    top = torch.where(torch.isneginf(top), 0.0, top)
-    weights = torch.exp(lses - top)  # (splits, batch, heads, seqlen), 0 for empty splits
-    total = weights.sum(0)
-    lse = torch.where(total > 0, top + torch.log(total), float("-inf"))
-    scale = (weights / torch.where(total > 0, total, 1.0)).permute(0, 1, 3, 2)[..., None]
-    return (parts * scale).sum(0), lse
+@triton.jit
+def _merge_splits_kernel(
+    PARTS, LSES, OUT, LSE, seqlen_q, heads, splits,
+    stride_ps, stride_pb, stride_pq, stride_ph, stride_ls, stride_lb, stride_lh,
+    stride_ob, stride_oq, stride_oh, stride_eb, stride_eh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)  # (b, t, h) of out
+    h = row % heads
+    t = (row // heads) % seqlen_q
+    b = (row // heads // seqlen_q).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < splits
+    l_ptrs = LSES + offs_s * stride_ls + b * stride_lb + h * stride_lh + t
+    lses = tl.load(l_ptrs, mask=s_ok, other=float("-inf"))
+    top = tl.max(lses, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: out 0, lse -inf
+    w = tl.exp(lses - top)
+    total = tl.sum(w, 0)
+    p_ptrs = (
+        PARTS + offs_s[:, None].to(tl.int64) * stride_ps + b * stride_pb + t * stride_pq + h * stride_ph
+        + offs_d[None, :]
+    )  # fmt: skip
+    parts = tl.load(p_ptrs, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = OUT + b * stride_ob + t * stride_oq + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    lse = tl.where(total > 0.0, top + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(LSE + b * stride_eb + h * stride_eh + t, lse)
+
+
+def merge_splits(parts: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The merge rule over the leading split dimension, in one launch: parts (splits, batch,
+    seqlen, heads, head_dim) float32 and lses (splits, batch, heads, seqlen) float32 into out
+    (batch, seqlen, heads, head_dim, any float dtype, unit stride in head_dim) and lse (batch,
+    heads, seqlen, unit stride in seqlen); a row that no split saw gets out 0 and lse -inf."""
+    splits, batch, seqlen_q, heads, head_dim = parts.shape
+    if batch * seqlen_q * heads == 0:
+        return
+    launch(
+        _merge_splits_kernel, (batch * seqlen_q * heads,),
+        parts, lses, out, lse, seqlen_q, heads, splits, *parts.stride()[:4], *lses.stride()[:3],
+        *out.stride()[:3], lse.stride(0), lse.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )  # fmt: skip

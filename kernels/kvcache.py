@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache_append import append_kv
 from .decode import default_splits, split_kv_attention
 from .merge import check_sinks, merge_sinks
 from .problem import (
@@ -161,20 +162,19 @@ def flash_attn_with_kvcache(
         )
         q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
     if seqlen_new:
-        _append(k_cache, v_cache, k, v, seqlens, batch_idx, table)
+        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table)
     if batch == 0 or seqlen_q == 0:  # nothing to attend (the appends above still happen)
         out = torch.zeros_like(q)
         lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         return (out, lse) if return_softmax_lse else out
-    seqlens_k = (seqlens + seqlen_new).to(torch.int32)
     left = window[0] if window[0] >= 0 else None
     right = 0 if causal else window[1] if window[1] >= 0 else None
     rows = seqlen_q * (heads_q // heads_k)
-    splits = num_splits or default_splits(batch, heads_k, -(-rows // 64), capacity, q.device)
+    splits = num_splits or default_splits(batch, heads_k, rows, capacity, q.device)
     out, lse = split_kv_attention(
-        q, k_cache, v_cache, seqlens_k, softmax_scale=scale, window=(left, right), softcap=softcap,
+        q, k_cache, v_cache, seqlens, seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
         alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits,
     )  # fmt: skip
     if sinks is not None:
@@ -290,21 +290,6 @@ def _check_values(
         raise ValueError(
             f"block_table entries in use must be pages in [0, {pages}), got {rest[0]}..{rest[1]}"
         )
-
-
-def _append(k_cache, v_cache, k, v, seqlens, batch_idx, table) -> None:
-    """Write k/v (batch, seqlen_new, heads_k, head_dim) at positions seqlens[b] + i, in place."""
-    batch, seqlen_new = k.shape[:2]
-    positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=k.device)
-    if table is not None:
-        page_size = k_cache.shape[1]
-        rows = table.long().gather(1, positions // page_size)
-        index = (rows, positions % page_size)
-    else:
-        rows = (batch_idx.long() if batch_idx is not None else torch.arange(batch, device=k.device))[:, None]
-        index = (rows.expand(batch, seqlen_new), positions)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -327,3 +327,39 @@ def test_signature_is_flash_attns():
     ]  # fmt: skip
     kinds = inspect.signature(ringflash.flash_attn_with_kvcache).parameters
     assert all(kinds[n].kind is inspect.Parameter.KEYWORD_ONLY for n in names[19:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_step_captures_in_a_cuda_graph():
+    """A decode step (append one token, attend, 4 splits) with check_bounds=False captured in a
+    CUDA graph replays like eager calls on the same static cache, step after step."""
+    dtype, batch, heads, heads_k, head_dim, capacity = torch.float16, 2, 8, 2, 64, 512
+    k_cache, v_cache, _, _, _ = _setup(batch, capacity, heads_k, head_dim, dtype, [0] * batch, 0, seed=40)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([100, 300], dtype=torch.int32, device=DEVICE)
+    heads_of = (heads, heads_k, heads_k)
+    q, k, v = (_randn(batch, 1, h, head_dim, dtype=dtype, seed=41 + i) for i, h in enumerate(heads_of))
+
+    def step(kc, vc):
+        return kvcache.flash_attn_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, num_splits=4, check_bounds=False,
+            return_softmax_lse=True,
+        )  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (compiles, caches)
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(k_cache, v_cache)
+    for _ in range(3):
+        graph.replay()
+        expected = step(eager_k, eager_v)
+        torch.cuda.synchronize()
+        assert torch.equal(static[0], expected[0]) and torch.equal(static[1], expected[1])
+        assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+        seqlens += 1  # the next step appends after this one (the graph reads the tensor)
+        q.normal_()
