@@ -15,6 +15,7 @@ from .launcher import launch
 @triton.jit
 def _append_kernel(
     K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, BATCH_IDX, BLOCK_TABLE, heads_k, page_size, table_stride,
+    key_offset, local_capacity,
     stride_nb, stride_ns, stride_nh, stride_mb, stride_ms, stride_mh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr,
@@ -22,7 +23,9 @@ def _append_kernel(
 ):  # fmt: skip
     i = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    pos = tl.load(SEQLENS + b).to(tl.int64) + i
+    pos = tl.load(SEQLENS + b).to(tl.int64) + i - key_offset  # in this cache (a shard: maybe not)
+    here = (pos >= 0) & (pos < local_capacity)
+    pos = tl.where(here, pos, 0)
     if PAGED:
         row = tl.load(BLOCK_TABLE + b * table_stride + pos // page_size).to(tl.int64)
         pos = pos % page_size
@@ -32,7 +35,7 @@ def _append_kernel(
         row = b
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < heads_k) & (offs_d[None, :] < HEAD_DIM)
+    mask = (offs_h[:, None] < heads_k) & (offs_d[None, :] < HEAD_DIM) & here
     src = b * stride_nb + i * stride_ns + offs_h[:, None] * stride_nh + offs_d[None, :]
     src_v = b * stride_mb + i * stride_ms + offs_h[:, None] * stride_mh + offs_d[None, :]
     k = tl.load(K_NEW + src, mask=mask)
@@ -51,19 +54,23 @@ def append_kv(
     cache_seqlens: torch.Tensor,
     batch_idx: torch.Tensor | None,
     block_table: torch.Tensor | None,
+    key_offset: int = 0,
 ) -> None:
     """Write k/v (batch, seqlen_new, heads_k, head_dim) into the caches at positions
-    cache_seqlens[b] + i, in place. Caches: dense (rows, capacity, heads_k, head_dim) with the
-    sequence's row ``batch_idx[b]`` (or b), or paged (pages, page_size, heads_k, head_dim) with
-    ``block_table`` (batch, pages per sequence) int32. Unit stride in head_dim; positions and
-    pages in range (the caller checks them)."""
+    cache_seqlens[b] + i, in place; with ``key_offset`` the caches hold the positions from there
+    on (a shard), and tokens outside them are not written here. Caches: dense (rows, capacity,
+    heads_k, head_dim) with the sequence's row ``batch_idx[b]`` (or b), or paged (pages,
+    page_size, heads_k, head_dim) with ``block_table`` (batch, pages per sequence) int32. Unit
+    stride in head_dim; positions and pages in range (the caller checks them)."""
     batch, seqlen_new, heads_k, head_dim = k.shape
     if batch * seqlen_new == 0:
         return
     launch(
         _append_kernel, (seqlen_new, batch),
         k, v, k_cache, v_cache, cache_seqlens, batch_idx, block_table, heads_k, k_cache.shape[1],
-        0 if block_table is None else block_table.stride(0), *k.stride()[:3], *v.stride()[:3],
+        0 if block_table is None else block_table.stride(0), key_offset,
+        k_cache.shape[1] * (1 if block_table is None else block_table.shape[1]),
+        *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, triton.next_power_of_2(heads_k)),
         PAGED=block_table is not None, HAS_BATCH_IDX=batch_idx is not None,

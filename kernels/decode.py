@@ -38,7 +38,7 @@ MAX_SPLITS = 128
 @triton.jit
 def _split_kv_kernel(
     Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES,
-    seqlen_q, seqlen_new, group, heads_k, keys_per_split, page_size, table_stride,
+    seqlen_q, seqlen_new, key_offset, local_capacity, group, heads_k, keys_per_split, page_size, table_stride,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
@@ -58,17 +58,18 @@ def _split_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     seqlen_k = tl.load(SEQLENS + b) + seqlen_new  # the cache's keys, then the appended ones
-    q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned
+    q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned, in the sequence's positions
+    # This cache holds the keys at positions key_offset .. key_offset + local_capacity - 1 (all
+    # of them on one device; a shard of them with sequence parallelism); j below is local.
+    local_k = tl.minimum(tl.maximum(seqlen_k - key_offset, 0), local_capacity)
     start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, seqlen_k)
+    end = tl.minimum(start + keys_per_split, local_k)
     if HAS_RIGHT:  # no key past the last row's bound
-        end = tl.minimum(
-            end, seqlen_k - seqlen_q + (pid_m * BLOCK_M + BLOCK_M - 1) // group + window_right + 1
-        )
+        last = seqlen_k - seqlen_q + (pid_m * BLOCK_M + BLOCK_M - 1) // group
+        end = tl.minimum(end, last + window_right + 1 - key_offset)
     if HAS_LEFT:  # no tile before the first row's bound
-        start = tl.maximum(
-            start, (seqlen_k - seqlen_q + (pid_m * BLOCK_M) // group - window_left) // BLOCK_N * BLOCK_N
-        )
+        first = seqlen_k - seqlen_q + (pid_m * BLOCK_M) // group - window_left - key_offset
+        start = tl.maximum(start, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
     b64 = b.to(tl.int64)
     q_ptrs = (
         Q + b64 * stride_qb + t[:, None].to(tl.int64) * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
@@ -107,13 +108,14 @@ def _split_kv_kernel(
             s = tanh(qk * qk_scale) * softcap_log2
         else:
             s = qk * qk_scale
+        k_pos = key_offset + cols
         if HAS_ALIBI:
-            s -= slope[:, None] * tl.abs((q_pos[:, None] - cols[None, :]).to(tl.float32))
+            s -= slope[:, None] * tl.abs((q_pos[:, None] - k_pos[None, :]).to(tl.float32))
         visible = row_ok[:, None] & col_ok[None, :]
         if HAS_RIGHT:
-            visible &= cols[None, :] <= q_pos[:, None] + window_right
+            visible &= k_pos[None, :] <= q_pos[:, None] + window_right
         if HAS_LEFT:
-            visible &= cols[None, :] >= q_pos[:, None] - window_left
+            visible &= k_pos[None, :] >= q_pos[:, None] - window_left
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen: no NaN
@@ -169,9 +171,15 @@ def split_kv_attention(
     batch_idx: torch.Tensor | None,
     block_table: torch.Tensor | None,
     num_splits: int,
+    key_offset: int = 0,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
     cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
+    With ``key_offset`` the cache holds the keys from that position on (a shard of a sequence
+    whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset
+    of them, at most its capacity; masks and ALiBi see the sequence's positions. out_dtype:
+    the output's (default q's; float32 keeps a shard's partial unrounded for a later merge).
 
     k_cache/v_cache: (cache_rows, capacity, heads_k, head_dim), or (pages, page_size, heads_k,
     head_dim) with ``block_table`` (batch, pages per sequence) int32; unit stride in head_dim.
@@ -189,7 +197,7 @@ def split_kv_attention(
     query_tiles = -(-rows // block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     keys_per_split = -(-capacity // (num_splits * BLOCK_N)) * BLOCK_N
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
     if num_splits == 1:  # the kernel writes the result
         parts, lses = out.unsqueeze(0), lse.unsqueeze(0)
@@ -203,7 +211,7 @@ def split_kv_attention(
     launch(
         _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
         q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes,
-        seqlen_q, seqlen_new, group, heads_k, keys_per_split, k_cache.shape[1],
+        seqlen_q, seqlen_new, key_offset, capacity, group, heads_k, keys_per_split, k_cache.shape[1],
         0 if block_table is None else block_table.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *parts.stride()[:4], *lses.stride()[:3],

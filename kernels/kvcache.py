@@ -97,6 +97,48 @@ def flash_attn_with_kvcache(
         (out, lse), lse float32 (batch, heads_q, seqlen_q), natural log (with sinks: over them
         too); a row that sees no key gets out 0 and lse -inf (with sinks: the sink).
     """
+    if not isinstance(return_softmax_lse, bool):
+        raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    out, lse = kvcache_attention(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+        num_splits, sinks=sinks, check_bounds=check_bounds,
+    )  # fmt: skip
+    return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: int | torch.Tensor | None,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+    *,
+    sinks: torch.Tensor | None,
+    check_bounds: bool,
+    key_offset: int = 0,
+    shards: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_with_kvcache``'s (out, lse) (its arguments, checked here). With ``shards`` > 1
+    (sequence parallelism, ``ringflash.sp_kvcache``) this cache is one of ``shards`` of equal
+    capacity C holding each sequence's positions ``key_offset`` .. ``key_offset`` + C - 1:
+    cache_seqlens are the whole sequences' lengths, appended tokens land in the shard that holds
+    their positions, and the result is this shard's partial (merge the shards' with the LSE
+    rule, then the sinks: pass sinks=None). out_dtype: the output's (default q's)."""
     q = _check_tensor("q", q, 4)
     batch, seqlen_q, heads_q, head_dim = q.shape
     paged = block_table is not None
@@ -124,8 +166,7 @@ def flash_attn_with_kvcache(
     scale = resolve_scale(softmax_scale, head_dim)
     slopes = check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
     sinks = check_sinks(sinks, heads_q, q.device)
-    for name, flag in (("rotary_interleaved", rotary_interleaved), ("return_softmax_lse", return_softmax_lse),
-                       ("check_bounds", check_bounds)):  # fmt: skip
+    for name, flag in (("rotary_interleaved", rotary_interleaved), ("check_bounds", check_bounds)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -150,7 +191,7 @@ def flash_attn_with_kvcache(
         )
     rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
     if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(seqlens, seqlen_new, capacity, batch_idx, cache_rows, table, k_cache.shape[0], rotary)
+        _check_values(seqlens, seqlen_new, capacity, shards, key_offset, batch_idx, cache_rows, table, rotary)
     if rotary is not None:
         cos, sin = rotary
         positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
@@ -162,24 +203,25 @@ def flash_attn_with_kvcache(
         )
         q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
     if seqlen_new:
-        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table)
+        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset)
     if batch == 0 or seqlen_q == 0:  # nothing to attend (the appends above still happen)
-        out = torch.zeros_like(q)
+        out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
         lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
-        if sinks is not None:
-            out, lse = merge_sinks(out, lse, sinks)
-        return (out, lse) if return_softmax_lse else out
+        return _with_sinks(out, lse, sinks)
     left = window[0] if window[0] >= 0 else None
     right = 0 if causal else window[1] if window[1] >= 0 else None
     rows = seqlen_q * (heads_q // heads_k)
     splits = num_splits or default_splits(batch, heads_k, rows, capacity, q.device)
     out, lse = split_kv_attention(
         q, k_cache, v_cache, seqlens, seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
-        alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits,
+        alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits, key_offset=key_offset,
+        out_dtype=out_dtype,
     )  # fmt: skip
-    if sinks is not None:
-        out, lse = merge_sinks(out, lse, sinks)
-    return (out, lse) if return_softmax_lse else out
+    return _with_sinks(out, lse, sinks)
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
 def _check_new_kv(k, v, batch: int, heads_k: int, head_dim: int, q: torch.Tensor) -> int:
@@ -252,28 +294,29 @@ def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
 
 
 def _check_values(
-    seqlens, seqlen_new: int, capacity: int, batch_idx, cache_rows: int, table, pages: int, rotary
+    seqlens, seqlen_new: int, capacity: int, shards: int, key_offset: int, batch_idx, cache_rows: int, table,
+    rotary,
 ) -> None:
-    """Index values in range, read on the host in one copy."""
-    parts = [seqlens.min()[None], (seqlens.max() + seqlen_new)[None]]
+    """Index values in range, read on the host in one copy. capacity: this cache's keys per
+    sequence, ``shards`` such caches in all; cache_rows: its rows (or pages, with a table)."""
+    ends = seqlens + seqlen_new
+    parts = [seqlens.min()[None], ends.max()[None]]
     if batch_idx is not None:
         parts += [batch_idx.min()[None], batch_idx.max()[None]]
     if table is not None and table.numel():
-        # The pages the keys use: sequence b's first ceil(seqlen_k / page_size) entries.
+        # The pages this cache's keys use: the first ceil(local keys / page_size) entries.
         page_size = capacity // table.shape[1]
-        used = (
-            torch.arange(table.shape[1], device=table.device)[None] * page_size
-            < (seqlens + seqlen_new)[:, None]
-        )
+        local = (ends - key_offset).clamp(0, capacity)
+        used = torch.arange(table.shape[1], device=table.device)[None] * page_size < local[:, None]
         parts += [torch.where(used, table, 0).min()[None], torch.where(used, table, 0).max()[None]]
     values = torch.cat([p.to(torch.int64) for p in parts]).tolist()
     low, high = values[:2]
     if low < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {low}")
-    if high > capacity:
-        raise ValueError(
-            f"the cache holds {capacity} keys per sequence, but cache_seqlens + seqlen_new reaches {high}"
-        )
+    total = capacity * shards
+    if high > total:
+        where = "the cache holds" if shards == 1 else f"the {shards} cache shards hold"
+        raise ValueError(f"{where} {total} keys per sequence, but cache_seqlens + seqlen_new reaches {high}")
     if rotary is not None and high > rotary[0].shape[0]:
         raise ValueError(
             f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the appended keys reach "
@@ -286,9 +329,9 @@ def _check_values(
                 f"cache_batch_idx entries must be in [0, {cache_rows}), got {rest[0]}..{rest[1]}"
             )
         rest = rest[2:]
-    if rest and (rest[0] < 0 or rest[1] >= pages):
+    if rest and (rest[0] < 0 or rest[1] >= cache_rows):
         raise ValueError(
-            f"block_table entries in use must be pages in [0, {pages}), got {rest[0]}..{rest[1]}"
+            f"block_table entries in use must be pages in [0, {cache_rows}), got {rest[0]}..{rest[1]}"
         )
 
 

@@ -63,6 +63,7 @@ from .ring_varlen import (
 )
 from .sharding import gather_sequence, shard_sequence
 from .sp_functions import SP_MODES, sp_attn_func, ulysses_attn_func
+from .sp_kvcache import sp_flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -102,6 +103,7 @@ __all__ = [
     "shard_batch",
     "shard_sequence",
     "sp_attn_func",
+    "sp_flash_attn_with_kvcache",
     "stripe_flash_attn_func",
     "stripe_flash_attn_kvpacked_func",
     "stripe_flash_attn_qkvpacked_func",

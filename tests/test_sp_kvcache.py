@@ -1,0 +1,108 @@
+"""ringflash/sp_kvcache.py on 2-3 gloo ranks: decoding over a KV cache sharded by position
+ranges equals ``flash_attn_with_kvcache`` over the whole cache on one process (itself checked
+against float64 in test_kvcache.py), appends land in the shard that holds their positions, and
+a rank whose arguments differ makes every rank raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import errors_of, worker_device
+from reference import rel_err
+
+import ringflash
+
+CAPACITY, HEADS, HEADS_K, HEAD_DIM = 24, 4, 2, 16
+
+
+def _tensors(world: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    cache = [torch.randn(2, CAPACITY * world, HEADS_K, HEAD_DIM, generator=g) for _ in range(2)]
+    slopes = torch.rand(2, HEADS, generator=g)
+    sinks = torch.randn(HEADS, generator=g) + 1
+    return cache, slopes, sinks
+
+
+def _steps(world: int):
+    """(lengths before the call, seqlen_new, seqlen_q, options): a chunked prefill across the
+    first shard boundary, decode steps up to and across the next, with masks and features."""
+    full = CAPACITY * world
+    return [
+        ([5, CAPACITY - 3], 6, 6, dict(causal=True)),  # rank 0 -> 1 for the second sequence
+        ([11, CAPACITY + 3], 1, 1, dict(causal=True, window_size=(9, 0))),
+        ([12, CAPACITY + 4], 1, 1, dict(alibi=True, causal=True)),
+        ([13, full - 2], 2, 2, dict(sinks=True, causal=True, softcap=1.5)),  # fills the last shard
+    ]
+
+
+def _sharded_equals_whole(paged: bool):
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = worker_device()
+    (k_whole, v_whole), slopes, sinks = _tensors(world)
+    k_whole, v_whole, slopes, sinks = (t.to(device) for t in (k_whole, v_whole, slopes, sinks))
+    own = slice(rank * CAPACITY, (rank + 1) * CAPACITY)
+    k_shard, v_shard = k_whole[:, own].clone(), v_whole[:, own].clone()
+    table = None
+    if paged:  # this rank's pages of 8 positions, shuffled, the two sequences' interleaved
+        pages = CAPACITY // 8
+        order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(rank))
+        table = order.view(2, pages).to(device, torch.int32)
+        k_pages = torch.empty(2 * pages, 8, HEADS_K, HEAD_DIM, device=device)
+        v_pages = torch.empty_like(k_pages)
+        for b in range(2):
+            for j in range(pages):
+                k_pages[table[b, j]] = k_shard[b, j * 8 : (j + 1) * 8]
+                v_pages[table[b, j]] = v_shard[b, j * 8 : (j + 1) * 8]
+        k_shard, v_shard = k_pages, v_pages
+    g = torch.Generator().manual_seed(1)  # the same new tokens and queries on every rank
+    for lengths, new, seqlen_q, options in _steps(world):
+        options = dict(options)
+        extra = dict(
+            alibi_slopes=slopes if options.pop("alibi", False) else None,
+            sinks=sinks if options.pop("sinks", False) else None,
+        )
+        q = torch.randn(2, seqlen_q, HEADS, HEAD_DIM, generator=g).to(device)
+        k, v = (torch.randn(2, new, HEADS_K, HEAD_DIM, generator=g).to(device) for _ in range(2))
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        whole = ringflash.flash_attn_with_kvcache(
+            q, k_whole, v_whole, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **options, **extra
+        )
+        sharded = ringflash.sp_flash_attn_with_kvcache(
+            q, k_shard, v_shard, k, v, cache_seqlens=seqlens, block_table=table, num_splits=2,
+            return_softmax_lse=True, **options, **extra,
+        )  # fmt: skip
+        errors = rel_err(sharded[0], whole[0]), rel_err(sharded[1], whole[1])
+        assert max(errors) < 1e-5, (lengths, options, errors)
+    if paged:
+        rows = [torch.cat([k_shard[table[b, j]] for j in range(CAPACITY // 8)]) for b in range(2)]
+        k_shard = torch.stack(rows)
+    return torch.equal(k_shard, k_whole[:, own])  # this rank's positions, appends included
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_sharded_cache_equals_the_whole_cache(rank_pool, world, paged):
+    assert rank_pool(world).run(_sharded_equals_whole, paged) == [True] * world
+
+
+def _disagreeing_call():
+    rank = torch.distributed.get_rank()
+    device = worker_device()
+    capacity = CAPACITY + 8 * rank  # rank 1's cache is larger: the shards' positions would not tile
+    k_cache = torch.zeros(1, capacity, HEADS_K, HEAD_DIM, device=device)
+    q = torch.zeros(1, 1, HEADS, HEAD_DIM, device=device)
+    return ringflash.sp_flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=3)
+
+
+def _failing_rank():
+    rank = torch.distributed.get_rank()
+    device = worker_device()
+    k_cache = torch.zeros(1, CAPACITY, HEADS_K, HEAD_DIM, device=device)
+    q = torch.zeros(1, 1, HEADS if rank == 0 else 3, HEAD_DIM, device=device)  # rank 1: bad heads
+    return ringflash.sp_flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=3)
+
+
+@pytest.mark.parametrize("call", [_disagreeing_call, _failing_rank])
+def test_ranks_that_disagree_all_raise(rank_pool, call):
+    errors = rank_pool(2).run(errors_of, {"call": call})
+    assert all(e["call"] and "ValueError" in e["call"] for e in errors), errors
