@@ -37,14 +37,14 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES,
+    Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES, LEFTPAD,
     seqlen_q, seqlen_new, key_offset, local_capacity, group, heads_k, keys_per_split, page_size, table_stride,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     bk = tl.program_id(1)
@@ -70,6 +70,9 @@ def _split_kv_kernel(
     if HAS_LEFT:  # no tile before the first row's bound
         first = seqlen_k - seqlen_q + (pid_m * BLOCK_M) // group - window_left - key_offset
         start = tl.maximum(start, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+    if HAS_LEFTPAD:  # the sequence's keys start at position LEFTPAD[b] (flash-attn's cache_leftpad)
+        leftpad = tl.load(LEFTPAD + b)
+        start = tl.maximum(start, tl.maximum(leftpad - key_offset, 0) // BLOCK_N * BLOCK_N)
     b64 = b.to(tl.int64)
     q_ptrs = (
         Q + b64 * stride_qb + t[:, None].to(tl.int64) * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
@@ -116,6 +119,8 @@ def _split_kv_kernel(
             visible &= k_pos[None, :] <= q_pos[:, None] + window_right
         if HAS_LEFT:
             visible &= k_pos[None, :] >= q_pos[:, None] - window_left
+        if HAS_LEFTPAD:
+            visible &= k_pos[None, :] >= leftpad
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen: no NaN
@@ -173,6 +178,7 @@ def split_kv_attention(
     num_splits: int,
     key_offset: int = 0,
     out_dtype: torch.dtype | None = None,
+    leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
     cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
@@ -180,6 +186,8 @@ def split_kv_attention(
     whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset
     of them, at most its capacity; masks and ALiBi see the sequence's positions. out_dtype:
     the output's (default q's; float32 keeps a shard's partial unrounded for a later merge).
+    leftpad: (batch,) int32 or None: sequence b's keys start at that position (earlier rows
+    are padding), as flash-attn's cache_leftpad; positions stay the cache's rows.
 
     k_cache/v_cache: (cache_rows, capacity, heads_k, head_dim), or (pages, page_size, heads_k,
     head_dim) with ``block_table`` (batch, pages per sequence) int32; unit stride in head_dim.
@@ -210,7 +218,7 @@ def split_kv_attention(
     )
     launch(
         _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
-        q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes,
+        q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes, leftpad,
         seqlen_q, seqlen_new, key_offset, capacity, group, heads_k, keys_per_split, k_cache.shape[1],
         0 if block_table is None else block_table.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -219,7 +227,7 @@ def split_kv_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=bool(softcap),
         HAS_ALIBI=alibi_slopes is not None, PAGED=block_table is not None,
-        HAS_BATCH_IDX=batch_idx is not None,
+        HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )  # fmt: skip
     if num_splits > 1:

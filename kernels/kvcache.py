@@ -74,7 +74,10 @@ def flash_attn_with_kvcache(
             needs k and v.
         cache_seqlens: int or (batch,) int32: keys already in each sequence's cache (default 0).
         cache_batch_idx: None, or (batch,) int32: the cache row of each sequence (dense caches).
-        cache_leftpad: must be None (not supported yet).
+        cache_leftpad: None, or (batch,) int32: sequence b's keys start at that row of its cache
+            (the rows before are padding, never attended); positions, masks and rotary stay the
+            cache's rows, as in flash-attn (which refuses it with block_table; here it works
+            with pages too).
         block_table: None, or (batch, pages_per_sequence) int32: page of each sequence's keys
             j * page_size .. (j + 1) * page_size - 1.
         softmax_scale: scale of q k^T; defaults to 1/sqrt(head_dim).
@@ -159,8 +162,6 @@ def kvcache_attention(
         )
     if heads_k == 0 or heads_q % heads_k:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of the cache's heads_k ({heads_k})")
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet; pass cache_leftpad=None")
     causal, window = check_window(causal, window_size)
     softcap = check_softcap(softcap)
     scale = resolve_scale(softmax_scale, head_dim)
@@ -174,6 +175,7 @@ def kvcache_attention(
     seqlen_new = _check_new_kv(k, v, batch, heads_k, head_dim, q)
     seqlens = _cache_seqlens(cache_seqlens, batch, q.device)
     batch_idx = _index_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+    leftpad = _index_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
     table = _index_tensor("block_table", block_table, None, q.device)
     if paged:
         if table.dim() != 2 or table.shape[0] != batch:
@@ -191,7 +193,9 @@ def kvcache_attention(
         )
     rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
     if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(seqlens, seqlen_new, capacity, shards, key_offset, batch_idx, cache_rows, table, rotary)
+        _check_values(
+            seqlens, seqlen_new, capacity, shards, key_offset, batch_idx, cache_rows, table, rotary, leftpad
+        )
     if rotary is not None:
         cos, sin = rotary
         positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
@@ -215,7 +219,7 @@ def kvcache_attention(
     out, lse = split_kv_attention(
         q, k_cache, v_cache, seqlens, seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
         alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits, key_offset=key_offset,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype, leftpad=leftpad,
     )  # fmt: skip
     return _with_sinks(out, lse, sinks)
 
@@ -295,12 +299,14 @@ def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
 
 def _check_values(
     seqlens, seqlen_new: int, capacity: int, shards: int, key_offset: int, batch_idx, cache_rows: int, table,
-    rotary,
+    rotary, leftpad,
 ) -> None:
     """Index values in range, read on the host in one copy. capacity: this cache's keys per
     sequence, ``shards`` such caches in all; cache_rows: its rows (or pages, with a table)."""
     ends = seqlens + seqlen_new
     parts = [seqlens.min()[None], ends.max()[None]]
+    if leftpad is not None:
+        parts += [leftpad.min()[None], (leftpad - seqlens).max()[None]]
     if batch_idx is not None:
         parts += [batch_idx.min()[None], batch_idx.max()[None]]
     if table is not None and table.numel():
@@ -323,6 +329,12 @@ def _check_values(
             f"position {high - 1}"
         )
     rest = values[2:]
+    if leftpad is not None:
+        if rest[0] < 0 or rest[1] > 0:
+            raise ValueError(
+                "cache_leftpad entries must be in [0, cache_seqlens[b]] (the padding before each cache)"
+            )
+        rest = rest[2:]
     if batch_idx is not None:
         if rest[0] < 0 or rest[1] >= cache_rows:
             raise ValueError(

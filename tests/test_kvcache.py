@@ -242,6 +242,42 @@ def _expected_with_features(q, keys, values, lengths, seqlen_new, slopes, sinks,
     return torch.cat(outs), torch.cat(lses)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_leftpad_skips_the_padding_rows(paged):
+    """flash-attn's cache_leftpad: sequence b's keys are rows leftpad[b] .. cache_seqlens[b] +
+    seqlen_new - 1; positions (masks, ALiBi, rotary) stay the rows, so the result equals
+    attention over those rows with the queries at the last positions."""
+    dtype, head_dim, seqlen_new, seqlen_q = torch.float32, 32, 2, 3
+    lengths, pads = [40, 9], [13, 0]
+    k_cache, v_cache, k, v, seqlens = _setup(2, 64, 2, head_dim, dtype, lengths, seqlen_new, seed=50)
+    leftpad = torch.tensor(pads, dtype=torch.int32, device=DEVICE)
+    q = _randn(2, seqlen_q, 4, head_dim, dtype=dtype, seed=51)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    keys, values = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        keys[b, n : n + seqlen_new], values[b, n : n + seqlen_new] = k[b], v[b]
+    caches, table = (k_cache, v_cache), None
+    if paged:  # pages of 16 rows, sequence 1's first
+        table = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]], dtype=torch.int32, device=DEVICE)
+        caches = tuple(c.view(8, 16, 2, head_dim)[[4, 5, 6, 7, 0, 1, 2, 3]].contiguous() for c in caches)
+    options = dict(causal=True, window_size=(35, 0), alibi_slopes=slopes)  # the window reaches the padding
+    out, lse = ringflash.flash_attn_with_kvcache(
+        q, *caches, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, block_table=table, num_splits=3,
+        return_softmax_lse=True, **options,
+    )  # fmt: skip
+    outs, lses = [], []
+    for b, (n, pad) in enumerate(zip(lengths, pads)):
+        total = n + seqlen_new
+        o, lse_b = reference_attention(
+            q[b : b + 1], keys[b : b + 1, pad:total], values[b : b + 1, pad:total], causal=True,
+            window_size=(35, 0), alibi_slopes=slopes[b].cpu(), q_pos=torch.arange(total - seqlen_q, total),
+            k_pos=torch.arange(pad, total),
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse_b)
+    _assert_close(out, lse, torch.cat(outs), torch.cat(lses), dtype)
+
+
 def test_prefill_then_decode_equals_causal_attention_over_the_sequence():
     """A prompt appended in one call, then tokens one at a time: each step's output equals
     causal attention over the whole sequence so far (flash_attn_func on it)."""
@@ -303,8 +339,8 @@ def test_bad_input_raises_clear_errors():
         "positions": lambda: kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, k_cache[0, :4, 0, :4], k_cache[0, :4, 0, :4], cache_seqlens=3
         ),
-        "cache_leftpad": lambda: kvcache.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_leftpad=seq(0, 0)
+        "cache_leftpad entries": lambda: kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seq(3, 2), cache_leftpad=seq(0, 3)
         ),
         "num_splits": lambda: kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=-1),
         "int32": lambda: kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seq(1, 1).long()),
