@@ -177,6 +177,7 @@ def split_kv_attention(
     block_table: torch.Tensor | None,
     num_splits: int,
     key_offset: int = 0,
+    held: int | None = None,
     out_dtype: torch.dtype | None = None,
     leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +185,7 @@ def split_kv_attention(
     cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
     With ``key_offset`` the cache holds the keys from that position on (a shard of a sequence
     whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset
-    of them, at most its capacity; masks and ALiBi see the sequence's positions. out_dtype:
+    of them, at most ``held`` (default its capacity); masks and ALiBi see the sequence's positions. out_dtype:
     the output's (default q's; float32 keeps a shard's partial unrounded for a later merge).
     leftpad: (batch,) int32 or None: sequence b's keys start at that position (earlier rows
     are padding), as flash-attn's cache_leftpad; positions stay the cache's rows.
@@ -204,6 +205,7 @@ def split_kv_attention(
     block_m = _block_m(rows)
     query_tiles = -(-rows // block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    capacity = capacity if held is None else held
     keys_per_split = -(-capacity // (num_splits * BLOCK_N)) * BLOCK_N
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)

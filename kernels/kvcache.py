@@ -133,15 +133,18 @@ def kvcache_attention(
     sinks: torch.Tensor | None,
     check_bounds: bool,
     key_offset: int = 0,
-    shards: int = 1,
+    held: int | None = None,
+    last_shard: bool = True,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_attn_with_kvcache``'s (out, lse) (its arguments, checked here). With ``shards`` > 1
-    (sequence parallelism, ``ringflash.sp_kvcache``) this cache is one of ``shards`` of equal
-    capacity C holding each sequence's positions ``key_offset`` .. ``key_offset`` + C - 1:
-    cache_seqlens are the whole sequences' lengths, appended tokens land in the shard that holds
-    their positions, and the result is this shard's partial (merge the shards' with the LSE
-    rule, then the sinks: pass sinks=None). out_dtype: the output's (default q's)."""
+    """``flash_attn_with_kvcache``'s (out, lse) (its arguments, checked here). For sequence
+    parallelism (``ringflash.sp_kvcache``) this cache may be one shard of the sequences' caches,
+    holding positions ``key_offset`` .. ``key_offset`` + ``held`` - 1 (held: default its
+    capacity): cache_seqlens are the whole sequences' lengths, appended tokens land in the shard
+    that holds their positions, and the result is this shard's partial (merge the shards' with
+    the LSE rule, then the sinks: pass sinks=None). Only the ``last_shard`` checks that the
+    appended tokens fit (the others hold earlier positions). out_dtype: the output's (default
+    q's)."""
     q = _check_tensor("q", q, 4)
     batch, seqlen_q, heads_q, head_dim = q.shape
     paged = block_table is not None
@@ -191,10 +194,18 @@ def kvcache_attention(
         raise ValueError(
             f"k_cache has {cache_rows} rows for a batch of {batch}: pass cache_batch_idx or a larger cache"
         )
+    held = capacity if held is None else held
+    if not 0 <= held <= capacity or key_offset < 0:
+        raise ValueError(
+            f"a cache shard holds positions from key_offset >= 0 ({key_offset}), at most its capacity "
+            f"({capacity}) of them, got {held}"
+        )
     rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
     if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        limit = key_offset + held if last_shard else None
         _check_values(
-            seqlens, seqlen_new, capacity, shards, key_offset, batch_idx, cache_rows, table, rotary, leftpad
+            seqlens, seqlen_new, limit, key_offset, held, batch_idx, cache_rows, table, k_cache.shape[1],
+            rotary, leftpad,
         )
     if rotary is not None:
         cos, sin = rotary
@@ -207,7 +218,7 @@ def kvcache_attention(
         )
         q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
     if seqlen_new:
-        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset)
+        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset, held)
     if batch == 0 or seqlen_q == 0:  # nothing to attend (the appends above still happen)
         out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
         lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
@@ -215,11 +226,11 @@ def kvcache_attention(
     left = window[0] if window[0] >= 0 else None
     right = 0 if causal else window[1] if window[1] >= 0 else None
     rows = seqlen_q * (heads_q // heads_k)
-    splits = num_splits or default_splits(batch, heads_k, rows, capacity, q.device)
+    splits = num_splits or default_splits(batch, heads_k, rows, max(held, 1), q.device)
     out, lse = split_kv_attention(
         q, k_cache, v_cache, seqlens, seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
         alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits, key_offset=key_offset,
-        out_dtype=out_dtype, leftpad=leftpad,
+        held=held, out_dtype=out_dtype, leftpad=leftpad,
     )  # fmt: skip
     return _with_sinks(out, lse, sinks)
 
@@ -298,11 +309,12 @@ def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
 
 
 def _check_values(
-    seqlens, seqlen_new: int, capacity: int, shards: int, key_offset: int, batch_idx, cache_rows: int, table,
-    rotary, leftpad,
+    seqlens, seqlen_new: int, limit: int | None, key_offset: int, held: int, batch_idx, cache_rows: int,
+    table, page_size: int, rotary, leftpad,
 ) -> None:
-    """Index values in range, read on the host in one copy. capacity: this cache's keys per
-    sequence, ``shards`` such caches in all; cache_rows: its rows (or pages, with a table)."""
+    """Index values in range, read on the host in one copy. limit: the first position past
+    every cache (None: not this shard's to check); key_offset, held: this cache's positions;
+    cache_rows: its rows (or pages of page_size, with a table)."""
     ends = seqlens + seqlen_new
     parts = [seqlens.min()[None], ends.max()[None]]
     if leftpad is not None:
@@ -311,18 +323,16 @@ def _check_values(
         parts += [batch_idx.min()[None], batch_idx.max()[None]]
     if table is not None and table.numel():
         # The pages this cache's keys use: the first ceil(local keys / page_size) entries.
-        page_size = capacity // table.shape[1]
-        local = (ends - key_offset).clamp(0, capacity)
+        local = (ends - key_offset).clamp(0, held)
         used = torch.arange(table.shape[1], device=table.device)[None] * page_size < local[:, None]
         parts += [torch.where(used, table, 0).min()[None], torch.where(used, table, 0).max()[None]]
     values = torch.cat([p.to(torch.int64) for p in parts]).tolist()
     low, high = values[:2]
     if low < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {low}")
-    total = capacity * shards
-    if high > total:
-        where = "the cache holds" if shards == 1 else f"the {shards} cache shards hold"
-        raise ValueError(f"{where} {total} keys per sequence, but cache_seqlens + seqlen_new reaches {high}")
+    if limit is not None and high > limit:
+        where = f"the last shard ends at position {limit}" if key_offset else f"the cache holds {limit} keys"
+        raise ValueError(f"{where} per sequence, but cache_seqlens + seqlen_new reaches {high}")
     if rotary is not None and high > rotary[0].shape[0]:
         raise ValueError(
             f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the appended keys reach "

@@ -48,6 +48,7 @@ def sp_flash_attn_with_kvcache(
     *,
     sinks: torch.Tensor | None = None,
     check_bounds: bool = True,
+    shard_range: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` (same arguments, same order, then ``group``) over a cache
     sharded across ``group`` (default: the world).
@@ -62,6 +63,12 @@ def sp_flash_attn_with_kvcache(
     sinks. A rank whose arguments differ from the others', or fail its checks, makes every rank
     raise ValueError (the ranks that passed theirs may have appended already).
 
+    ``shard_range=(start, length)`` (ringflash's keyword) sets the positions this rank's cache
+    holds instead, e.g. after a prefill through the ring over contiguous shards of P tokens
+    (rank r: (r * P, P), the last rank (r * P, P + the tokens to generate)); the ranges must
+    tile the sequences' positions in rank order (not checked across ranks); the last rank checks
+    that the appended tokens fit its range.
+
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, the same on every rank; with
         ``return_softmax_lse`` (out, lse), lse float32 (batch, heads_q, seqlen_q).
@@ -72,12 +79,12 @@ def sp_flash_attn_with_kvcache(
     try:
         if not isinstance(return_softmax_lse, bool):
             raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
-        capacity = _capacity(k_cache, block_table)
+        start, held = _shard_range(shard_range, rank, k_cache, block_table)
         partial = kvcache_attention(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-            num_splits, sinks=None, check_bounds=check_bounds, key_offset=rank * capacity, shards=world,
-            out_dtype=torch.float32,
+            num_splits, sinks=None, check_bounds=check_bounds, key_offset=start, held=held,
+            last_shard=rank == world - 1, out_dtype=torch.float32,
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
@@ -99,12 +106,19 @@ def sp_flash_attn_with_kvcache(
     return (merged, merged_lse) if return_softmax_lse else merged
 
 
-def _capacity(k_cache: object, block_table: object) -> int:
-    """Positions per sequence that this rank's cache holds (its checks come after)."""
+def _shard_range(shard_range: object, rank: int, k_cache: object, block_table: object) -> tuple[int, int]:
+    """(first position, positions) this rank's cache holds: ``shard_range``, or (rank * C, C)
+    with C its capacity (its checks come after)."""
+    if shard_range is not None:
+        ok = isinstance(shard_range, (tuple, list)) and len(shard_range) == 2
+        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard_range):
+            raise TypeError(f"shard_range must be a pair of ints (start, length), got {shard_range!r}")
+        return int(shard_range[0]), int(shard_range[1])
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise ValueError(
             "k_cache must be a 4-D tensor (cache_rows or pages, capacity or page_size, heads_k, head_dim)"
         )
+    capacity = k_cache.shape[1]
     if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
-        return k_cache.shape[1] * block_table.shape[1]
-    return k_cache.shape[1]
+        capacity *= block_table.shape[1]
+    return rank * capacity, capacity

@@ -106,3 +106,54 @@ def _failing_rank():
 def test_ranks_that_disagree_all_raise(rank_pool, call):
     errors = rank_pool(2).run(errors_of, {"call": call})
     assert all(e["call"] and "ValueError" in e["call"] for e in errors), errors
+
+
+def _ring_prefill_then_decode():
+    """A prompt of P tokens per rank through the ring (contiguous shards, causal), each rank's
+    K/V copied into its cache, then decode steps appended to the last rank's range: every step
+    equals causal attention over the whole sequence so far (one process's flash_attn_func)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device, prompt_per_rank, steps = worker_device(), 10, 4
+    total = prompt_per_rank * world + steps
+    g = torch.Generator().manual_seed(5)
+    q_all, k_all, v_all = (
+        torch.randn(1, total, h, HEAD_DIM, generator=g).to(device) for h in (HEADS, HEADS_K, HEADS_K)
+    )
+    prompt = slice(rank * prompt_per_rank, (rank + 1) * prompt_per_rank)
+    out = ringflash.ring_flash_attn_func(q_all[:, prompt], k_all[:, prompt], v_all[:, prompt], causal=True)
+    whole = ringflash.flash_attn_func(q_all, k_all, v_all, causal=True)
+    ok = rel_err(out, whole[:, prompt]) < 1e-5
+    last = rank == world - 1
+    held = prompt_per_rank + (steps if last else 0)
+    k_cache = torch.zeros(1, prompt_per_rank + steps, HEADS_K, HEAD_DIM, device=device)  # more than held
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:, :prompt_per_rank], v_cache[:, :prompt_per_rank] = k_all[:, prompt], v_all[:, prompt]
+    for i in range(prompt_per_rank * world, total):
+        s = slice(i, i + 1)
+        step = ringflash.sp_flash_attn_with_kvcache(
+            q_all[:, s], k_cache, v_cache, k_all[:, s], v_all[:, s], cache_seqlens=i, causal=True,
+            shard_range=(rank * prompt_per_rank, held),
+        )  # fmt: skip
+        ok &= rel_err(step, whole[:, s]) < 1e-5
+    untouched = torch.equal(k_cache[:, prompt_per_rank:], torch.zeros_like(k_cache[:, prompt_per_rank:]))
+    return bool(ok) and (untouched != last)  # only the last rank's range took the new tokens
+
+
+def test_ring_prefill_then_sharded_decode(rank_pool):
+    assert rank_pool(2).run(_ring_prefill_then_decode) == [True, True]
+
+
+def _past_the_last_range():
+    rank = torch.distributed.get_rank()
+    device = worker_device()
+    k_cache = torch.zeros(1, 8, HEADS_K, HEAD_DIM, device=device)
+    q = torch.zeros(1, 1, HEADS, HEAD_DIM, device=device)
+    k = torch.zeros(1, 1, HEADS_K, HEAD_DIM, device=device)
+    return ringflash.sp_flash_attn_with_kvcache(
+        q, k_cache, k_cache.clone(), k, k.clone(), cache_seqlens=12, shard_range=(rank * 6, 6)
+    )  # the ranges end at 12: position 12 fits nowhere
+
+
+def test_an_append_past_the_last_range_raises_everywhere(rank_pool):
+    errors = rank_pool(2).run(errors_of, {"call": _past_the_last_range})
+    assert all(e["call"] and "ends at position 12" in e["call"] for e in errors), errors
