@@ -35,6 +35,8 @@ def _append_kernel(
         row = b
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    # ``here`` broadcast by hand: Triton 3.9's interpreter rejects a scalar in a mask expression
+    here = tl.full([BLOCK_H, BLOCK_D], 1, tl.int1) & here
     mask = (offs_h[:, None] < heads_k) & (offs_d[None, :] < HEAD_DIM) & here
     src = b * stride_nb + i * stride_ns + offs_h[:, None] * stride_nh + offs_d[None, :]
     src_v = b * stride_mb + i * stride_ms + offs_h[:, None] * stride_mh + offs_d[None, :]

@@ -393,3 +393,34 @@ def test_generate_gives_eagers_tokens(device, model_type):
             )  # fmt: skip
     ours, eager = tokens.values()
     assert ours.shape == (2, 22) and torch.equal(ours, eager)
+
+
+def _sharded_generate(capacity: int):
+    """Greedy generate with the KV cache sharded over the ranks (ShardedKVCache) against eager
+    attention's generate in one process, on every rank."""
+    import ringflash.integrations.hf as rf_hf
+    from ringflash.integrations.hf_sharded_cache import ShardedKVCache
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    prompt = _ids(2)[:, :12].to(worker_device())
+    tokens = []
+    for implementation in (rf_hf.enable(group=group), "eager"):
+        model = _model("llama", implementation).to(worker_device()).eval()
+        sharded = implementation != "eager"
+        cache = ShardedKVCache(model.config.num_hidden_layers, capacity, group) if sharded else None
+        with torch.no_grad():
+            tokens.append(model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                pad_token_id=0, past_key_values=cache,
+            ))  # fmt: skip
+    return tokens[0].shape == (2, 20) and torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "cache_utils") or not hasattr(transformers.cache_utils, "CacheLayerMixin"),
+    reason="ShardedKVCache needs transformers' CacheLayerMixin (5.x)",
+)
+def test_generate_over_a_sharded_cache_gives_eagers_tokens(rank_pool):
+    """Capacity 11 per rank: the 12-token prompt already spans both ranks, the generated tokens
+    land on rank 1."""
+    assert rank_pool(2).run(_sharded_generate, 11, timeout=180) == [True, True]

@@ -67,6 +67,7 @@ from ..layouts import host_bounds
 from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
+from ..sp_kvcache import sp_flash_attn_with_kvcache
 
 NAME = "sequence_parallel"
 
@@ -272,6 +273,14 @@ def _attention_options(
     return causal, window
 
 
+def _sharded_cache_step(module: torch.nn.Module) -> tuple | None:
+    """What a ``ShardedKVCache`` layer handed to this layer's attention call (generate() over a
+    sharded cache), or None."""
+    from .hf_sharded_cache import take_pending
+
+    return take_pending(getattr(module, "layer_idx", None))
+
+
 def _softcap(softcap: object) -> float:
     return 0.0 if softcap is None else softcap  # type: ignore[return-value]
 
@@ -319,6 +328,15 @@ def enable(
                 "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
             )
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        pending = _sharded_cache_step(module)
+        if pending is not None:  # generate() over a ShardedKVCache: the new tokens, every rank alike
+            layer, k_new, v_new, before = pending
+            out = sp_flash_attn_with_kvcache(
+                q, layer.keys, layer.values, k_new, v_new, cache_seqlens=before, softmax_scale=scaling,
+                causal=causal, window_size=window, softcap=_softcap(softcap), group=layer.group, sinks=s_aux,
+                shard_range=layer.shard_range,
+            )  # fmt: skip
+            return out, None
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
         # under transformers' own keyword, or (one device) found from restarting position_ids.
         batch, seqlen = q.shape[:2]

@@ -1,0 +1,88 @@
+"""``ShardedKVCache``: transformers' ``generate`` over a KV cache sharded across a process group.
+
+Every rank runs the same ``generate`` call on the same tokens (the model's weights and
+activations replicated); the cache is what is split: each rank's layers hold positions
+``shard_range`` = (start, length) of every sequence (default rank r: r * C .. (r + 1) * C - 1).
+A layer's ``update`` keeps no keys itself: it hands the new tokens' K/V to the next attention
+call of that layer (``take_pending``), which runs ``sp_flash_attn_with_kvcache`` on this rank's
+shard (``integrations.hf.enable``'s attention does). Needs transformers >= 5 (its
+``CacheLayerMixin``) and a model whose attention is ringflash's (``enable()``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..comm import resolve_group
+
+# layer_idx -> (layer, new keys, new values, tokens before them): what the layer's update handed
+# to its attention call, which follows it in the same layer's forward.
+_PENDING: dict[int, tuple] = {}
+
+
+class ShardedKVLayer(CacheLayerMixin):
+    """One layer's shard: keys/values (batch, capacity, heads_k, head_dim) in ringflash's layout."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, capacity: int, shard_range: tuple[int, int], group) -> None:
+        super().__init__()
+        self.layer_idx, self.capacity, self.shard_range, self.group = layer_idx, capacity, shard_range, group
+        self.length = 0  # tokens of each sequence so far, on every rank alike
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads_k, _, head_dim = key_states.shape
+        self.keys = key_states.new_zeros(batch, self.capacity, heads_k, head_dim)
+        self.values = value_states.new_zeros(batch, self.capacity, heads_k, head_dim)
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Hand the new tokens' K/V (batch, heads_k, new, head_dim) to this layer's attention."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_k, new_v = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        _PENDING[self.layer_idx] = (self, new_k, new_v, self.length)
+        self.length += key_states.shape[2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ShardedKVCache(Cache):
+    """A ``past_key_values`` for ``model.generate`` whose keys stay sharded across ``group``.
+
+    Args:
+        num_layers: the model's attention layers (``config.num_hidden_layers``).
+        capacity: positions each rank's layers can hold (per sequence).
+        group: the process group (default: the world); every rank calls ``generate`` alike.
+        shard_range: (start, length) of the positions this rank holds (default (rank * capacity,
+            capacity)), as in ``sp_flash_attn_with_kvcache``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        group: dist.ProcessGroup | None = None,
+        shard_range: tuple[int, int] | None = None,
+    ) -> None:
+        group = resolve_group(group)
+        if shard_range is None:
+            shard_range = (dist.get_rank(group) * capacity, capacity)
+        layers = [ShardedKVLayer(i, capacity, shard_range, group) for i in range(num_layers)]
+        super().__init__(layers=layers)
+
+
+def take_pending(layer_idx: object) -> tuple | None:
+    """What a ``ShardedKVLayer`` handed to this layer's attention call, once; None without one."""
+    return _PENDING.pop(layer_idx, None) if isinstance(layer_idx, int) else None
