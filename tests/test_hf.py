@@ -424,3 +424,31 @@ def test_generate_over_a_sharded_cache_gives_eagers_tokens(rank_pool):
     """Capacity 11 per rank: the 12-token prompt already spans both ranks, the generated tokens
     land on rank 1."""
     assert rank_pool(2).run(_sharded_generate, 11, timeout=180) == [True, True]
+
+
+def _eager_with_a_sharded_cache():
+    from distributed import errors_of
+
+    from ringflash.integrations.hf_sharded_cache import ShardedKVCache
+
+    model = _model("llama", "eager").to(worker_device()).eval()
+    cache = ShardedKVCache(model.config.num_hidden_layers, 32)
+    prompt = _ids(1)[:, :6].to(worker_device())
+
+    def generate():
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, past_key_values=cache)  # fmt: skip
+
+    return errors_of({"generate": generate})["generate"]
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "cache_utils") or not hasattr(transformers.cache_utils, "CacheLayerMixin"),
+    reason="ShardedKVCache needs transformers' CacheLayerMixin (5.x)",
+)
+def test_sharded_cache_refuses_an_attention_that_is_not_ringflash(rank_pool):
+    """Eager attention would attend only the new tokens that ShardedKVCache hands it: the second
+    step raises instead of generating from the last token alone."""
+    for error in rank_pool(2).run(_eager_with_a_sharded_cache):
+        assert error is not None and "not attended by ringflash" in error, error

@@ -43,6 +43,12 @@ class ShardedKVLayer(CacheLayerMixin):
         """Hand the new tokens' K/V (batch, heads_k, new, head_dim) to this layer's attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.layer_idx in _PENDING:  # the last step's tokens never reached a ringflash attention
+            _PENDING.pop(self.layer_idx)
+            raise ValueError(
+                f"ShardedKVCache layer {self.layer_idx}: the previous step's keys were not attended by "
+                "ringflash's attention; load the model with attn_implementation=integrations.hf.enable(...)"
+            )
         new_k, new_v = key_states.transpose(1, 2), value_states.transpose(1, 2)
         _PENDING[self.layer_idx] = (self, new_k, new_v, self.length)
         self.length += key_states.shape[2]
