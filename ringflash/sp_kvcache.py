@@ -88,8 +88,13 @@ def sp_flash_attn_with_kvcache(
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
+    # With shard ranges the ranks' caches may differ in capacity (the last holds the new tokens):
+    # only what every rank must share is compared then.
+    caches = (k_cache, v_cache, block_table)
+    if shard_range is not None:
+        caches = _shared_dims(*caches)
     signature = call_signature(
-        q, k, v, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        q, k, v, caches=caches, cache_seqlens=cache_seqlens, ranges_given=shard_range is not None,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits, sinks=sinks,
     )  # fmt: skip
@@ -104,6 +109,17 @@ def sp_flash_attn_with_kvcache(
     merge_splits(parts, lses, merged, merged_lse)
     merged, merged_lse = apply_sinks(merged, merged_lse, sinks)
     return (merged, merged_lse) if return_softmax_lse else merged
+
+
+def _shared_dims(*tensors: object) -> tuple:
+    """What ranks with different cache capacities still share: each tensor's dims past the
+    capacity (heads_k, head_dim; a block table's batch) and dtype."""
+    shared = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = (tuple(t.shape[2:] if t.dim() == 4 else t.shape[:1]), str(t.dtype))
+        shared.append(t)
+    return tuple(shared)
 
 
 def _shard_range(shard_range: object, rank: int, k_cache: object, block_table: object) -> tuple[int, int]:

@@ -125,7 +125,7 @@ def _ring_prefill_then_decode():
     ok = rel_err(out, whole[:, prompt]) < 1e-5
     last = rank == world - 1
     held = prompt_per_rank + (steps if last else 0)
-    k_cache = torch.zeros(1, prompt_per_rank + steps, HEADS_K, HEAD_DIM, device=device)  # more than held
+    k_cache = torch.zeros(1, held, HEADS_K, HEAD_DIM, device=device)  # the ranks' capacities differ
     v_cache = torch.zeros_like(k_cache)
     k_cache[:, :prompt_per_rank], v_cache[:, :prompt_per_rank] = k_all[:, prompt], v_all[:, prompt]
     for i in range(prompt_per_rank * world, total):

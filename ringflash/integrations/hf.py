@@ -273,12 +273,12 @@ def _attention_options(
     return causal, window
 
 
-def _sharded_cache_step(module: torch.nn.Module) -> tuple | None:
-    """What a ``ShardedKVCache`` layer handed to this layer's attention call (generate() over a
-    sharded cache), or None."""
+def _sharded_cache_step(key: torch.Tensor) -> tuple | None:
+    """What a ``ShardedKVCache`` layer handed to the attention call receiving ``key`` (generate()
+    over a sharded cache), or None."""
     from .hf_sharded_cache import take_pending
 
-    return take_pending(getattr(module, "layer_idx", None))
+    return take_pending(key)
 
 
 def _softcap(softcap: object) -> float:
@@ -328,7 +328,7 @@ def enable(
                 "ringflash attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)"
             )
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        pending = _sharded_cache_step(module)
+        pending = _sharded_cache_step(key)
         if pending is not None:  # generate() over a ShardedKVCache: the new tokens, every rank alike
             layer, k_new, v_new, before = pending
             out = sp_flash_attn_with_kvcache(

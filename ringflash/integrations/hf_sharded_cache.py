@@ -3,10 +3,12 @@
 Every rank runs the same ``generate`` call on the same tokens (the model's weights and
 activations replicated); the cache is what is split: each rank's layers hold positions
 ``shard_range`` = (start, length) of every sequence (default rank r: r * C .. (r + 1) * C - 1).
-A layer's ``update`` keeps no keys itself: it hands the new tokens' K/V to the next attention
-call of that layer (``take_pending``), which runs ``sp_flash_attn_with_kvcache`` on this rank's
-shard (``integrations.hf.enable``'s attention does). Needs transformers >= 5 (its
-``CacheLayerMixin``) and a model whose attention is ringflash's (``enable()``).
+A layer's ``update`` keeps no keys itself: it hands the new tokens' K/V to the attention call
+that receives the key tensor it returned (``take_pending``, by that tensor's identity, so
+nothing left over from an interrupted step reaches another call), which runs
+``sp_flash_attn_with_kvcache`` on this rank's shard (``integrations.hf.enable``'s attention
+does). Needs transformers >= 5 (its ``CacheLayerMixin``) and a model whose attention is
+ringflash's (``enable()``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..comm import resolve_group
 
-# layer_idx -> (layer, new keys, new values, tokens before them): what the layer's update handed
-# to its attention call, which follows it in the same layer's forward.
+# id(key tensor update returned) -> (that tensor, layer, new keys, new values, tokens before
+# them): what a layer's update handed to the attention call that follows it. The entry holds the
+# tensor, so its id is not reused while the entry exists.
 _PENDING: dict[int, tuple] = {}
 
 
@@ -32,6 +35,7 @@ class ShardedKVLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx, self.capacity, self.shard_range, self.group = layer_idx, capacity, shard_range, group
         self.length = 0  # tokens of each sequence so far, on every rank alike
+        self.pending_id: int | None = None  # this layer's entry in _PENDING, until attended
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads_k, _, head_dim = key_states.shape
@@ -43,14 +47,15 @@ class ShardedKVLayer(CacheLayerMixin):
         """Hand the new tokens' K/V (batch, heads_k, new, head_dim) to this layer's attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.layer_idx in _PENDING:  # the last step's tokens never reached a ringflash attention
-            _PENDING.pop(self.layer_idx)
+        if _PENDING.pop(self.pending_id, None) is not None:  # the last step's never reached ringflash
+            self.pending_id = None
             raise ValueError(
                 f"ShardedKVCache layer {self.layer_idx}: the previous step's keys were not attended by "
                 "ringflash's attention; load the model with attn_implementation=integrations.hf.enable(...)"
             )
         new_k, new_v = key_states.transpose(1, 2), value_states.transpose(1, 2)
-        _PENDING[self.layer_idx] = (self, new_k, new_v, self.length)
+        _PENDING[id(key_states)] = (key_states, self, new_k, new_v, self.length)
+        self.pending_id = id(key_states)
         self.length += key_states.shape[2]
         return key_states, value_states
 
@@ -89,6 +94,11 @@ class ShardedKVCache(Cache):
         super().__init__(layers=layers)
 
 
-def take_pending(layer_idx: object) -> tuple | None:
-    """What a ``ShardedKVLayer`` handed to this layer's attention call, once; None without one."""
-    return _PENDING.pop(layer_idx, None) if isinstance(layer_idx, int) else None
+def take_pending(key: object) -> tuple | None:
+    """(layer, new keys, new values, tokens before them) that a ``ShardedKVLayer`` handed to the
+    attention call receiving ``key`` (the tensor its update returned), once; else None."""
+    entry = _PENDING.pop(id(key), None)
+    if entry is None:
+        return None
+    entry[1].pending_id = None
+    return entry[1:]
