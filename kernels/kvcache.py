@@ -201,21 +201,20 @@ def kvcache_attention(
             f"({capacity}) of them, got {held}"
         )
     rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
+    # Rotary positions: the new keys at cache_seqlens + i, q at cache_seqlens + t when causal or
+    # windowed, else all at cache_seqlens.
+    q_rotary_span = seqlen_q if causal or window != (-1, -1) else 1
     if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         limit = key_offset + held if last_shard else None
         _check_values(
             seqlens, seqlen_new, limit, key_offset, held, batch_idx, cache_rows, table, k_cache.shape[1],
-            rotary, leftpad,
+            rotary, max(seqlen_new, q_rotary_span), leftpad,
         )
     if rotary is not None:
         cos, sin = rotary
         positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
         k = apply_rotary(k, cos[positions], sin[positions], rotary_interleaved)
-        q_positions = seqlens[:, None].long() + (
-            torch.arange(seqlen_q, device=q.device)
-            if causal or window != (-1, -1)
-            else torch.zeros(1, dtype=torch.long, device=q.device)
-        )
+        q_positions = seqlens[:, None].long() + torch.arange(q_rotary_span, device=q.device)
         q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
     if seqlen_new:
         append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset, held)
@@ -310,7 +309,7 @@ def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
 
 def _check_values(
     seqlens, seqlen_new: int, limit: int | None, key_offset: int, held: int, batch_idx, cache_rows: int,
-    table, page_size: int, rotary, leftpad,
+    table, page_size: int, rotary, rotary_span: int, leftpad,
 ) -> None:
     """Index values in range, read on the host in one copy. limit: the first position past
     every cache (None: not this shard's to check); key_offset, held: this cache's positions;
@@ -333,10 +332,11 @@ def _check_values(
     if limit is not None and high > limit:
         where = f"the last shard ends at position {limit}" if key_offset else f"the cache holds {limit} keys"
         raise ValueError(f"{where} per sequence, but cache_seqlens + seqlen_new reaches {high}")
-    if rotary is not None and high > rotary[0].shape[0]:
+    rotary_end = values[1] - seqlen_new + rotary_span  # the largest cache_seqlens + the span
+    if rotary is not None and rotary_end > rotary[0].shape[0]:
         raise ValueError(
-            f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the appended keys reach "
-            f"position {high - 1}"
+            f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the new keys and queries reach "
+            f"position {rotary_end - 1}"
         )
     rest = values[2:]
     if leftpad is not None:

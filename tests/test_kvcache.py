@@ -339,6 +339,10 @@ def test_bad_input_raises_clear_errors():
         "positions": lambda: kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, k_cache[0, :4, 0, :4], k_cache[0, :4, 0, :4], cache_seqlens=3
         ),
+        "queries reach position 5": lambda: kvcache.flash_attn_with_kvcache(  # 3 causal queries, 1 new key
+            q.expand(2, 3, 4, 16), k_cache, v_cache, k[:, :1], v[:, :1], k_cache[0, :4, 0, :4],
+            k_cache[0, :4, 0, :4], cache_seqlens=3, causal=True,
+        ),
         "cache_leftpad entries": lambda: kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seq(3, 2), cache_leftpad=seq(0, 3)
         ),
