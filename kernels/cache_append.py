@@ -56,16 +56,16 @@ def append_kv(
     cache_seqlens: torch.Tensor,
     batch_idx: torch.Tensor | None,
     block_table: torch.Tensor | None,
-    key_offset: int = 0,
-    held: int | None = None,
+    key_offset: int,
+    held: int,
 ) -> None:
     """Write k/v (batch, seqlen_new, heads_k, head_dim) into the caches at positions
-    cache_seqlens[b] + i, in place; with ``key_offset`` the caches hold the positions from there
-    on (``held`` of them, default the capacity: a shard), and tokens outside them are not written
-    here. Caches: dense (rows, capacity,
-    heads_k, head_dim) with the sequence's row ``batch_idx[b]`` (or b), or paged (pages,
-    page_size, heads_k, head_dim) with ``block_table`` (batch, pages per sequence) int32. Unit
-    stride in head_dim; positions and pages in range (the caller checks them)."""
+    cache_seqlens[b] + i, in place; the caches hold ``held`` positions from ``key_offset`` on
+    (0 and their capacity on one device; a shard's range with sequence parallelism), and tokens
+    outside them are not written here. Caches: dense (rows, capacity, heads_k, head_dim) with
+    the sequence's row ``batch_idx[b]`` (or b), or paged (pages, page_size, heads_k, head_dim)
+    with ``block_table`` (batch, pages per sequence) int32. Unit stride in head_dim; positions
+    and pages in range (the caller checks them)."""
     batch, seqlen_new, heads_k, head_dim = k.shape
     if batch * seqlen_new == 0:
         return
@@ -73,8 +73,7 @@ def append_kv(
         _append_kernel, (seqlen_new, batch),
         k, v, k_cache, v_cache, cache_seqlens, batch_idx, block_table, heads_k, k_cache.shape[1],
         0 if block_table is None else block_table.stride(0), key_offset,
-        k_cache.shape[1] * (1 if block_table is None else block_table.shape[1]) if held is None else held,
-        *k.stride()[:3], *v.stride()[:3],
+        held, *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, triton.next_power_of_2(heads_k)),
         PAGED=block_table is not None, HAS_BATCH_IDX=batch_idx is not None,

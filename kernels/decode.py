@@ -176,17 +176,17 @@ def split_kv_attention(
     batch_idx: torch.Tensor | None,
     block_table: torch.Tensor | None,
     num_splits: int,
-    key_offset: int = 0,
-    held: int | None = None,
+    key_offset: int,
+    held: int,
     out_dtype: torch.dtype | None = None,
     leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
     cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
-    With ``key_offset`` the cache holds the keys from that position on (a shard of a sequence
-    whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset
-    of them, at most ``held`` (default its capacity); masks and ALiBi see the sequence's positions. out_dtype:
-    the output's (default q's; float32 keeps a shard's partial unrounded for a later merge).
+    The cache holds the keys from position ``key_offset`` on (0; more for a shard of a sequence
+    whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset of
+    them, at most ``held`` (at most its capacity); masks and ALiBi see the sequence's positions.
+    out_dtype: the output's (default q's; float32 keeps a shard's partial unrounded for a later merge).
     leftpad: (batch,) int32 or None: sequence b's keys start at that position (earlier rows
     are padding), as flash-attn's cache_leftpad; positions stay the cache's rows.
 
@@ -204,9 +204,7 @@ def split_kv_attention(
     rows = seqlen_q * group
     block_m = _block_m(rows)
     query_tiles = -(-rows // block_m)
-    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    capacity = capacity if held is None else held
-    keys_per_split = -(-capacity // (num_splits * BLOCK_N)) * BLOCK_N
+    keys_per_split = -(-held // (num_splits * BLOCK_N)) * BLOCK_N
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
     if num_splits == 1:  # the kernel writes the result
@@ -221,7 +219,7 @@ def split_kv_attention(
     launch(
         _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
         q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes, leftpad,
-        seqlen_q, seqlen_new, key_offset, capacity, group, heads_k, keys_per_split, k_cache.shape[1],
+        seqlen_q, seqlen_new, key_offset, held, group, heads_k, keys_per_split, k_cache.shape[1],
         0 if block_table is None else block_table.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *parts.stride()[:4], *lses.stride()[:3],
