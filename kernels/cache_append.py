@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import block_d
+from .configs import block_d, next_power_of_2
 from .launcher import launch
 
 
@@ -75,6 +75,6 @@ def append_kv(
         0 if block_table is None else block_table.stride(0), key_offset,
         held, *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, triton.next_power_of_2(heads_k)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, next_power_of_2(heads_k)),
         PAGED=block_table is not None, HAS_BATCH_IDX=batch_idx is not None,
     )  # fmt: skip

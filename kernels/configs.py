@@ -51,9 +51,15 @@ class TileConfig:
 _INTERPRET_CONFIG = TileConfig(16, 16, 4, 1)
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): ``triton.next_power_of_2``'s value without
+    its constexpr-function wrapper, which costs microseconds per call on the host."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def block_d(head_dim: int) -> int:
     """Tile width over head_dim: next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return max(16, next_power_of_2(head_dim))
 
 
 def _shrink_for_fp32(cfg: TileConfig, head_dim: int) -> TileConfig:

@@ -18,19 +18,23 @@ other kernels (``scores.py``), in the log2 domain.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .configs import block_d
+from .configs import INTERPRET, block_d, next_power_of_2
 from .forward import dot_precision
 from .launcher import launch
 from .scores import LOG2E, tanh
 
-BLOCK_N = 64
-# Programs per SM that ``default_splits`` aims for, and the fewest keys a split is given.
-PROGRAMS_PER_SM = 4
+NUM_WARPS, NUM_STAGES = 4, 3
+# A paged cache's tile waits for its page-table entry before its keys can be asked for, which
+# the software pipeline does not hide: more programs per SM do (measured on an H200, pages of
+# 16-256 tokens: 1.5-2.2x the dense time at one program per SM, 1.02-1.07x at four, with
+# 64-key tiles and two stages). And the fewest keys a split is given.
+PAGED_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 
@@ -39,12 +43,14 @@ MAX_SPLITS = 128
 def _split_kv_kernel(
     Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES, LEFTPAD,
     seqlen_q, seqlen_new, key_offset, local_capacity, group, heads_k, keys_per_split, page_size, table_stride,
+    slopes_stride, lse_base,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, WHOLE_TILES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     bk = tl.program_id(1)
@@ -79,7 +85,7 @@ def _split_kv_kernel(
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_ALIBI:
-        slope = tl.load(SLOPES + b64 * (heads_k * group) + h, mask=row_ok, other=0.0) * 1.4426950408889634
+        slope = tl.load(SLOPES + b64 * slopes_stride + h, mask=row_ok, other=0.0) * 1.4426950408889634
     if PAGED:
         k_base = K + hk * stride_kh
         v_base = V + hk * stride_vh
@@ -95,7 +101,12 @@ def _split_kv_kernel(
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
-        if PAGED:
+        if PAGED and WHOLE_TILES:  # the tile lies in one page: one table entry, contiguous rows
+            page = tl.load(BLOCK_TABLE + b64 * table_stride + n0 // page_size).to(tl.int64)
+            in_page = (n0 % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_rows = page * stride_kb + in_page * stride_ks
+            v_rows = page * stride_vb + in_page * stride_vs
+        elif PAGED:
             page = tl.load(BLOCK_TABLE + b64 * table_stride + cols // page_size, mask=col_ok, other=0).to(
                 tl.int64
             )
@@ -138,7 +149,7 @@ def _split_kv_kernel(
         + h[:, None] * stride_oh + offs_d[None, :]
     )  # fmt: skip
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t, lse, mask=row_ok)
+    tl.store(LSE + lse_base + split * stride_ls + b64 * stride_lb + h * stride_lh + t, lse, mask=row_ok)
 
 
 @functools.cache
@@ -148,18 +159,147 @@ def _sm_count(device_index: int) -> int:
 
 def _block_m(rows: int) -> int:
     """Query rows (tokens x the query heads of one KV head) per program."""
-    return max(16, min(64, triton.next_power_of_2(rows)))
+    return max(16, min(64, next_power_of_2(rows)))
 
 
-def default_splits(batch: int, heads_k: int, rows: int, capacity: int, device: torch.device) -> int:
-    """``num_splits=0``: enough splits for about ``PROGRAMS_PER_SM`` programs per SM over the
-    batch's (sequence, KV head, query tile) programs (``rows`` query rows per KV head), each
-    split at least ``MIN_KEYS_PER_SPLIT`` keys of the cache's ``capacity`` (the keys in use are
-    on the device: the host reads none)."""
+def block_n(head_dim: int, element_size: int) -> int:
+    """Keys per tile: 32 KiB of K rows (128 rows of bf16 head_dim 128; 64 of 256 or of float32
+    128), so that three pipelined K and V tiles fit in shared memory."""
+    if INTERPRET:  # small tiles: CPU tests cross tile, split and page boundaries at small sizes
+        return 16
+    return max(16, min(128, 32768 // (block_d(head_dim) * element_size)))
+
+
+def default_splits(
+    batch: int, heads_k: int, rows: int, capacity: int, device: torch.device, paged: bool = False
+) -> int:
+    """``num_splits=0``: as many splits as fit the batch's (sequence, KV head, query tile)
+    programs (``rows`` query rows per KV head) into one program per SM, rounded down (a few
+    programs more than the SMs would make a second wave of nearly nothing: measured on an
+    H200, 17 splits over 8 KV heads ran 0.9x of 16), or ``PAGED_PROGRAMS_PER_SM`` per SM over
+    a paged cache, each split at least ``MIN_KEYS_PER_SPLIT`` keys of the cache's
+    ``capacity`` (the keys in use are on the device: the host reads none)."""
     query_tiles = -(-rows // _block_m(rows))
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-    wanted = -(-PROGRAMS_PER_SM * sms // (batch * heads_k * query_tiles))
-    return max(1, min(wanted, -(-capacity // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    fitting = (PAGED_PROGRAMS_PER_SM if paged else 1) * sms // (batch * heads_k * query_tiles)
+    return max(1, min(fitting, -(-capacity // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+class SplitKVPlan(NamedTuple):
+    """What a split-KV call derives from shapes, strides and options (``plan_split_kv``):
+    built once per such key by the caller, run by ``run_split_kv`` with the call's tensors."""
+
+    grid: tuple[int, int, int]
+    ints: tuple  # the kernel's arguments after its tensors: sizes, strides, scales, bounds
+    meta: tuple  # its constexprs and launch options, as (name, value) pairs
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    lse_shape: tuple[int, ...]
+    parts: int  # float32 elements of the splits' partials (0: one split writes the result)
+    merge: tuple | None  # the merge launch's (grid, ints, meta)
+
+
+def plan_split_kv(
+    q_shape: tuple[int, int, int, int],
+    q_stride: tuple[int, ...],
+    dtype: torch.dtype,
+    cache_shape: tuple[int, int, int, int],
+    k_stride: tuple[int, ...],
+    v_stride: tuple[int, ...],
+    seqlen_new: int,
+    *,
+    softmax_scale: float,
+    window: tuple[int | None, int | None],
+    softcap: float,
+    alibi_batch_stride: int | None,
+    batch_idx: bool,
+    table_stride: int | None,
+    leftpad: bool,
+    num_splits: int,
+    key_offset: int,
+    held: int,
+    out_dtype: torch.dtype,
+) -> SplitKVPlan:
+    """The launch of ``_split_kv_kernel`` (and of the merge) for q of ``q_shape`` (batch,
+    seqlen_q, heads_q, head_dim) over caches of ``cache_shape``; arguments as
+    ``split_kv_attention``'s, tensors given by what the launch needs of them: strides,
+    ``alibi_batch_stride`` (0 for slopes shared by the batch; None: no ALiBi),
+    ``table_stride`` (None: a dense cache), whether ``batch_idx``/``leftpad`` are given."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    heads_k = cache_shape[2]
+    group = heads_q // heads_k
+    rows = seqlen_q * group
+    block_m = _block_m(rows)
+    query_tiles = -(-rows // block_m)
+    tile, stages = block_n(head_dim, dtype.itemsize), NUM_STAGES
+    paged = table_stride is not None
+    page_size = cache_shape[1]
+    if paged:  # see PAGED_PROGRAMS_PER_SM
+        tile, stages = min(tile, 64), 2
+    keys_per_split = -(-held // (num_splits * tile)) * tile
+    lse_shape = (batch, heads_q, seqlen_q)
+    n_out, n_lse = batch * seqlen_q * heads_q * head_dim, batch * heads_q * seqlen_q
+    if num_splits == 1:  # the kernel writes the result (out, lse): strides of those
+        part_strides = (0, seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+        lse_strides = (0, heads_q * seqlen_q, seqlen_q)
+        lse_base, parts = 0, 0
+    else:  # float32 partials (splits, *q_shape), then their LSEs (splits, *lse_shape), one buffer
+        part_strides = (n_out, seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+        lse_strides = (n_lse, heads_q * seqlen_q, seqlen_q)
+        lse_base, parts = num_splits * n_out, num_splits * (n_out + n_lse)
+    left, right = window
+    qk_scale, softcap_log2 = (
+        (softmax_scale / softcap, softcap * LOG2E) if softcap else (softmax_scale * LOG2E, None)
+    )
+    ints = (
+        seqlen_q, seqlen_new, key_offset, held, group, heads_k, keys_per_split, page_size, table_stride or 0,
+        alibi_batch_stride or 0, lse_base, *q_stride[:3], *k_stride[:3], *v_stride[:3], *part_strides,
+        *lse_strides, qk_scale, softcap_log2, left or 0, right or 0,
+    )  # fmt: skip
+    meta = (
+        ("HEAD_DIM", head_dim), ("BLOCK_D", block_d(head_dim)), ("BLOCK_M", block_m), ("BLOCK_N", tile),
+        ("HAS_LEFT", left is not None), ("HAS_RIGHT", right is not None), ("HAS_SOFTCAP", bool(softcap)),
+        ("HAS_ALIBI", alibi_batch_stride is not None), ("PAGED", paged),
+        ("WHOLE_TILES", paged and page_size % tile == 0), ("HAS_BATCH_IDX", batch_idx),
+        ("HAS_LEFTPAD", leftpad), ("DOT_PRECISION", dot_precision(dtype)), ("num_warps", NUM_WARPS),
+        ("num_stages", stages),
+    )  # fmt: skip
+    merge = None
+    if num_splits > 1:
+        out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+        merge = _merge_launch(
+            num_splits, q_shape, part_strides, lse_base, lse_strides, out_strides,
+            (heads_q * seqlen_q, seqlen_q),
+        )
+    grid = (num_splits, batch * heads_k, query_tiles)
+    return SplitKVPlan(grid, ints, meta, tuple(q_shape), out_dtype, lse_shape, parts, merge)
+
+
+def run_split_kv(
+    plan: SplitKVPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    batch_idx: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    leftpad: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plan``'s launches over these tensors (those it was planned for: same shapes, strides,
+    dtypes): (out, lse) as ``split_kv_attention``'s."""
+    out = torch.empty(plan.out_shape, device=q.device, dtype=plan.out_dtype)
+    lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    work = torch.empty(plan.parts, device=q.device, dtype=torch.float32) if plan.parts else None
+    launch(
+        _split_kv_kernel, plan.grid,
+        q, k_cache, v_cache, out if work is None else work, lse if work is None else work, cache_seqlens,
+        batch_idx, block_table, alibi_slopes, leftpad, *plan.ints, **dict(plan.meta),
+    )  # fmt: skip
+    if work is not None:
+        grid, ints, meta = plan.merge
+        launch(_merge_splits_kernel, grid, work, work, out, lse, *ints, **dict(meta))
+    return out, lse
 
 
 def split_kv_attention(
@@ -182,7 +322,8 @@ def split_kv_attention(
     leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over the cache's first
-    cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``).
+    cache_seqlens[b] + seqlen_new keys of each sequence, checked by the caller (``kvcache.py``,
+    which plans once per key: ``plan_split_kv`` + ``run_split_kv``, this function's two halves).
     The cache holds the keys from position ``key_offset`` on (0; more for a shard of a sequence
     whose earlier keys are elsewhere): the first cache_seqlens[b] + seqlen_new - key_offset of
     them, at most ``held`` (at most its capacity); masks and ALiBi see the sequence's positions.
@@ -193,51 +334,30 @@ def split_kv_attention(
     k_cache/v_cache: (cache_rows, capacity, heads_k, head_dim), or (pages, page_size, heads_k,
     head_dim) with ``block_table`` (batch, pages per sequence) int32; unit stride in head_dim.
     cache_seqlens: (batch,) int32 on q's device. window: (left, right) bounds around each
-    query's position, None = unbounded (causal: right 0). alibi_slopes: float32 (batch,
-    heads_q) contiguous or None. batch_idx: (batch,) int32 cache rows or None (row b).
-    num_splits >= 1: one writes the result directly, more write float32 partials that
-    ``merge_splits`` folds. Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype and
-    float32 lse (batch, heads_q, seqlen_q); rows that see no key get out 0 and lse -inf."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    heads_k = k_cache.shape[2]
-    group = heads_q // heads_k
-    rows = seqlen_q * group
-    block_m = _block_m(rows)
-    query_tiles = -(-rows // block_m)
-    keys_per_split = -(-held // (num_splits * BLOCK_N)) * BLOCK_N
-    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
-    lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
-    if num_splits == 1:  # the kernel writes the result
-        parts, lses = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        parts = torch.empty(num_splits, *q.shape, device=q.device, dtype=torch.float32)
-        lses = torch.empty(num_splits, *lse.shape, device=q.device, dtype=torch.float32)
-    left, right = window
-    qk_scale, softcap_log2 = (
-        (softmax_scale / softcap, softcap * LOG2E) if softcap else (softmax_scale * LOG2E, None)
-    )
-    launch(
-        _split_kv_kernel, (num_splits, batch * heads_k, query_tiles),
-        q, k_cache, v_cache, parts, lses, cache_seqlens, batch_idx, block_table, alibi_slopes, leftpad,
-        seqlen_q, seqlen_new, key_offset, held, group, heads_k, keys_per_split, k_cache.shape[1],
-        0 if block_table is None else block_table.stride(0),
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *parts.stride()[:4], *lses.stride()[:3],
-        qk_scale, softcap_log2, left or 0, right or 0,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=bool(softcap),
-        HAS_ALIBI=alibi_slopes is not None, PAGED=block_table is not None,
-        HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    query's position, None = unbounded (causal: right 0). alibi_slopes: float32 (heads_q,) or
+    (batch, heads_q), unit stride in heads, or None. batch_idx: (batch,) int32 cache rows or
+    None (row b). num_splits >= 1: one writes the result directly, more write float32 partials
+    that the merge rule folds in one more launch. Returns out (batch, seqlen_q, heads_q,
+    head_dim) in q's dtype and float32 lse (batch, heads_q, seqlen_q); rows that see no key get
+    out 0 and lse -inf."""
+    alibi_batch_stride = None
+    if alibi_slopes is not None:
+        alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+    plan = plan_split_kv(
+        tuple(q.shape), q.stride(), q.dtype, tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
+        seqlen_new, softmax_scale=softmax_scale, window=window, softcap=softcap,
+        alibi_batch_stride=alibi_batch_stride,
+        batch_idx=batch_idx is not None, table_stride=None if block_table is None else block_table.stride(0),
+        leftpad=leftpad is not None, num_splits=num_splits, key_offset=key_offset, held=held,
+        out_dtype=out_dtype or q.dtype,
     )  # fmt: skip
-    if num_splits > 1:
-        merge_splits(parts, lses, out, lse)
-    return out, lse
+    tensors = (cache_seqlens, batch_idx, block_table, alibi_slopes, leftpad)
+    return run_split_kv(plan, q, k_cache, v_cache, *tensors)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    PARTS, LSES, OUT, LSE, seqlen_q, heads, splits,
+    PARTS, LSES, OUT, LSE, seqlen_q, heads, splits, lse_base,
     stride_ps, stride_pb, stride_pq, stride_ph, stride_ls, stride_lb, stride_lh,
     stride_ob, stride_oq, stride_oh, stride_eb, stride_eh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -249,7 +369,7 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < splits
-    l_ptrs = LSES + offs_s * stride_ls + b * stride_lb + h * stride_lh + t
+    l_ptrs = LSES + lse_base + offs_s * stride_ls + b * stride_lb + h * stride_lh + t
     lses = tl.load(l_ptrs, mask=s_ok, other=float("-inf"))
     top = tl.max(lses, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: out 0, lse -inf
@@ -267,6 +387,18 @@ def _merge_splits_kernel(
     tl.store(LSE + b * stride_eb + h * stride_eh + t, lse)
 
 
+def _merge_launch(
+    splits: int, shape: tuple, part_strides: tuple, lse_base: int, lse_strides: tuple, out_strides: tuple,
+    merged_lse_strides: tuple,
+) -> tuple:
+    """(grid, ints, meta) of ``_merge_splits_kernel`` over partials of (splits, *shape)."""
+    batch, seqlen_q, heads, head_dim = shape
+    ints = (seqlen_q, heads, splits, lse_base, *part_strides, *lse_strides, *out_strides, *merged_lse_strides)
+    block_s = max(2, next_power_of_2(splits))
+    meta = (("HEAD_DIM", head_dim), ("BLOCK_D", block_d(head_dim)), ("BLOCK_S", block_s))
+    return (batch * seqlen_q * heads,), ints, meta
+
+
 def merge_splits(parts: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """The merge rule over the leading split dimension, in one launch: parts (splits, batch,
     seqlen, heads, head_dim) float32 and lses (splits, batch, heads, seqlen) float32 into out
@@ -275,9 +407,8 @@ def merge_splits(parts: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse
     splits, batch, seqlen_q, heads, head_dim = parts.shape
     if batch * seqlen_q * heads == 0:
         return
-    launch(
-        _merge_splits_kernel, (batch * seqlen_q * heads,),
-        parts, lses, out, lse, seqlen_q, heads, splits, *parts.stride()[:4], *lses.stride()[:3],
-        *out.stride()[:3], lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    grid, ints, meta = _merge_launch(
+        splits, (batch, seqlen_q, heads, head_dim), parts.stride()[:4], 0, lses.stride()[:3],
+        out.stride()[:3], lse.stride()[:2],
     )  # fmt: skip
+    launch(_merge_splits_kernel, grid, parts, lses, out, lse, *ints, **dict(meta))

@@ -10,10 +10,13 @@ none with ``check_bounds=False`` and inside a CUDA graph's capture, where no rea
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import NamedTuple
+
 import torch
 
 from .cache_append import append_kv
-from .decode import default_splits, split_kv_attention
+from .decode import SplitKVPlan, default_splits, plan_split_kv, run_split_kv
 from .merge import check_sinks, merge_sinks
 from .problem import (
     MAX_HEAD_DIM,
@@ -144,7 +147,101 @@ def kvcache_attention(
     that holds their positions, and the result is this shard's partial (merge the shards' with
     the LSE rule, then the sinks: pass sinks=None). Only the ``last_shard`` checks that the
     appended tokens fit (the others hold earlier positions). out_dtype: the output's (default
-    q's)."""
+    q's).
+
+    What the checks and the launches' arguments derive from the arguments' shapes, strides,
+    dtypes, devices and options is planned once per such key (``_plan``); a call with a known
+    key skips to reading values (``check_bounds``) and launching."""
+    try:
+        key = (
+            _meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(rotary_cos),
+            _meta(rotary_sin), _meta(cache_seqlens), _meta(cache_batch_idx), _meta(cache_leftpad),
+            _meta(block_table), type(softmax_scale), softmax_scale, type(causal), causal, type(window_size),
+            _typed_pair(window_size), type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
+            _meta(alibi_slopes), type(num_splits), num_splits, _meta(sinks), type(check_bounds), check_bounds,
+            key_offset, held, last_shard, out_dtype,
+        )  # fmt: skip
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # an argument of a kind no key is made of: checked below
+        key = plan = None
+    if plan is None:
+        plan = _plan(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+            num_splits, sinks, check_bounds, key_offset, held, last_shard, out_dtype,
+        )  # fmt: skip
+        if key is not None:
+            _PLANS[key] = plan
+            if len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)
+    batch, seqlen_q, heads_q = plan.batch, plan.seqlen_q, plan.heads_q
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens = cache_seqlens.contiguous()
+    else:
+        seqlens = _cache_seqlens(cache_seqlens, batch, q.device)
+    batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
+    leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
+    table = None if block_table is None else block_table.contiguous()
+    seqlen_new = plan.seqlen_new
+    if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        limit = key_offset + plan.held if last_shard else None
+        rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
+        _check_values(
+            seqlens, seqlen_new, limit, key_offset, plan.held, batch_idx, plan.cache_rows, table,
+            plan.page_size, rotary, max(seqlen_new, plan.q_rotary_span), leftpad,
+        )  # fmt: skip
+    if rotary_cos is not None:
+        positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
+        k = apply_rotary(k, rotary_cos[positions], rotary_sin[positions], rotary_interleaved)
+        q_positions = seqlens[:, None].long() + torch.arange(plan.q_rotary_span, device=q.device)
+        q = apply_rotary(q, rotary_cos[q_positions], rotary_sin[q_positions], rotary_interleaved)
+    if seqlen_new:
+        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset, plan.held)
+    if plan.split is None:  # nothing to attend (the appends above still happen)
+        out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+        lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
+    else:
+        slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+        out, lse = run_split_kv(plan.split, q, k_cache, v_cache, seqlens, batch_idx, table, slopes, leftpad)
+    return _with_sinks(out, lse, sinks)
+
+
+class _Plan(NamedTuple):
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    seqlen_new: int
+    held: int  # positions this cache holds
+    cache_rows: int  # rows of a dense cache, pages of a paged one
+    page_size: int  # k_cache.shape[1]
+    q_rotary_span: int  # positions of q's rotary: seqlen_q when causal or windowed, else 1
+    split: SplitKVPlan | None  # None: nothing to attend
+
+
+_MAX_PLANS = 1024
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
+
+
+def _meta(t: object) -> object:
+    """A tensor argument's part of a plan key (anything else: its type and value)."""
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.stride(), t.dtype, t.device)
+    return (type(t), t)
+
+
+def _typed_pair(pair: object) -> tuple:
+    """window_size's part of a key: its entries with their types (True == 1, but only the int
+    is a valid entry)."""
+    return tuple((type(w), w) for w in pair) if type(pair) is tuple else (pair,)
+
+
+def _plan(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+    sinks, check_bounds, key_offset, held, last_shard, out_dtype,
+) -> _Plan:  # fmt: skip
+    """Every check of ``kvcache_attention``'s arguments that needs no tensor's values, and the
+    launch plan they lead to."""
     q = _check_tensor("q", q, 4)
     batch, seqlen_q, heads_q, head_dim = q.shape
     paged = block_table is not None
@@ -169,14 +266,14 @@ def kvcache_attention(
     softcap = check_softcap(softcap)
     scale = resolve_scale(softmax_scale, head_dim)
     slopes = check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
-    sinks = check_sinks(sinks, heads_q, q.device)
+    check_sinks(sinks, heads_q, q.device)
     for name, flag in (("rotary_interleaved", rotary_interleaved), ("check_bounds", check_bounds)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen), got {num_splits!r}")
     seqlen_new = _check_new_kv(k, v, batch, heads_k, head_dim, q)
-    seqlens = _cache_seqlens(cache_seqlens, batch, q.device)
+    _cache_seqlens(cache_seqlens, batch, q.device)
     batch_idx = _index_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device)
     leftpad = _index_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
     table = _index_tensor("block_table", block_table, None, q.device)
@@ -200,38 +297,26 @@ def kvcache_attention(
             f"a cache shard holds positions from key_offset >= 0 ({key_offset}), at most its capacity "
             f"({capacity}) of them, got {held}"
         )
-    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
+    _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
     # Rotary positions: the new keys at cache_seqlens + i, q at cache_seqlens + t when causal or
     # windowed, else all at cache_seqlens.
     q_rotary_span = seqlen_q if causal or window != (-1, -1) else 1
-    if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        limit = key_offset + held if last_shard else None
-        _check_values(
-            seqlens, seqlen_new, limit, key_offset, held, batch_idx, cache_rows, table, k_cache.shape[1],
-            rotary, max(seqlen_new, q_rotary_span), leftpad,
-        )
-    if rotary is not None:
-        cos, sin = rotary
-        positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
-        k = apply_rotary(k, cos[positions], sin[positions], rotary_interleaved)
-        q_positions = seqlens[:, None].long() + torch.arange(q_rotary_span, device=q.device)
-        q = apply_rotary(q, cos[q_positions], sin[q_positions], rotary_interleaved)
-    if seqlen_new:
-        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset, held)
-    if batch == 0 or seqlen_q == 0:  # nothing to attend (the appends above still happen)
-        out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
-        lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
-        return _with_sinks(out, lse, sinks)
-    left = window[0] if window[0] >= 0 else None
-    right = 0 if causal else window[1] if window[1] >= 0 else None
-    rows = seqlen_q * (heads_q // heads_k)
-    splits = num_splits or default_splits(batch, heads_k, rows, max(held, 1), q.device)
-    out, lse = split_kv_attention(
-        q, k_cache, v_cache, seqlens, seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
-        alibi_slopes=slopes, batch_idx=batch_idx, block_table=table, num_splits=splits, key_offset=key_offset,
-        held=held, out_dtype=out_dtype, leftpad=leftpad,
-    )  # fmt: skip
-    return _with_sinks(out, lse, sinks)
+    split = None
+    if batch and seqlen_q:
+        left = window[0] if window[0] >= 0 else None
+        right = 0 if causal else window[1] if window[1] >= 0 else None
+        rows = seqlen_q * (heads_q // heads_k)
+        splits = num_splits or default_splits(batch, heads_k, rows, max(held, 1), q.device, paged)
+        split = plan_split_kv(
+            tuple(q.shape), q.stride(), q.dtype, tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
+            seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
+            alibi_batch_stride=None if slopes is None else 0 if alibi_slopes.dim() == 1 else heads_q,
+            batch_idx=batch_idx is not None, table_stride=None if table is None else table.shape[1],
+            leftpad=leftpad is not None, num_splits=splits, key_offset=key_offset, held=held,
+            out_dtype=out_dtype or q.dtype,
+        )  # fmt: skip
+    page_size = k_cache.shape[1]
+    return _Plan(batch, seqlen_q, heads_q, seqlen_new, held, cache_rows, page_size, q_rotary_span, split)
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):

@@ -83,10 +83,30 @@ def _arg_key(a: object) -> object:
 DIRECT_RELEASES = ("3.6.",)
 
 
+_BINDING_VARIABLE = "RINGFLASH_TRITON_BINDING"
+try:  # os.environ's own dict (bytes on POSIX): a lookup there is 0.1 us, os.environ.get 1 us
+    _ENVIRON, _BINDING_KEY = os.environ._data, os.environ.encodekey(_BINDING_VARIABLE)
+except AttributeError:
+    _ENVIRON = None
+
+
 def _binding() -> str:
     """RINGFLASH_TRITON_BINDING: "0" (default) this module's launches, "1" Triton's binding,
-    "run" this module's key but the compiled kernel's ``run`` (no direct C launches)."""
-    return "1" if INTERPRET else os.environ.get("RINGFLASH_TRITON_BINDING", "0")
+    "run" this module's key but the compiled kernel's ``run`` (no direct C launches). Read at
+    every launch (tests and benchmarks change it at run time)."""
+    if INTERPRET:
+        return "1"
+    if _ENVIRON is None:
+        return os.environ.get(_BINDING_VARIABLE, "0")
+    value = _ENVIRON.get(_BINDING_KEY)
+    return "0" if value is None else os.environ.decodevalue(value)
+
+
+# The current device and its current stream, straight from torch's C bindings where they exist
+# (Triton's own driver calls the second): torch.cuda.current_device() and Triton's lazily
+# bound driver each add about a microsecond per launch.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def bypass_enabled() -> bool:
@@ -143,7 +163,7 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
     if binding == "1":
         kernel[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
+    device = _current_device()
     try:
         key = (
             kernel,
@@ -169,7 +189,7 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
             _COMPILED.popitem(last=False)
         return
     compiled, tail, direct = hit
-    stream = driver.active.get_current_stream(device)
+    stream = _current_stream(device) if _current_stream else driver.active.get_current_stream(device)
     grid = (*grid, 1, 1)
     enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
     hooked = enter is not None or leave is not None

@@ -16,7 +16,7 @@ import ringflash
 from ringflash.kernels import kvcache
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -55,7 +55,10 @@ def _assert_close(out, lse, exp_out, exp_lse, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     ("seqlen_q", "seqlen_new", "heads", "heads_k", "head_dim", "num_splits"),
-    [(1, 1, 4, 2, 64, 0), (1, 0, 4, 1, 36, 3), (3, 3, 4, 2, 64, 2), (2, 1, 2, 2, 128, 1)],
+    [
+        (1, 1, 4, 2, 64, 0), (1, 0, 4, 1, 36, 3), (3, 3, 4, 2, 64, 2), (2, 1, 2, 2, 128, 1),
+        (1, 1, 8, 2, 256, 0),
+    ],  # fmt: skip
 )
 def test_matches_float64_over_the_appended_cache(
     dtype, causal, seqlen_q, seqlen_new, heads, heads_k, head_dim, num_splits
@@ -96,7 +99,7 @@ def test_every_split_count_gives_the_same_answer():
         assert (out - first).abs().max() < 1e-5, splits
 
 
-@pytest.mark.parametrize("page_size", [16, 48])
+@pytest.mark.parametrize("page_size", [8, 16, 24, 48, 64, 128])
 def test_paged_cache_equals_dense(page_size):
     """A paged cache with a shuffled page table (pages of other sequences between) gives the
     dense answer, and its appends land on the pages the table names."""

@@ -157,3 +157,47 @@ def _past_the_last_range():
 def test_an_append_past_the_last_range_raises_everywhere(rank_pool):
     errors = rank_pool(2).run(errors_of, {"call": _past_the_last_range})
     assert all(e["call"] and "ends at position 12" in e["call"] for e in errors), errors
+
+
+def _captured_sharded_decode():
+    """A sharded decode step (append one token on the last rank, attend, all-gather, merge)
+    captured in a CUDA graph over NCCL replays like eager steps on a copy of the caches."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device, capacity = worker_device(), 256
+    g = torch.Generator().manual_seed(3)  # the same queries and new tokens on every rank
+    q, k, v = (torch.randn(1, 1, h, HEAD_DIM, generator=g).to(device, torch.float16) for h in (8, 2, 2))
+    cache = torch.Generator().manual_seed(10 + rank)
+    k_cache, v_cache = (
+        torch.randn(1, capacity, 2, HEAD_DIM, generator=cache).to(device, torch.float16) for _ in "kv"
+    )
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([capacity * world - 8], dtype=torch.int32, device=device)
+
+    def step(kc, vc):
+        return ringflash.sp_flash_attn_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, check_bounds=False, return_softmax_lse=True
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (compiles, caches, the rank-check mailbox)
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(k_cache, v_cache)
+    same = True
+    for _ in range(3):
+        graph.replay()
+        expected = step(eager_k, eager_v)
+        torch.cuda.synchronize()
+        same &= torch.equal(static[0], expected[0]) and torch.equal(static[1], expected[1])
+        same &= torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+        seqlens += 1  # the next step appends after this one (the graph reads the tensor)
+        q.copy_(torch.randn(q.shape, generator=g))
+    return bool(same)
+
+
+@pytest.mark.multigpu
+def test_sharded_decode_step_captures_in_a_cuda_graph(rank_pool):
+    assert rank_pool(2).run(_captured_sharded_decode) == [True, True]
