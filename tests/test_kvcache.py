@@ -199,6 +199,7 @@ def test_rotary_on_q_and_the_appended_keys(interleaved, causal):
         dict(causal=True, window_size=(4, -1)),
         dict(softcap=2.0),
         dict(alibi=True, causal=True),
+        dict(alibi="shared", causal=True),  # slopes (heads,): one per head for every sequence
         dict(sinks=True),
         dict(softmax_scale=0.3, softcap=1.5, alibi=True, sinks=True, causal=True),
     ],
@@ -210,11 +211,11 @@ def test_masks_and_score_features(features):
     lengths, seqlen_new = [9, 70], 3
     k_cache, v_cache, k, v, seqlens = _setup(2, 80, heads_k, head_dim, dtype, lengths, seqlen_new, seed=12)
     q = _randn(2, 3, heads, head_dim, dtype=dtype, seed=13, scale=2.0)
-    slopes = (
-        torch.rand(2, heads, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-        if features.pop("alibi", 0)
-        else None
-    )
+    alibi = features.pop("alibi", None)
+    slopes = torch.rand(2, heads, generator=torch.Generator().manual_seed(1)).to(DEVICE) if alibi else None
+    given = slopes[0] if alibi == "shared" else slopes
+    if alibi == "shared":
+        slopes = slopes[:1].expand(2, heads)
     sinks = (
         (torch.randn(heads, generator=torch.Generator().manual_seed(2)) + 1).to(DEVICE)
         if features.pop("sinks", 0)
@@ -224,7 +225,7 @@ def test_masks_and_score_features(features):
     for b, n in enumerate(lengths):
         keys[b, n : n + seqlen_new], values[b, n : n + seqlen_new] = k[b], v[b]
     out, lse = ringflash.flash_attn_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, alibi_slopes=slopes, sinks=sinks, num_splits=2,
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, alibi_slopes=given, sinks=sinks, num_splits=2,
         return_softmax_lse=True, **features,
     )  # fmt: skip
     exp_out, exp_lse = _expected_with_features(q, keys, values, lengths, seqlen_new, slopes, sinks, features)
@@ -357,6 +358,28 @@ def test_bad_input_raises_clear_errors():
         with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
             call()
         assert torch.equal(k_cache, before), f"{match}: the cache was written before the error"
+
+
+def test_a_planned_call_lets_no_bad_argument_through():
+    """Calls are planned once per key of shapes, strides, dtypes and options: after a good call,
+    the same call with an argument of the wrong kind still raises (True == 1, but only a bool
+    is a valid causal and only ints a valid window)."""
+    k_cache, v_cache, _, _, _ = _setup(2, 16, 2, 16, torch.float32, [0, 0], 0, seed=33)
+    q = _randn(2, 1, 4, 16, seed=34)
+    good = dict(cache_seqlens=3, causal=True, window_size=(2, 0), num_splits=2)
+    kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, **good)
+    bad = [
+        (TypeError, dict(good, causal=1)),
+        (TypeError, dict(good, window_size=(2, False))),
+        (ValueError, dict(good, num_splits=True)),
+        (TypeError, dict(good, cache_seqlens=True)),
+        (TypeError, dict(good, block_table=[[0]])),
+    ]
+    for error, options in bad:
+        with pytest.raises(error):
+            kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, **options)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        kvcache.flash_attn_with_kvcache(q.tolist(), k_cache, v_cache, **good)
 
 
 def test_signature_is_flash_attns():
