@@ -4,12 +4,11 @@ of the sequence's cache row (``batch_idx``) or of its pages (``block_table``).""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from .configs import block_d, next_power_of_2
-from .launcher import launch
+from .launcher import PreparedLaunch
 
 
 @triton.jit
@@ -48,33 +47,33 @@ def _append_kernel(
     tl.store(V_CACHE + dst_v, v, mask=mask)
 
 
-def append_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    batch_idx: torch.Tensor | None,
-    block_table: torch.Tensor | None,
+def plan_append(
+    new_shape: tuple[int, int, int, int],
+    k_stride: tuple[int, ...],
+    v_stride: tuple[int, ...],
+    cache_shape: tuple[int, int, int, int],
+    k_cache_stride: tuple[int, ...],
+    v_cache_stride: tuple[int, ...],
+    *,
+    table_stride: int | None,
+    batch_idx: bool,
     key_offset: int,
     held: int,
-) -> None:
-    """Write k/v (batch, seqlen_new, heads_k, head_dim) into the caches at positions
-    cache_seqlens[b] + i, in place; the caches hold ``held`` positions from ``key_offset`` on
-    (0 and their capacity on one device; a shard's range with sequence parallelism), and tokens
-    outside them are not written here. Caches: dense (rows, capacity, heads_k, head_dim) with
-    the sequence's row ``batch_idx[b]`` (or b), or paged (pages, page_size, heads_k, head_dim)
-    with ``block_table`` (batch, pages per sequence) int32. Unit stride in head_dim; positions
-    and pages in range (the caller checks them)."""
-    batch, seqlen_new, heads_k, head_dim = k.shape
+) -> tuple[tuple[int, int], PreparedLaunch] | None:
+    """The append's grid and launch for new k/v of ``new_shape`` (batch, seqlen_new, heads_k,
+    head_dim) into caches of ``cache_shape`` (tensors given by their strides; ``table_stride``
+    None for a dense cache), or None when there is nothing to
+    append."""
+    batch, seqlen_new, heads_k, head_dim = new_shape
     if batch * seqlen_new == 0:
-        return
-    launch(
-        _append_kernel, (seqlen_new, batch),
-        k, v, k_cache, v_cache, cache_seqlens, batch_idx, block_table, heads_k, k_cache.shape[1],
-        0 if block_table is None else block_table.stride(0), key_offset,
-        held, *k.stride()[:3], *v.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, next_power_of_2(heads_k)),
-        PAGED=block_table is not None, HAS_BATCH_IDX=batch_idx is not None,
+        return None
+    ints = (
+        heads_k, cache_shape[1], table_stride or 0, key_offset, held, *k_stride[:3], *v_stride[:3],
+        *k_cache_stride[:3], *v_cache_stride[:3],
     )  # fmt: skip
+    meta = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=max(1, next_power_of_2(heads_k)),
+        PAGED=table_stride is not None, HAS_BATCH_IDX=batch_idx,
+    )  # fmt: skip
+    return (seqlen_new, batch), PreparedLaunch(_append_kernel, ints, meta)
+

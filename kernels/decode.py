@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .configs import INTERPRET, block_d, next_power_of_2
 from .forward import dot_precision
-from .launcher import launch
+from .launcher import PreparedLaunch, launch
 from .scores import LOG2E, tanh
 
 NUM_WARPS, NUM_STAGES = 4, 3
@@ -190,13 +190,12 @@ class SplitKVPlan(NamedTuple):
     built once per such key by the caller, run by ``run_split_kv`` with the call's tensors."""
 
     grid: tuple[int, int, int]
-    ints: tuple  # the kernel's arguments after its tensors: sizes, strides, scales, bounds
-    meta: tuple  # its constexprs and launch options, as (name, value) pairs
+    split: PreparedLaunch  # the kernel with its arguments after the tensors (sizes, strides, scales)
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     lse_shape: tuple[int, ...]
     parts: int  # float32 elements of the splits' partials (0: one split writes the result)
-    merge: tuple | None  # the merge launch's (grid, ints, meta)
+    merge: tuple[tuple[int], PreparedLaunch] | None  # the merge's grid and launch
 
 
 def plan_split_kv(
@@ -267,12 +266,14 @@ def plan_split_kv(
     merge = None
     if num_splits > 1:
         out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
-        merge = _merge_launch(
+        merge_grid, merge_ints, merge_meta = _merge_launch(
             num_splits, q_shape, part_strides, lse_base, lse_strides, out_strides,
             (heads_q * seqlen_q, seqlen_q),
         )
+        merge = (merge_grid, PreparedLaunch(_merge_splits_kernel, merge_ints, dict(merge_meta)))
     grid = (num_splits, batch * heads_k, query_tiles)
-    return SplitKVPlan(grid, ints, meta, tuple(q_shape), out_dtype, lse_shape, parts, merge)
+    split = PreparedLaunch(_split_kv_kernel, ints, dict(meta))
+    return SplitKVPlan(grid, split, tuple(q_shape), out_dtype, lse_shape, parts, merge)
 
 
 def run_split_kv(
@@ -291,14 +292,13 @@ def run_split_kv(
     out = torch.empty(plan.out_shape, device=q.device, dtype=plan.out_dtype)
     lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
     work = torch.empty(plan.parts, device=q.device, dtype=torch.float32) if plan.parts else None
-    launch(
-        _split_kv_kernel, plan.grid,
-        q, k_cache, v_cache, out if work is None else work, lse if work is None else work, cache_seqlens,
-        batch_idx, block_table, alibi_slopes, leftpad, *plan.ints, **dict(plan.meta),
+    plan.split(
+        plan.grid, q, k_cache, v_cache, out if work is None else work, lse if work is None else work,
+        cache_seqlens, batch_idx, block_table, alibi_slopes, leftpad,
     )  # fmt: skip
     if work is not None:
-        grid, ints, meta = plan.merge
-        launch(_merge_splits_kernel, grid, work, work, out, lse, *ints, **dict(meta))
+        grid, merge = plan.merge
+        merge(grid, work, work, out, lse)
     return out, lse
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache_append import append_kv
+from .cache_append import plan_append
 from .decode import SplitKVPlan, default_splits, plan_split_kv, run_split_kv
 from .merge import check_sinks, merge_sinks
 from .problem import (
@@ -195,8 +195,9 @@ def kvcache_attention(
         k = apply_rotary(k, rotary_cos[positions], rotary_sin[positions], rotary_interleaved)
         q_positions = seqlens[:, None].long() + torch.arange(plan.q_rotary_span, device=q.device)
         q = apply_rotary(q, rotary_cos[q_positions], rotary_sin[q_positions], rotary_interleaved)
-    if seqlen_new:
-        append_kv(k_cache, v_cache, k, v, seqlens, batch_idx, table, key_offset, plan.held)
+    if plan.append is not None:
+        grid, append = plan.append
+        append(grid, k, v, k_cache, v_cache, seqlens, batch_idx, table)
     if plan.split is None:  # nothing to attend (the appends above still happen)
         out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
         lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
@@ -215,6 +216,7 @@ class _Plan(NamedTuple):
     cache_rows: int  # rows of a dense cache, pages of a paged one
     page_size: int  # k_cache.shape[1]
     q_rotary_span: int  # positions of q's rotary: seqlen_q when causal or windowed, else 1
+    append: tuple | None  # the append's (grid, launch); None: nothing to append
     split: SplitKVPlan | None  # None: nothing to attend
 
 
@@ -297,10 +299,13 @@ def _plan(
             f"a cache shard holds positions from key_offset >= 0 ({key_offset}), at most its capacity "
             f"({capacity}) of them, got {held}"
         )
-    _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q)
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q) is not None
     # Rotary positions: the new keys at cache_seqlens + i, q at cache_seqlens + t when causal or
     # windowed, else all at cache_seqlens.
     q_rotary_span = seqlen_q if causal or window != (-1, -1) else 1
+    # Rotary makes new, contiguous q and k (``apply_rotary``): the launches take their strides.
+    q_stride = _contiguous_strides(q.shape) if rotary else q.stride()
+    k_stride = _contiguous_strides(k.shape) if rotary else k.stride() if seqlen_new else None
     split = None
     if batch and seqlen_q:
         left = window[0] if window[0] >= 0 else None
@@ -308,15 +313,32 @@ def _plan(
         rows = seqlen_q * (heads_q // heads_k)
         splits = num_splits or default_splits(batch, heads_k, rows, max(held, 1), q.device, paged)
         split = plan_split_kv(
-            tuple(q.shape), q.stride(), q.dtype, tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
+            tuple(q.shape), q_stride, q.dtype, tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
             seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
             alibi_batch_stride=None if slopes is None else 0 if alibi_slopes.dim() == 1 else heads_q,
             batch_idx=batch_idx is not None, table_stride=None if table is None else table.shape[1],
             leftpad=leftpad is not None, num_splits=splits, key_offset=key_offset, held=held,
             out_dtype=out_dtype or q.dtype,
         )  # fmt: skip
+    append = None
+    if seqlen_new:
+        append = plan_append(
+            tuple(k.shape), k_stride, v.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
+            table_stride=None if table is None else table.shape[1], batch_idx=batch_idx is not None,
+            key_offset=key_offset, held=held,
+        )  # fmt: skip
     page_size = k_cache.shape[1]
-    return _Plan(batch, seqlen_q, heads_q, seqlen_new, held, cache_rows, page_size, q_rotary_span, split)
+    return _Plan(
+        batch, seqlen_q, heads_q, seqlen_new, held, cache_rows, page_size, q_rotary_span, append, split
+    )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):

@@ -163,19 +163,58 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
     if binding == "1":
         kernel[grid](*args, **kwargs)
         return
-    device = _current_device()
     try:
-        key = (
-            kernel,
-            device,
-            tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
-                   else _arg_key(a) for a in args]),  # ints and tensors inline: _arg_key's keys, no call
-            tuple(kwargs.items()),
-        )  # fmt: skip
+        key = (kernel, _current_device(), _args_key(args), tuple(kwargs.items()))
         hit = _COMPILED.get(key)
     except TypeError:  # an argument this module does not key on, or one not hashable
         kernel[grid](*args, **kwargs)
         return
+    _run(kernel, grid, args, kwargs, key, hit, binding)
+
+
+class PreparedLaunch:
+    """``launch`` of one kernel whose trailing arguments and keyword arguments are fixed (a
+    plan's sizes, strides, scales and constexprs): their part of the launch key is made once,
+    and a call keys only its leading arguments (its tensors).
+
+    ``PreparedLaunch(kernel, tail, kwargs)(grid, *lead)`` is ``launch(kernel, grid, *lead,
+    *tail, **kwargs)``."""
+
+    __slots__ = ("kernel", "tail", "kwargs", "_fixed")
+
+    def __init__(self, kernel, tail: tuple, kwargs: dict[str, object]) -> None:
+        self.kernel, self.tail, self.kwargs = kernel, tuple(tail), dict(kwargs)
+        try:
+            self._fixed = (_args_key(self.tail), tuple(self.kwargs.items()))
+            hash(self._fixed)
+        except TypeError:  # keyed per call by ``launch`` (or bound by Triton)
+            self._fixed = None
+
+    def __call__(self, grid: tuple[int, ...], *lead: object) -> None:
+        binding = _binding()
+        if binding == "1" or self._fixed is None:
+            launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
+            return
+        args = (*lead, *self.tail)
+        try:
+            key = (self.kernel, _current_device(), _args_key(lead), self._fixed)
+            hit = _COMPILED.get(key)
+        except TypeError:
+            self.kernel[grid](*args, **self.kwargs)
+            return
+        _run(self.kernel, grid, args, self.kwargs, key, hit, binding)
+
+
+def _args_key(args: tuple) -> tuple:
+    """The arguments' part of a launch key: ints and tensors inline (``_arg_key``'s keys without
+    its call), anything else through ``_arg_key``; TypeError for an argument not keyed on."""
+    return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
+                  else _arg_key(a) for a in args])  # fmt: skip
+
+
+def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple, hit: tuple | None, binding: str) -> None:
+    """The launch of ``key``: compiled (and remembered) through ``kernel[grid]`` on a miss, else
+    handed to the compiled kernel's launcher."""
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # compiled asynchronously
@@ -189,6 +228,7 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
             _COMPILED.popitem(last=False)
         return
     compiled, tail, direct = hit
+    device = key[1]
     stream = _current_stream(device) if _current_stream else driver.active.get_current_stream(device)
     grid = (*grid, 1, 1)
     enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)

@@ -169,7 +169,9 @@ def test_rotary_on_q_and_the_appended_keys(interleaved, causal):
     k_cache, v_cache, k, v, seqlens = _setup(2, 40, 1, head_dim, dtype, lengths, seqlen_new, seed=10)
     angles = torch.arange(64, dtype=torch.float64)[:, None] * (0.3 + torch.arange(rotary_dim // 2) / 10)
     cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
-    q = _randn(2, seqlen_new, 2, head_dim, dtype=dtype, seed=11)
+    # q and k strided (every other head of a larger tensor): rotary makes contiguous copies
+    q = _randn(2, seqlen_new, 4, head_dim, dtype=dtype, seed=11)[:, :, ::2]
+    k = k.repeat(1, 1, 2, 1)[:, :, :1]
     keys, values = k_cache.clone().double().cpu(), v_cache.clone().double().cpu()
     out, lse = ringflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=seqlens, causal=causal,
