@@ -286,11 +286,16 @@ def run_split_kv(
     block_table: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
     leftpad: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``plan``'s launches over these tensors (those it was planned for: same shapes, strides,
-    dtypes): (out, lse) as ``split_kv_attention``'s."""
-    out = torch.empty(plan.out_shape, device=q.device, dtype=plan.out_dtype)
-    lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    dtypes): (out, lse) as ``split_kv_attention``'s, written into ``out``/``lse`` where given
+    (contiguous, of the plan's shapes and dtypes)."""
+    if out is None:
+        out = torch.empty(plan.out_shape, device=q.device, dtype=plan.out_dtype)
+    if lse is None:
+        lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
     work = torch.empty(plan.parts, device=q.device, dtype=torch.float32) if plan.parts else None
     plan.split(
         plan.grid, q, k_cache, v_cache, out if work is None else work, lse if work is None else work,

@@ -139,6 +139,7 @@ def kvcache_attention(
     held: int | None = None,
     last_shard: bool = True,
     out_dtype: torch.dtype | None = None,
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache``'s (out, lse) (its arguments, checked here). For sequence
     parallelism (``ringflash.sp_kvcache``) this cache may be one shard of the sequences' caches,
@@ -147,7 +148,9 @@ def kvcache_attention(
     that holds their positions, and the result is this shard's partial (merge the shards' with
     the LSE rule, then the sinks: pass sinks=None). Only the ``last_shard`` checks that the
     appended tokens fit (the others hold earlier positions). out_dtype: the output's (default
-    q's).
+    q's). into: None, or a contiguous float32 (q.numel() + q.numel() / head_dim,) tensor (with
+    out_dtype float32, no sinks): out is written to its start and lse after it, as views of it
+    (a buffer that a collective sends as it is).
 
     What the checks and the launches' arguments derive from the arguments' shapes, strides,
     dtypes, devices and options is planned once per such key (``_plan``); a call with a known
@@ -198,12 +201,20 @@ def kvcache_attention(
     if plan.append is not None:
         grid, append = plan.append
         append(grid, k, v, k_cache, v_cache, seqlens, batch_idx, table)
+    out = lse = None
+    if into is not None:
+        out, lse = into[: q.numel()].view(q.shape), into[q.numel() :].view(batch, heads_q, seqlen_q)
     if plan.split is None:  # nothing to attend (the appends above still happen)
-        out = torch.zeros(q.shape, device=q.device, dtype=out_dtype or q.dtype)
-        lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+            lse = torch.empty((batch, heads_q, seqlen_q), device=q.device)
+        out.zero_()
+        lse.fill_(float("-inf"))
     else:
         slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
-        out, lse = run_split_kv(plan.split, q, k_cache, v_cache, seqlens, batch_idx, table, slopes, leftpad)
+        out, lse = run_split_kv(
+            plan.split, q, k_cache, v_cache, seqlens, batch_idx, table, slopes, leftpad, out, lse
+        )
     return _with_sinks(out, lse, sinks)
 
 

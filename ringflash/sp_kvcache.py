@@ -80,11 +80,15 @@ def sp_flash_attn_with_kvcache(
         if not isinstance(return_softmax_lse, bool):
             raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
         start, held = _shard_range(shard_range, rank, k_cache, block_table)
+        # This rank's (out, lse) go straight into the buffer the all-gather sends.
+        send = None
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1]:
+            send = torch.empty(q.numel() + q.numel() // q.shape[-1], device=q.device, dtype=torch.float32)
         partial = kvcache_attention(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
             num_splits, sinks=None, check_bounds=check_bounds, key_offset=start, held=held,
-            last_shard=rank == world - 1, out_dtype=torch.float32,
+            last_shard=rank == world - 1, out_dtype=torch.float32, into=send,
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
@@ -100,8 +104,8 @@ def sp_flash_attn_with_kvcache(
     )  # fmt: skip
     check_ranks_agree(group, signature, error)
     out, lse = partial
-    gathered = torch.empty(world, out.numel() + lse.numel(), device=out.device, dtype=torch.float32)
-    all_gather_async(gathered, torch.cat((out.reshape(-1), lse.reshape(-1))), group).wait()
+    gathered = torch.empty(world, send.numel(), device=out.device, dtype=torch.float32)
+    all_gather_async(gathered, send, group).wait()
     parts = gathered[:, : out.numel()].view(world, *out.shape)
     lses = gathered[:, out.numel() :].view(world, *lse.shape)
     merged = torch.empty(out.shape, device=out.device, dtype=q.dtype)
