@@ -43,14 +43,14 @@ MAX_SPLITS = 128
 def _split_kv_kernel(
     Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES, LEFTPAD,
     seqlen_q, seqlen_new, key_offset, local_capacity, group, heads_k, keys_per_split, page_size, table_stride,
-    slopes_stride, lse_base,
+    slopes_stride, lse_base, spread_from, spread_rank, spread_world, slots,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, WHOLE_TILES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPREAD: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     bk = tl.program_id(1)
@@ -66,19 +66,27 @@ def _split_kv_kernel(
     seqlen_k = tl.load(SEQLENS + b) + seqlen_new  # the cache's keys, then the appended ones
     q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned, in the sequence's positions
     # This cache holds the keys at positions key_offset .. key_offset + local_capacity - 1 (all
-    # of them on one device; a shard of them with sequence parallelism); j below is local.
+    # of them on one device; a shard of them with sequence parallelism); j below is local. With
+    # SPREAD, slots local_capacity .. slots - 1 then hold positions spread_from + spread_rank,
+    # + spread_world, ...: the tokens past spread_from that this rank of spread_world took.
     local_k = tl.minimum(tl.maximum(seqlen_k - key_offset, 0), local_capacity)
+    if SPREAD:
+        tail = seqlen_k - spread_from - spread_rank
+        local_k += tl.where(tail > 0, (tail + spread_world - 1) // spread_world, 0)
+        local_k = tl.minimum(local_k, slots)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, local_k)
-    if HAS_RIGHT:  # no key past the last row's bound
+    # Tiles outside the rows' bounds are skipped where positions follow the slots (not SPREAD).
+    if HAS_RIGHT and not SPREAD:  # no key past the last row's bound
         last = seqlen_k - seqlen_q + (pid_m * BLOCK_M + BLOCK_M - 1) // group
         end = tl.minimum(end, last + window_right + 1 - key_offset)
-    if HAS_LEFT:  # no tile before the first row's bound
+    if HAS_LEFT and not SPREAD:  # no tile before the first row's bound
         first = seqlen_k - seqlen_q + (pid_m * BLOCK_M) // group - window_left - key_offset
         start = tl.maximum(start, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
     if HAS_LEFTPAD:  # the sequence's keys start at position LEFTPAD[b] (flash-attn's cache_leftpad)
         leftpad = tl.load(LEFTPAD + b)
-        start = tl.maximum(start, tl.maximum(leftpad - key_offset, 0) // BLOCK_N * BLOCK_N)
+        if not SPREAD:
+            start = tl.maximum(start, tl.maximum(leftpad - key_offset, 0) // BLOCK_N * BLOCK_N)
     b64 = b.to(tl.int64)
     q_ptrs = (
         Q + b64 * stride_qb + t[:, None].to(tl.int64) * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
@@ -122,7 +130,13 @@ def _split_kv_kernel(
             s = tanh(qk * qk_scale) * softcap_log2
         else:
             s = qk * qk_scale
-        k_pos = key_offset + cols
+        if SPREAD:
+            k_pos = tl.where(
+                cols < local_capacity, key_offset + cols,
+                spread_from + spread_rank + (cols - local_capacity) * spread_world,
+            )  # fmt: skip
+        else:
+            k_pos = key_offset + cols
         if HAS_ALIBI:
             s -= slope[:, None] * tl.abs((q_pos[:, None] - k_pos[None, :]).to(tl.float32))
         visible = row_ok[:, None] & col_ok[None, :]
@@ -218,12 +232,16 @@ def plan_split_kv(
     key_offset: int,
     held: int,
     out_dtype: torch.dtype,
+    spread: tuple[int, int, int, int] | None = None,
 ) -> SplitKVPlan:
     """The launch of ``_split_kv_kernel`` (and of the merge) for q of ``q_shape`` (batch,
     seqlen_q, heads_q, head_dim) over caches of ``cache_shape``; arguments as
     ``split_kv_attention``'s, tensors given by what the launch needs of them: strides,
     ``alibi_batch_stride`` (0 for slopes shared by the batch; None: no ALiBi),
-    ``table_stride`` (None: a dense cache), whether ``batch_idx``/``leftpad`` are given."""
+    ``table_stride`` (None: a dense cache), whether ``batch_idx``/``leftpad`` are given.
+    ``spread``: None, or (spread_from, rank, world, slots): the cache's slots past ``held``
+    (up to ``slots``) hold the positions from spread_from on that fall to ``rank`` of ``world``
+    when they are dealt out round-robin (position p on rank (p - spread_from) % world)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_k = cache_shape[2]
     group = heads_q // heads_k
@@ -235,7 +253,8 @@ def plan_split_kv(
     page_size = cache_shape[1]
     if paged:  # see PAGED_PROGRAMS_PER_SM
         tile, stages = min(tile, 64), 2
-    keys_per_split = -(-held // (num_splits * tile)) * tile
+    spread_from, spread_rank, spread_world, slots = spread or (0, 0, 1, held)
+    keys_per_split = -(-slots // (num_splits * tile)) * tile
     lse_shape = (batch, heads_q, seqlen_q)
     n_out, n_lse = batch * seqlen_q * heads_q * head_dim, batch * heads_q * seqlen_q
     if num_splits == 1:  # the kernel writes the result (out, lse): strides of those
@@ -252,16 +271,17 @@ def plan_split_kv(
     )
     ints = (
         seqlen_q, seqlen_new, key_offset, held, group, heads_k, keys_per_split, page_size, table_stride or 0,
-        alibi_batch_stride or 0, lse_base, *q_stride[:3], *k_stride[:3], *v_stride[:3], *part_strides,
-        *lse_strides, qk_scale, softcap_log2, left or 0, right or 0,
+        alibi_batch_stride or 0, lse_base, spread_from, spread_rank, spread_world, slots, *q_stride[:3],
+        *k_stride[:3], *v_stride[:3], *part_strides, *lse_strides, qk_scale, softcap_log2, left or 0,
+        right or 0,
     )  # fmt: skip
     meta = (
         ("HEAD_DIM", head_dim), ("BLOCK_D", block_d(head_dim)), ("BLOCK_M", block_m), ("BLOCK_N", tile),
         ("HAS_LEFT", left is not None), ("HAS_RIGHT", right is not None), ("HAS_SOFTCAP", bool(softcap)),
         ("HAS_ALIBI", alibi_batch_stride is not None), ("PAGED", paged),
         ("WHOLE_TILES", paged and page_size % tile == 0), ("HAS_BATCH_IDX", batch_idx),
-        ("HAS_LEFTPAD", leftpad), ("DOT_PRECISION", dot_precision(dtype)), ("num_warps", NUM_WARPS),
-        ("num_stages", stages),
+        ("HAS_LEFTPAD", leftpad), ("DOT_PRECISION", dot_precision(dtype)), ("SPREAD", spread is not None),
+        ("num_warps", NUM_WARPS), ("num_stages", stages),
     )  # fmt: skip
     merge = None
     if num_splits > 1:

@@ -140,6 +140,7 @@ def kvcache_attention(
     last_shard: bool = True,
     out_dtype: torch.dtype | None = None,
     into: torch.Tensor | None = None,
+    spread: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache``'s (out, lse) (its arguments, checked here). For sequence
     parallelism (``ringflash.sp_kvcache``) this cache may be one shard of the sequences' caches,
@@ -150,7 +151,10 @@ def kvcache_attention(
     appended tokens fit (the others hold earlier positions). out_dtype: the output's (default
     q's). into: None, or a contiguous float32 (q.numel() + q.numel() / head_dim,) tensor (with
     out_dtype float32, no sinks): out is written to its start and lse after it, as views of it
-    (a buffer that a collective sends as it is).
+    (a buffer that a collective sends as it is). spread: None, or (spread_from, rank, world):
+    the positions from spread_from on are dealt out round-robin to ``world`` shards (position p
+    to rank (p - spread_from) % world), this shard ``rank`` keeping its in the slots after its
+    ``held`` positions (up to its capacity), which then checks that they fit.
 
     What the checks and the launches' arguments derive from the arguments' shapes, strides,
     dtypes, devices and options is planned once per such key (``_plan``); a call with a known
@@ -162,7 +166,7 @@ def kvcache_attention(
             _meta(block_table), type(softmax_scale), softmax_scale, type(causal), causal, type(window_size),
             _typed_pair(window_size), type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             _meta(alibi_slopes), type(num_splits), num_splits, _meta(sinks), type(check_bounds), check_bounds,
-            key_offset, held, last_shard, out_dtype,
+            key_offset, held, last_shard, out_dtype, spread,
         )  # fmt: skip
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # an argument of a kind no key is made of: checked below
@@ -171,7 +175,7 @@ def kvcache_attention(
         plan = _plan(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-            num_splits, sinks, check_bounds, key_offset, held, last_shard, out_dtype,
+            num_splits, sinks, check_bounds, key_offset, held, last_shard, out_dtype, spread,
         )  # fmt: skip
         if key is not None:
             _PLANS[key] = plan
@@ -187,11 +191,11 @@ def kvcache_attention(
     table = None if block_table is None else block_table.contiguous()
     seqlen_new = plan.seqlen_new
     if check_bounds and batch and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        limit = key_offset + plan.held if last_shard else None
+        limit = key_offset + plan.held if last_shard and spread is None else None
         rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
         _check_values(
             seqlens, seqlen_new, limit, key_offset, plan.held, batch_idx, plan.cache_rows, table,
-            plan.page_size, rotary, max(seqlen_new, plan.q_rotary_span), leftpad,
+            plan.page_size, rotary, max(seqlen_new, plan.q_rotary_span), leftpad, spread, plan.slots,
         )  # fmt: skip
     if rotary_cos is not None:
         positions = seqlens[:, None].long() + torch.arange(seqlen_new, device=q.device)
@@ -223,7 +227,8 @@ class _Plan(NamedTuple):
     seqlen_q: int
     heads_q: int
     seqlen_new: int
-    held: int  # positions this cache holds
+    held: int  # positions this cache holds (from key_offset on)
+    slots: int  # its capacity: held, then the positions dealt to it with ``spread``
     cache_rows: int  # rows of a dense cache, pages of a paged one
     page_size: int  # k_cache.shape[1]
     q_rotary_span: int  # positions of q's rotary: seqlen_q when causal or windowed, else 1
@@ -251,7 +256,7 @@ def _typed_pair(pair: object) -> tuple:
 def _plan(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-    sinks, check_bounds, key_offset, held, last_shard, out_dtype,
+    sinks, check_bounds, key_offset, held, last_shard, out_dtype, spread,
 ) -> _Plan:  # fmt: skip
     """Every check of ``kvcache_attention``'s arguments that needs no tensor's values, and the
     launch plan they lead to."""
@@ -310,6 +315,15 @@ def _plan(
             f"a cache shard holds positions from key_offset >= 0 ({key_offset}), at most its capacity "
             f"({capacity}) of them, got {held}"
         )
+    spread_plan = None
+    if spread is not None:
+        spread_from, rank, world = spread
+        if not 0 <= rank < world or key_offset + held > spread_from:
+            raise ValueError(
+                f"a shard's positions ({key_offset} .. {key_offset + held - 1}) must lie before spread_from "
+                f"({spread_from}), its rank in [0, {world}), got {rank}"
+            )
+        spread_plan = (spread_from, rank, world, capacity)
     rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, seqlen_new, q) is not None
     # Rotary positions: the new keys at cache_seqlens + i, q at cache_seqlens + t when causal or
     # windowed, else all at cache_seqlens.
@@ -322,26 +336,28 @@ def _plan(
         left = window[0] if window[0] >= 0 else None
         right = 0 if causal else window[1] if window[1] >= 0 else None
         rows = seqlen_q * (heads_q // heads_k)
-        splits = num_splits or default_splits(batch, heads_k, rows, max(held, 1), q.device, paged)
+        slots = held if spread is None else capacity
+        splits = num_splits or default_splits(batch, heads_k, rows, max(slots, 1), q.device, paged)
         split = plan_split_kv(
             tuple(q.shape), q_stride, q.dtype, tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
             seqlen_new, softmax_scale=scale, window=(left, right), softcap=softcap,
             alibi_batch_stride=None if slopes is None else 0 if alibi_slopes.dim() == 1 else heads_q,
             batch_idx=batch_idx is not None, table_stride=None if table is None else table.shape[1],
             leftpad=leftpad is not None, num_splits=splits, key_offset=key_offset, held=held,
-            out_dtype=out_dtype or q.dtype,
+            out_dtype=out_dtype or q.dtype, spread=spread_plan,
         )  # fmt: skip
     append = None
     if seqlen_new:
         append = plan_append(
             tuple(k.shape), k_stride, v.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(),
             table_stride=None if table is None else table.shape[1], batch_idx=batch_idx is not None,
-            key_offset=key_offset, held=held,
+            key_offset=key_offset, held=held, spread=spread_plan,
         )  # fmt: skip
     page_size = k_cache.shape[1]
     return _Plan(
-        batch, seqlen_q, heads_q, seqlen_new, held, cache_rows, page_size, q_rotary_span, append, split
-    )
+        batch, seqlen_q, heads_q, seqlen_new, held, capacity, cache_rows, page_size, q_rotary_span, append,
+        split,
+    )  # fmt: skip
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -427,26 +443,35 @@ def _check_rotary(cos, sin, head_dim: int, seqlen_new: int, q: torch.Tensor):
 
 def _check_values(
     seqlens, seqlen_new: int, limit: int | None, key_offset: int, held: int, batch_idx, cache_rows: int,
-    table, page_size: int, rotary, rotary_span: int, leftpad,
+    table, page_size: int, rotary, rotary_span: int, leftpad, spread=None, slots: int = 0,
 ) -> None:
     """Index values in range, read on the host in one copy. limit: the first position past
     every cache (None: not this shard's to check); key_offset, held: this cache's positions;
-    cache_rows: its rows (or pages of page_size, with a table)."""
+    cache_rows: its rows (or pages of page_size, with a table); spread, slots: the positions
+    dealt to this shard from spread_from on, and its capacity for them after ``held``."""
     ends = seqlens + seqlen_new
-    parts = [seqlens.min()[None], ends.max()[None]]
+    local = (ends - key_offset).clamp(0, held)  # slots in use per sequence
+    if spread is not None:
+        spread_from, rank, world = spread
+        local = local + ((ends - spread_from - rank).clamp(min=0) + world - 1) // world
+    parts = [seqlens.min()[None], ends.max()[None], local.max()[None]]
     if leftpad is not None:
         parts += [leftpad.min()[None], (leftpad - seqlens).max()[None]]
     if batch_idx is not None:
         parts += [batch_idx.min()[None], batch_idx.max()[None]]
     if table is not None and table.numel():
         # The pages this cache's keys use: the first ceil(local keys / page_size) entries.
-        local = (ends - key_offset).clamp(0, held)
         used = torch.arange(table.shape[1], device=table.device)[None] * page_size < local[:, None]
         parts += [torch.where(used, table, 0).min()[None], torch.where(used, table, 0).max()[None]]
     values = torch.cat([p.to(torch.int64) for p in parts]).tolist()
-    low, high = values[:2]
+    low, high, used_slots = values[:3]
     if low < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {low}")
+    if spread is not None and used_slots > slots:
+        raise ValueError(
+            f"rank {spread[1]}'s cache has {slots} slots: its {held} positions, then those dealt to it from "
+            f"position {spread[0]} on, which reach {used_slots} slots at cache_seqlens + seqlen_new = {high}"
+        )
     if limit is not None and high > limit:
         where = f"the last shard ends at position {limit}" if key_offset else f"the cache holds {limit} keys"
         raise ValueError(f"{where} per sequence, but cache_seqlens + seqlen_new reaches {high}")
@@ -456,7 +481,7 @@ def _check_values(
             f"rotary_cos/sin have {rotary[0].shape[0]} positions, but the new keys and queries reach "
             f"position {rotary_end - 1}"
         )
-    rest = values[2:]
+    rest = values[3:]
     if leftpad is not None:
         if rest[0] < 0 or rest[1] > 0:
             raise ValueError(

@@ -9,7 +9,8 @@ activations are replicated across the group); each rank appends the new tokens w
 it holds, attends its keys with the split-KV kernel (masks, ALiBi and rotary in the sequences'
 positions), and the ranks' float32 partials (out, lse) are all-gathered (one small exchange) and
 merged with the LSE rule, then the sinks. The result equals ``flash_attn_with_kvcache`` over the
-whole cache on one device.
+whole cache on one device. With ``spread_from`` the tokens generated past a prompt are dealt out
+round-robin instead, each rank keeping its own after its range, so the shards stay balanced.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def sp_flash_attn_with_kvcache(
     sinks: torch.Tensor | None = None,
     check_bounds: bool = True,
     shard_range: tuple[int, int] | None = None,
+    spread_from: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` (same arguments, same order, then ``group``) over a cache
     sharded across ``group`` (default: the world).
@@ -69,6 +71,13 @@ def sp_flash_attn_with_kvcache(
     tile the sequences' positions in rank order (not checked across ranks); the last rank checks
     that the appended tokens fit its range.
 
+    ``spread_from=T`` (ringflash's keyword) keeps the shards balanced as tokens are generated:
+    positions from T on are dealt out round-robin (position p to rank (p - T) % world), each
+    rank keeping its own in the slots of its cache after its range of positions before T (by
+    default (r * T / world, T / world): T a multiple of the world size; else pass
+    ``shard_range``); every rank checks that the positions dealt to it fit its capacity. With
+    it, the kernel masks each key by its position but skips no tiles by window bounds.
+
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, the same on every rank; with
         ``return_softmax_lse`` (out, lse), lse float32 (batch, heads_q, seqlen_q).
@@ -79,7 +88,8 @@ def sp_flash_attn_with_kvcache(
     try:
         if not isinstance(return_softmax_lse, bool):
             raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
-        start, held = _shard_range(shard_range, rank, k_cache, block_table)
+        start, held = _shard_range(shard_range, rank, k_cache, block_table, spread_from, world)
+        spread = None if spread_from is None else (spread_from, rank, world)
         # This rank's (out, lse) go straight into the buffer the all-gather sends.
         send = None
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1]:
@@ -88,17 +98,18 @@ def sp_flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
             num_splits, sinks=None, check_bounds=check_bounds, key_offset=start, held=held,
-            last_shard=rank == world - 1, out_dtype=torch.float32, into=send,
+            last_shard=rank == world - 1, out_dtype=torch.float32, into=send, spread=spread,
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
     # With shard ranges the ranks' caches may differ in capacity (the last holds the new tokens):
     # only what every rank must share is compared then.
     caches = (k_cache, v_cache, block_table)
-    if shard_range is not None:
+    if shard_range is not None or spread_from is not None:
         caches = _shared_dims(*caches)
     signature = call_signature(
         q, k, v, caches=caches, cache_seqlens=cache_seqlens, ranges_given=shard_range is not None,
+        spread_from=spread_from,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits, sinks=sinks,
     )  # fmt: skip
@@ -126,9 +137,24 @@ def _shared_dims(*tensors: object) -> tuple:
     return tuple(shared)
 
 
-def _shard_range(shard_range: object, rank: int, k_cache: object, block_table: object) -> tuple[int, int]:
-    """(first position, positions) this rank's cache holds: ``shard_range``, or (rank * C, C)
-    with C its capacity (its checks come after)."""
+def _shard_range(
+    shard_range: object, rank: int, k_cache: object, block_table: object, spread_from: object, world: int
+) -> tuple[int, int]:
+    """(first position, positions) this rank's cache holds: ``shard_range``; with
+    ``spread_from`` T, (rank * T / world, T / world); else (rank * C, C) with C its capacity
+    (its checks come after)."""
+    if spread_from is not None:
+        if isinstance(spread_from, bool) or not isinstance(spread_from, int):
+            raise TypeError(f"spread_from must be an int (a position) or None, got {spread_from!r}")
+        if spread_from < 0:
+            raise ValueError(f"spread_from must be >= 0, got {spread_from}")
+        if shard_range is None:
+            if spread_from % world:
+                raise ValueError(
+                    f"spread_from ({spread_from}) is not a multiple of the group's {world} ranks: pass "
+                    "shard_range=(start, length) for this rank's positions before it"
+                )
+            return rank * (spread_from // world), spread_from // world
     if shard_range is not None:
         ok = isinstance(shard_range, (tuple, list)) and len(shard_range) == 2
         if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard_range):

@@ -395,25 +395,43 @@ def test_generate_gives_eagers_tokens(device, model_type):
     assert ours.shape == (2, 22) and torch.equal(ours, eager)
 
 
-def _sharded_generate(capacity: int):
+def _sharded_generate(capacity: int, spread_from: int | None = None):
     """Greedy generate with the KV cache sharded over the ranks (ShardedKVCache) against eager
-    attention's generate in one process, on every rank."""
+    attention's generate in one process, on every rank (and the sharded decode was handed
+    ``spread_from``)."""
     import ringflash.integrations.hf as rf_hf
-    from ringflash.integrations.hf_sharded_cache import ShardedKVCache
 
     group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
     prompt = _ids(2)[:, :12].to(worker_device())
+    tokens, seen = [], set()
+
+    def recording(*args, **kwargs):  # what the attention hands the sharded decode
+        seen.add(kwargs.get("spread_from"))
+        return sharded_decode(*args, **kwargs)
+
+    sharded_decode, rf_hf.sp_flash_attn_with_kvcache = rf_hf.sp_flash_attn_with_kvcache, recording
+    try:
+        tokens = _generate_both(rf_hf, group, prompt, capacity, spread_from)
+    finally:
+        rf_hf.sp_flash_attn_with_kvcache = sharded_decode
+    return tokens[0].shape == (2, 20) and torch.equal(tokens[0], tokens[1]) and seen == {spread_from}
+
+
+def _generate_both(rf_hf, group, prompt, capacity: int, spread_from: int | None) -> list:
+    from ringflash.integrations.hf_sharded_cache import ShardedKVCache
+
     tokens = []
     for implementation in (rf_hf.enable(group=group), "eager"):
         model = _model("llama", implementation).to(worker_device()).eval()
         sharded = implementation != "eager"
-        cache = ShardedKVCache(model.config.num_hidden_layers, capacity, group) if sharded else None
+        layers = model.config.num_hidden_layers
+        cache = ShardedKVCache(layers, capacity, group, spread_from=spread_from) if sharded else None
         with torch.no_grad():
             tokens.append(model.generate(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
                 pad_token_id=0, past_key_values=cache,
             ))  # fmt: skip
-    return tokens[0].shape == (2, 20) and torch.equal(tokens[0], tokens[1])
+    return tokens
 
 
 @pytest.mark.skipif(
@@ -424,6 +442,16 @@ def test_generate_over_a_sharded_cache_gives_eagers_tokens(rank_pool):
     """Capacity 11 per rank: the 12-token prompt already spans both ranks, the generated tokens
     land on rank 1."""
     assert rank_pool(2).run(_sharded_generate, 11, timeout=180) == [True, True]
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "cache_utils") or not hasattr(transformers.cache_utils, "CacheLayerMixin"),
+    reason="ShardedKVCache needs transformers' CacheLayerMixin (5.x)",
+)
+def test_generate_with_tokens_dealt_past_the_prompt_gives_eagers_tokens(rank_pool):
+    """spread_from=8: 4 prompt positions per rank, the last 4 prompt tokens and the 8 generated
+    ones dealt out round-robin (6 per rank: capacity 10)."""
+    assert rank_pool(2).run(_sharded_generate, 10, 8, timeout=180) == [True, True]
 
 
 def _eager_with_a_sharded_cache():

@@ -201,3 +201,86 @@ def _captured_sharded_decode():
 @pytest.mark.multigpu
 def test_sharded_decode_step_captures_in_a_cuda_graph(rank_pool):
     assert rank_pool(2).run(_captured_sharded_decode) == [True, True]
+
+
+PROMPT, ROOM = 12, 10  # positions per rank before spread_from; slots for the dealt ones
+
+
+def _spread_equals_whole(paged: bool):
+    """Tokens past spread_from dealt out round-robin: each step equals the whole cache on one
+    process (a chunk from the prompt into the dealt positions, windows reaching across ranks,
+    ALiBi, sinks with softcap, three causal queries), and each rank's slots hold its positions."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device, spread_from, slots = worker_device(), PROMPT * world, PROMPT + ROOM
+    g = torch.Generator().manual_seed(7)  # the same whole cache on every rank
+    capacity = spread_from + ROOM * world
+    k_whole, v_whole = (torch.randn(2, capacity, HEADS_K, HEAD_DIM, generator=g) for _ in "kv")
+    slopes, sinks = torch.rand(2, HEADS, generator=g), torch.randn(HEADS, generator=g) + 1
+    k_whole, v_whole, slopes, sinks = (t.to(device) for t in (k_whole, v_whole, slopes, sinks))
+    mine = slice(rank * PROMPT, (rank + 1) * PROMPT)
+    k_shard, v_shard = (torch.zeros(2, slots, HEADS_K, HEAD_DIM, device=device) for _ in "kv")
+    k_shard[:, :PROMPT], v_shard[:, :PROMPT] = k_whole[:, mine], v_whole[:, mine]
+    table, shard = None, (k_shard, v_shard)
+    if paged:  # pages of 2 slots, shuffled
+        order = torch.randperm(slots, generator=torch.Generator().manual_seed(rank)).to(device)
+        table = order.view(2, slots // 2).to(torch.int32)
+        shard = tuple(torch.empty(slots, 2, HEADS_K, HEAD_DIM, device=device) for _ in "kv")
+        for b in range(2):
+            for j in range(slots // 2):
+                for dst, src in zip(shard, (k_shard, v_shard)):
+                    dst[table[b, j]] = src[b, 2 * j : 2 * j + 2]
+    steps = [  # (lengths before, new tokens, queries, options)
+        ([spread_from - 3, spread_from - 1], 5, 5, dict(causal=True)),  # from the last range into the dealt
+        ([spread_from + 2, spread_from + 4], 1, 1, dict(causal=True, window_size=(2 * world + 1, 0))),
+        ([spread_from + 3, spread_from + 5], 1, 1, dict(alibi=True)),
+        ([spread_from + 4, spread_from + 6], 3, 3, dict(sinks=True, causal=True, softcap=1.5)),
+    ]
+    g = torch.Generator().manual_seed(8)
+    for lengths, new, seqlen_q, options in steps:
+        options = dict(options)
+        extra = dict(
+            alibi_slopes=slopes if options.pop("alibi", False) else None,
+            sinks=sinks if options.pop("sinks", False) else None,
+        )
+        q = torch.randn(2, seqlen_q, HEADS, HEAD_DIM, generator=g).to(device)
+        k, v = (torch.randn(2, new, HEADS_K, HEAD_DIM, generator=g).to(device) for _ in range(2))
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        whole = ringflash.flash_attn_with_kvcache(
+            q, k_whole, v_whole, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **options, **extra
+        )
+        spread = ringflash.sp_flash_attn_with_kvcache(
+            q, *shard, k, v, cache_seqlens=seqlens, block_table=table, num_splits=2, return_softmax_lse=True,
+            spread_from=spread_from, **options, **extra,
+        )  # fmt: skip
+        errors = rel_err(spread[0], whole[0]), rel_err(spread[1], whole[1])
+        assert max(errors) < 1e-5, (lengths, options, errors)
+    if paged:
+        rows = [torch.cat([shard[0][table[b, j]] for j in range(slots // 2)]) for b in range(2)]
+        k_shard = torch.stack(rows)
+    same = True
+    for b, end in enumerate((spread_from + 7, spread_from + 9)):  # the sequences' final lengths
+        dealt = torch.arange(spread_from + rank, end, world)  # the positions dealt to this rank
+        expected = torch.cat((k_whole[b, mine], k_whole[b, dealt]))
+        same &= torch.equal(k_shard[b, : len(expected)], expected)
+    return bool(same)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_tokens_dealt_past_spread_from_equal_the_whole_cache(rank_pool, world, paged):
+    assert rank_pool(world).run(_spread_equals_whole, paged) == [True] * world
+
+
+def _spread_overflow():
+    k_cache = torch.zeros(1, 6, HEADS_K, HEAD_DIM, device=worker_device())
+    q = torch.zeros(1, 1, HEADS, HEAD_DIM, device=worker_device())
+    k = torch.zeros(1, 3, HEADS_K, HEAD_DIM, device=worker_device())
+    # 4 slots of prompt per rank, 2 for dealt tokens; positions 8..13 deal 3 to each rank.
+    return ringflash.sp_flash_attn_with_kvcache(
+        q, k_cache, k_cache.clone(), k, k.clone(), cache_seqlens=11, spread_from=8,
+    )
+
+
+def test_dealt_tokens_past_a_shards_capacity_raise_everywhere(rank_pool):
+    errors = rank_pool(2).run(errors_of, {"call": _spread_overflow})
+    assert all(e["call"] and "6 slots" in e["call"] for e in errors), errors

@@ -2,7 +2,8 @@
 
 Every rank runs the same ``generate`` call on the same tokens (the model's weights and
 activations replicated); the cache is what is split: each rank's layers hold positions
-``shard_range`` = (start, length) of every sequence (default rank r: r * C .. (r + 1) * C - 1).
+``shard_range`` = (start, length) of every sequence (default rank r: r * C .. (r + 1) * C - 1),
+or with ``spread_from`` a range of the prompt and every world-th token generated after it.
 A layer's ``update`` keeps no keys itself: it hands the new tokens' K/V to the attention call
 that receives the key tensor it returned (``take_pending``, by that tensor's identity, so
 nothing left over from an interrupted step reaches another call), which runs
@@ -31,9 +32,13 @@ class ShardedKVLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, layer_idx: int, capacity: int, shard_range: tuple[int, int], group) -> None:
+    def __init__(
+        self, layer_idx: int, capacity: int, shard_range: tuple[int, int] | None, group,
+        spread_from: int | None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.layer_idx, self.capacity, self.shard_range, self.group = layer_idx, capacity, shard_range, group
+        self.spread_from = spread_from
         self.length = 0  # tokens of each sequence so far, on every rank alike
         self.pending_id: int | None = None  # this layer's entry in _PENDING, until attended
 
@@ -78,6 +83,11 @@ class ShardedKVCache(Cache):
         group: the process group (default: the world); every rank calls ``generate`` alike.
         shard_range: (start, length) of the positions this rank holds (default (rank * capacity,
             capacity)), as in ``sp_flash_attn_with_kvcache``.
+        spread_from: None, or a position T (e.g. the prompt's length, a multiple of the group's
+            size): the tokens from T on are dealt out round-robin over the ranks, which keeps
+            the shards balanced however many are generated (``sp_flash_attn_with_kvcache``'s
+            keyword; each rank then holds T / world positions before T, unless ``shard_range``
+            says otherwise, and capacity - T / world of the dealt ones).
     """
 
     def __init__(
@@ -86,11 +96,12 @@ class ShardedKVCache(Cache):
         capacity: int,
         group: dist.ProcessGroup | None = None,
         shard_range: tuple[int, int] | None = None,
+        spread_from: int | None = None,
     ) -> None:
         group = resolve_group(group)
-        if shard_range is None:
+        if shard_range is None and spread_from is None:
             shard_range = (dist.get_rank(group) * capacity, capacity)
-        layers = [ShardedKVLayer(i, capacity, shard_range, group) for i in range(num_layers)]
+        layers = [ShardedKVLayer(i, capacity, shard_range, group, spread_from) for i in range(num_layers)]
         super().__init__(layers=layers)
 
 
