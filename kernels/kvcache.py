@@ -18,6 +18,7 @@ import torch
 from .cache_append import plan_append
 from .decode import SplitKVPlan, default_splits, plan_split_kv, run_split_kv
 from .merge import check_sinks, merge_sinks
+from .ops import use_ops
 from .problem import (
     MAX_HEAD_DIM,
     _check_tensor,
@@ -105,12 +106,62 @@ def flash_attn_with_kvcache(
     """
     if not isinstance(return_softmax_lse, bool):
         raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    if isinstance(q, torch.Tensor) and use_ops(q):  # torch.compile: one opaque op writing the caches
+        causal, window = check_window(causal, window_size)
+        if not isinstance(cache_seqlens, torch.Tensor):
+            cache_seqlens = _cache_seqlens(cache_seqlens, q.shape[0], q.device)
+        out, lse = _kvcache_op(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window[0], window[1], softcap, rotary_interleaved,
+            alibi_slopes, num_splits, sinks, check_bounds,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_attention(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
         num_splits, sinks=sinks, check_bounds=check_bounds,
     )  # fmt: skip
     return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("ringflash::kvcache_attention", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+    sinks: torch.Tensor | None,
+    check_bounds: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_with_kvcache``'s (out, lse) as a ``torch.library`` op for torch.compile: the
+    appends mutate k_cache/v_cache (declared), the rest is opaque to the compiler."""
+    out, lse = kvcache_attention(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+        alibi_slopes, num_splits, sinks=sinks, check_bounds=check_bounds,
+    )  # fmt: skip
+    return out, lse
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, *_):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 def kvcache_attention(

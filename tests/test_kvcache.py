@@ -431,3 +431,27 @@ def test_decode_step_captures_in_a_cuda_graph():
         assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
         seqlens += 1  # the next step appends after this one (the graph reads the tensor)
         q.normal_()
+
+
+def test_a_compiled_decode_step_equals_eager():
+    """Under torch.compile a decode step (append, attend, causal, int cache_seqlens) is one
+    opaque op that writes the caches: no graph break, the same output, LSE and caches as eager."""
+    dtype, batch, heads, heads_k, head_dim, capacity = torch.float32, 2, 4, 2, 32, 64
+    k_cache, v_cache, k, v, _ = _setup(batch, capacity, heads_k, head_dim, dtype, [0, 0], 1, seed=50)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    q = _randn(batch, 1, heads, head_dim, dtype=dtype, seed=51)
+
+    def step(kc, vc, length):
+        return ringflash.flash_attn_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=length, causal=True, return_softmax_lse=True, num_splits=2
+        )
+
+    explain = torch._dynamo.explain(step)(k_cache.clone(), v_cache.clone(), 20)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for length in (20, 21):
+        got, expected = compiled(k_cache, v_cache, length), step(eager_k, eager_v, length)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+    assert torch.equal(k_cache[:, 20], k[:, 0]) and torch.equal(k_cache[:, 21], k[:, 0])  # both appended
