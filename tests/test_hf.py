@@ -398,7 +398,7 @@ def test_generate_gives_eagers_tokens(device, model_type):
 def _sharded_generate(capacity: int, spread_from: int | None = None):
     """Greedy generate with the KV cache sharded over the ranks (ShardedKVCache) against eager
     attention's generate in one process, on every rank (and the sharded decode was handed
-    ``spread_from``)."""
+    ``spread_from``, and no device read of the bounds)."""
     import ringflash.integrations.hf as rf_hf
 
     group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
@@ -406,7 +406,7 @@ def _sharded_generate(capacity: int, spread_from: int | None = None):
     tokens, seen = [], set()
 
     def recording(*args, **kwargs):  # what the attention hands the sharded decode
-        seen.add(kwargs.get("spread_from"))
+        seen.add((kwargs.get("spread_from"), kwargs.get("check_bounds")))
         return sharded_decode(*args, **kwargs)
 
     sharded_decode, rf_hf.sp_flash_attn_with_kvcache = rf_hf.sp_flash_attn_with_kvcache, recording
@@ -414,7 +414,8 @@ def _sharded_generate(capacity: int, spread_from: int | None = None):
         tokens = _generate_both(rf_hf, group, prompt, capacity, spread_from)
     finally:
         rf_hf.sp_flash_attn_with_kvcache = sharded_decode
-    return tokens[0].shape == (2, 20) and torch.equal(tokens[0], tokens[1]) and seen == {spread_from}
+    # Default ranges: the layer checks the room on the host, the attention reads nothing back.
+    return tokens[0].shape == (2, 20) and torch.equal(tokens[0], tokens[1]) and seen == {(spread_from, False)}
 
 
 def _generate_both(rf_hf, group, prompt, capacity: int, spread_from: int | None) -> list:
@@ -452,6 +453,23 @@ def test_generate_with_tokens_dealt_past_the_prompt_gives_eagers_tokens(rank_poo
     """spread_from=8: 4 prompt positions per rank, the last 4 prompt tokens and the 8 generated
     ones dealt out round-robin (6 per rank: capacity 10)."""
     assert rank_pool(2).run(_sharded_generate, 10, 8, timeout=180) == [True, True]
+
+
+def _too_small_a_sharded_cache(spread_from: int | None):
+    from distributed import errors_of
+
+    return errors_of({"generate": lambda: _sharded_generate(9, spread_from)})["generate"]
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "cache_utils") or not hasattr(transformers.cache_utils, "CacheLayerMixin"),
+    reason="ShardedKVCache needs transformers' CacheLayerMixin (5.x)",
+)
+@pytest.mark.parametrize("spread_from", [None, 8])
+def test_a_sharded_cache_too_small_raises_on_every_rank(rank_pool, spread_from):
+    """19 positions on 2 ranks of 9: the layers find it on the host, every rank alike."""
+    errors = rank_pool(2).run(_too_small_a_sharded_cache, spread_from, timeout=180)
+    assert all(e and "make the cache's capacity larger" in e for e in errors), errors
 
 
 def _eager_with_a_sharded_cache():

@@ -335,6 +335,7 @@ def enable(
                 q, layer.keys, layer.values, k_new, v_new, cache_seqlens=before, softmax_scale=scaling,
                 causal=causal, window_size=window, softcap=_softcap(softcap), group=layer.group, sinks=s_aux,
                 shard_range=layer.shard_range, spread_from=layer.spread_from,
+                check_bounds=not layer.ranges_known,  # checked by the layer on the host, no device read
             )  # fmt: skip
             return out, None
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model

@@ -39,6 +39,9 @@ class ShardedKVLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx, self.capacity, self.shard_range, self.group = layer_idx, capacity, shard_range, group
         self.spread_from = spread_from
+        # Ranges that every rank can compute for every rank (the defaults): the appends are then
+        # checked here, on values every rank holds alike, and the attention reads nothing back.
+        self.ranges_known = shard_range is None or shard_range == (dist.get_rank(group) * capacity, capacity)
         self.length = 0  # tokens of each sequence so far, on every rank alike
         self.pending_id: int | None = None  # this layer's entry in _PENDING, until attended
 
@@ -58,11 +61,28 @@ class ShardedKVLayer(CacheLayerMixin):
                 f"ShardedKVCache layer {self.layer_idx}: the previous step's keys were not attended by "
                 "ringflash's attention; load the model with attn_implementation=integrations.hf.enable(...)"
             )
+        if self.ranges_known:
+            self._check_room(self.length + key_states.shape[2])
         new_k, new_v = key_states.transpose(1, 2), value_states.transpose(1, 2)
         _PENDING[id(key_states)] = (key_states, self, new_k, new_v, self.length)
         self.pending_id = id(key_states)
         self.length += key_states.shape[2]
         return key_states, value_states
+
+    def _check_room(self, end: int) -> None:
+        """ValueError unless positions 0 .. end - 1 fit the ranks' caches (default ranges: the
+        same answer on every rank, so all raise together)."""
+        world = dist.get_world_size(self.group)
+        if self.spread_from is None:
+            room, needed = world * self.capacity, end
+        else:  # rank 0 takes the most dealt positions: its prompt share, then every world-th
+            share = self.spread_from // world
+            room, needed = self.capacity, share + max(0, -(-(end - self.spread_from) // world))
+        if needed > room:
+            raise ValueError(
+                f"ShardedKVCache layer {self.layer_idx}: {end} tokens per sequence need {needed} positions "
+                f"of a rank's cache, which holds {room}; make the cache's capacity larger"
+            )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
