@@ -213,7 +213,7 @@ def kvcache_attention(
     try:
         key = (
             _meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(rotary_cos),
-            _meta(rotary_sin), _meta(cache_seqlens), _meta(cache_batch_idx), _meta(cache_leftpad),
+            _meta(rotary_sin), _seqlens_meta(cache_seqlens), _meta(cache_batch_idx), _meta(cache_leftpad),
             _meta(block_table), type(softmax_scale), softmax_scale, type(causal), causal, type(window_size),
             _typed_pair(window_size), type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             _meta(alibi_slopes), type(num_splits), num_splits, _meta(sinks), type(check_bounds), check_bounds,
@@ -296,6 +296,12 @@ def _meta(t: object) -> object:
     if isinstance(t, torch.Tensor):
         return (t.shape, t.stride(), t.dtype, t.device)
     return (type(t), t)
+
+
+def _seqlens_meta(cache_seqlens: object) -> object:
+    """cache_seqlens' part of a plan key: a tensor's description, else only its type (an int's
+    value is checked at every call: a decode loop's growing lengths share one plan)."""
+    return _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens)
 
 
 def _typed_pair(pair: object) -> tuple:

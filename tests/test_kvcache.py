@@ -455,3 +455,16 @@ def test_a_compiled_decode_step_equals_eager():
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
     assert torch.equal(k_cache[:, 20], k[:, 0]) and torch.equal(k_cache[:, 21], k[:, 0])  # both appended
+
+
+def test_a_decode_loop_with_int_lengths_shares_one_plan():
+    """cache_seqlens as a growing int (as a generate loop passes it) does not make a plan per
+    length; a negative one still raises."""
+    k_cache, v_cache, k, v, _ = _setup(1, 32, 1, 16, torch.float32, [0], 1, seed=60)
+    q = _randn(1, 1, 2, 16, seed=61)
+    kvcache._PLANS.clear()
+    for length in range(5, 9):
+        kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=length, causal=True)
+    assert len(kvcache._PLANS) == 1
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
+        kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=-1, causal=True)
