@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import worker_device
+from reference import rel_err
 
 from ringflash import reduce_gradients, sequence_parallel_cross_entropy, sequence_parallel_groups, shard_batch
 
@@ -312,8 +313,11 @@ def test_hf_refuses_mask_patterns_it_cannot_honour(device):
         passing.append(mu.and_masks(remapped, packed))
     for ok in passing:
         assert mask(batch_size=1, q_length=8, kv_length=8, mask_function=ok) is None
+    # One device: chunks that split the keys go to the attention as AttentionChunks.
+    chunked = mu.chunked_causal_mask_function(4, None)
+    found = mask(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
+    assert found == rf_hf.AttentionChunks(4, 0, 0)
     refused = {
-        "chunked_overlay": mu.chunked_causal_mask_function(4, None),
         "blockwise_overlay": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 8))),
         "sliding_window_bidirectional_overlay": mu.sliding_window_bidirectional_mask_function(4),
     }
@@ -326,14 +330,68 @@ def test_hf_refuses_mask_patterns_it_cannot_honour(device):
     with pytest.raises(ValueError, match="attention_mask with padding"):
         mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8).tril())
 
+
+
+def _llama4(attn_implementation: str) -> torch.nn.Module:
+    """A tiny Llama-4 text model: chunks of 4 positions on its first layer (rope, chunked), full
+    causal attention on its second (no rope)."""
     config = transformers.Llama4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=1,
-        attention_chunk_size=4, max_position_embeddings=64, no_rope_layers=[1], interleave_moe_layer_step=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=1,
+        attention_chunk_size=4, max_position_embeddings=64, no_rope_layers=[1, 0],
+        interleave_moe_layer_step=2, initializer_range=0.2,
     )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=rf_hf.NAME).to(device)
-    with pytest.raises(ValueError, match="chunked_overlay"):
-        model(input_ids=_ids(1)[:, :12].to(device), use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.float()
+
+
+def _llama4_sharded_forward():
+    from distributed import errors_of
+
+    import ringflash.integrations.hf as rf_hf
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    model = _llama4(rf_hf.enable(group=group)).to(worker_device())
+    shard = shard_batch({"input_ids": _ids(1)[:, :16].to(worker_device())}, group)
+    forward = lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False)  # noqa: E731
+    return errors_of({"forward": forward})["forward"]
+
+
+def test_llama4_chunks_are_refused_sequence_parallel(rank_pool):
+    """Sequence parallel, chunks shorter than the sequence are refused on every rank (not run
+    as plain causal attention)."""
+    errors = rank_pool(2).run(_llama4_sharded_forward, timeout=180)
+    assert all(e and "chunked_overlay" in e for e in errors), errors
+
+
+def test_llama4_chunked_attention_step_and_generate_equal_eager(device):
+    """Llama-4's chunked attention on one device: a training step's loss and gradients and a
+    greedy generate (a sliding cache layer hands the chunked layer only its last keys) equal
+    eager attention's; the chunks matter (plain causal attention gives other logits)."""
+    import ringflash.integrations.hf as rf_hf
+
+    ids = _ids(2)[:, :14].to(device)
+    results = []
+    for implementation in (rf_hf.enable(), "eager", "causal"):
+        model = _llama4("eager" if implementation == "causal" else implementation).to(device)
+        if implementation == "causal":  # the chunk size past the sequence: chunks that change nothing
+            model.config.attention_chunk_size = 64
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            tokens = model.generate(
+                ids[:, :6], attention_mask=torch.ones_like(ids[:, :6]), max_new_tokens=9, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        results.append((logits.detach(), loss.detach(), grads, tokens))
+    (ours, eager, causal) = results
+    assert rel_err(ours[0], eager[0]) < 1e-5 and rel_err(ours[0], causal[0]) > 1e-2
+    assert abs(ours[1] - eager[1]) < 1e-5
+    assert len(ours[2]) == len(eager[2]) and all(rel_err(a, b) < 1e-4 for a, b in zip(ours[2], eager[2]))
+    assert ours[3].shape == (2, 15) and torch.equal(ours[3], eager[3])
 
 
 def test_hf_refuses_keys_that_do_not_end_at_the_last_query(device):

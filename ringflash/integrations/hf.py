@@ -58,6 +58,7 @@ GPU); while substituted, its check lets the name through for models that support
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -123,26 +124,70 @@ _COMBINED_PATTERNS = {
 }
 
 
-def unhonoured_mask_patterns(mask_function: object, total_keys: int) -> list[str]:
+def unhonoured_mask_patterns(mask_function: object, total_keys: int, chunks: bool = False) -> list[str]:
     """Names of the parts of a transformers mask function that ringflash attention cannot apply
-    (chunked attention with chunks shorter than the ``total_keys`` of the whole sequence,
-    bidirectional overlays such as Gemma-3's image blocks, bidirectional windows, any
-    model-specific function); empty when it applies all of them."""
+    (chunked attention with chunks shorter than the ``total_keys`` of the whole sequence, unless
+    ``chunks`` (one device: ``AttentionChunks``), bidirectional overlays such as Gemma-3's image
+    blocks, bidirectional windows, any model-specific function); empty when it applies all."""
     name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
     if getattr(mask_function, "__module__", None) != "transformers.masking_utils":
         return [name]
     if name in _HONOURED_PATTERNS:
         return []
     if name == "chunked_overlay.<locals>.inner_mask":  # Llama-4: one chunk holding every key is causal
-        return [] if _closure(mask_function)["chunk_size"] >= total_keys else [name]
+        return [] if chunks or _closure(mask_function)["chunk_size"] >= total_keys else [name]
     if name in _COMBINED_PATTERNS:
         inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
         parts = inner if isinstance(inner, tuple) else (inner,)
-        return [p for f in parts for p in unhonoured_mask_patterns(f, total_keys)]
+        return [p for f in parts for p in unhonoured_mask_patterns(f, total_keys, chunks)]
     if name == "or_masks.<locals>.or_mask":  # a union widens what is seen: name what it joins
         joined = _closure(mask_function)["mask_functions"]
         return [name, *(getattr(f, "__qualname__", repr(f)) for f in joined)]
     return [name]
+
+
+def chunk_size_of(mask_function: object) -> int | None:
+    """The chunk size of a transformers mask function's ``chunked_overlay`` (Llama-4's chunked
+    attention), looked for through ``and_masks``; None without one."""
+    name = getattr(mask_function, "__qualname__", None)
+    if getattr(mask_function, "__module__", None) != "transformers.masking_utils":
+        return None
+    if name == "chunked_overlay.<locals>.inner_mask":
+        return int(_closure(mask_function)["chunk_size"])
+    if name in _COMBINED_PATTERNS:
+        inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
+        for f in inner if isinstance(inner, tuple) else (inner,):
+            if (size := chunk_size_of(f)) is not None:
+                return size
+    return None
+
+
+class AttentionChunks(NamedTuple):
+    """What the mask function hands the attention instead of a mask for chunked attention on
+    one device (Llama-4: causal within chunks of ``size`` positions, the chunks counted from
+    position 0): the queries start at position ``q_offset`` and the keys at ``kv_offset`` (a
+    sliding cache layer hands only the last keys)."""
+
+    size: int
+    q_offset: int
+    kv_offset: int
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: AttentionChunks, **options):
+    """Causal attention within chunks: q (batch, seqlen_q, heads_q, head_dim) at positions
+    chunks.q_offset.., k/v (batch, seqlen_k, heads_k, head_dim) at chunks.kv_offset.., the last
+    query at the last key. One call per chunk the queries touch, each over its chunk's keys up
+    to its last query (bottom-right causal); ``options`` go to ``sequence_parallel_attention``
+    on one device (no group)."""
+    size, q_start, k_start = chunks
+    outs, t = [], 0
+    while t < q.shape[1]:
+        chunk = (q_start + t) // size
+        end = min(q.shape[1], (chunk + 1) * size - q_start)  # the queries of this chunk
+        keys = slice(max(chunk * size - k_start, 0), q_start + end - k_start)
+        outs.append(sequence_parallel_attention(q[:, t:end], k[:, keys], v[:, keys], causal=True, **options))
+        t = end
+    return torch.cat(outs, dim=1)
 
 
 def _closure(fn) -> dict[str, object]:
@@ -221,10 +266,12 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     ) -> None:
         # The pattern is read from the mask function's closures, which torch.compile cannot trace:
         # compiled, it is not checked (run one step eagerly to check a new model family).
-        unhonoured = []
+        unhonoured, chunk = [], None
+        one_device = not is_sequence_parallel(group)
         if not torch.compiler.is_compiling():
-            world = dist.get_world_size(resolve_group(group)) if is_sequence_parallel(group) else 1
-            unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world)
+            world = 1 if one_device else dist.get_world_size(resolve_group(group))
+            unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world, chunks=one_device)
+            chunk = chunk_size_of(mask_function) if one_device else None
         if unhonoured:
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} (it applies "
@@ -232,8 +279,13 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
                 "chunks longer than the sequence only)"
             )
         _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
+        chunks = None
+        if chunk is not None:  # one device: chunks that split these keys go to the attention
+            query_start = int(q_offset) if q_length is not None else int(cache_position[0])
+            if int(kv_offset) // chunk != (query_start + (q_length or len(cache_position)) - 1) // chunk:
+                chunks = AttentionChunks(chunk, query_start, int(kv_offset))
         if attention_mask is None:
-            return None
+            return chunks
         message = f"attention_mask with padding (zeros) is not supported: {hint}"
         keys = attention_mask[:, -kv_length:]  # as transformers' FlashAttention mask: the last keys
         if keys.shape[-1] != kv_length:
@@ -246,7 +298,7 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
             padded |= int(not host_values_agree(padded, resolve_group(group)))
         if padded:
             raise ValueError(message)
-        return None
+        return chunks
 
     return mask
 
@@ -319,6 +371,9 @@ def enable(
         """Called with q/k/v (batch, heads, seqlen, head_dim); returns (batch, seqlen, heads,
         head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap;
         position_ids: int (batch or 1, seqlen), restarting where a packed document starts."""
+        chunks = attention_mask if isinstance(attention_mask, AttentionChunks) else None
+        if chunks is not None:  # Llama-4's chunked attention, from the mask function (one device)
+            attention_mask = None
         causal, window = _attention_options(module, dropout, attention_mask, sliding_window, is_causal, kw)
         if cu_seq_lens_k is not None and (
             cu_seq_lens_q is None
@@ -336,6 +391,18 @@ def enable(
                 causal=causal, window_size=window, softcap=_softcap(softcap), group=layer.group, sinks=s_aux,
                 shard_range=layer.shard_range, spread_from=layer.spread_from,
                 check_bounds=not layer.ranges_known,  # checked by the layer on the host, no device read
+            )  # fmt: skip
+            return out, None
+        if chunks is not None:
+            packed = None if position_ids is None else documents_from_position_ids(position_ids, *q.shape[:2])
+            if cu_seq_lens_q is not None or packed is not None:
+                raise ValueError(
+                    "ringflash attention cannot apply attention chunks and packed documents together"
+                )
+            out = chunked_attention(
+                q, k, v, chunks, softmax_scale=scaling, window_size=window, group=group, layout=layout,
+                sp_mode=sp_mode, ulysses_size=ulysses_size, cu_seqlens=None, softcap=_softcap(softcap),
+                sinks=s_aux,
             )  # fmt: skip
             return out, None
         # Packed documents: shard_batch's cu_seqlens (of the full sequence), passed to the model
