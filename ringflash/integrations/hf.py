@@ -173,12 +173,14 @@ class AttentionChunks(NamedTuple):
     kv_offset: int
 
 
-def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: AttentionChunks, **options):
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: AttentionChunks, **options: object
+) -> torch.Tensor:
     """Causal attention within chunks: q (batch, seqlen_q, heads_q, head_dim) at positions
     chunks.q_offset.., k/v (batch, seqlen_k, heads_k, head_dim) at chunks.kv_offset.., the last
     query at the last key. One call per chunk the queries touch, each over its chunk's keys up
     to its last query (bottom-right causal); ``options`` go to ``sequence_parallel_attention``
-    on one device (no group)."""
+    on one device (no group). Returns (batch, seqlen_q, heads_q, head_dim) in q's dtype."""
     size, q_start, k_start = chunks
     outs, t = [], 0
     while t < q.shape[1]:
@@ -649,7 +651,7 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: i
 
 
 __all__ = [
-    "DATA_PARAMS", "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "enable", "is_available",
-    "padding_mask_refusal", "substitute_hf_flash_attn", "unhonoured_mask_patterns",
-    "update_ring_flash_attn_params", "use_ring_attn",
+    "DATA_PARAMS", "IGNORED", "NAME", "PACKED_HINT", "PADDING_HINT", "AttentionChunks", "chunk_size_of",
+    "chunked_attention", "enable", "is_available", "padding_mask_refusal", "substitute_hf_flash_attn",
+    "unhonoured_mask_patterns", "update_ring_flash_attn_params", "use_ring_attn",
 ]  # fmt: skip
