@@ -265,7 +265,7 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         kv_offset: int = 0,
         cache_position: torch.Tensor | None = None,
         **kw,
-    ) -> None:
+    ) -> AttentionChunks | None:
         # The pattern is read from the mask function's closures, which torch.compile cannot trace:
         # compiled, it is not checked (run one step eagerly to check a new model family).
         unhonoured, chunk = [], None
@@ -278,13 +278,18 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} (it applies "
                 "causal or bidirectional attention, causal sliding windows, packed documents and attention "
-                "chunks longer than the sequence only)"
+                "chunks: on one device, or sequence parallel when longer than the sequence)"
             )
         _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
         chunks = None
         if chunk is not None:  # one device: chunks that split these keys go to the attention
-            query_start = int(q_offset) if q_length is not None else int(cache_position[0])
-            if int(kv_offset) // chunk != (query_start + (q_length or len(cache_position)) - 1) // chunk:
+            if q_length is not None:
+                query_start, queries = int(q_offset), int(q_length)
+            elif cache_position is not None:
+                query_start, queries = int(cache_position[0]), len(cache_position)
+            else:
+                raise ValueError("ringflash attention cannot place the queries of chunked attention")
+            if int(kv_offset) // chunk != (query_start + queries - 1) // chunk:
                 chunks = AttentionChunks(chunk, query_start, int(kv_offset))
         if attention_mask is None:
             return chunks
