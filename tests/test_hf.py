@@ -365,6 +365,23 @@ def test_llama4_chunks_are_refused_sequence_parallel(rank_pool):
     assert all(e and "chunked_overlay" in e for e in errors), errors
 
 
+def test_llama4_chunked_layers_are_refused_under_compile(monkeypatch):
+    """Compiled, the mask function cannot read the chunks: a chunked layer's attention raises
+    instead of running plain causal attention; the model's full-attention layer still runs."""
+    from transformers import AttentionInterface
+
+    import ringflash.integrations.hf as rf_hf
+
+    model = _llama4(rf_hf.enable())
+    attention = AttentionInterface()[rf_hf.NAME]
+    q = torch.randn(1, 2, 8, 16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    chunked, full = (layer.self_attn for layer in model.model.layers)
+    with pytest.raises(ValueError, match="under torch.compile"):
+        attention(chunked, q, q[:, :1], q[:, :1], None)
+    assert attention(full, q, q[:, :1], q[:, :1], None)[0].shape == (1, 8, 2, 16)
+
+
 def test_llama4_chunked_attention_step_and_generate_equal_eager(device):
     """Llama-4's chunked attention on one device: a training step's loss and gradients and a
     greedy generate (a sliding cache layer hands the chunked layer only its last keys) equal

@@ -192,6 +192,14 @@ def chunked_attention(
     return torch.cat(outs, dim=1)
 
 
+def _chunked_layer(module: torch.nn.Module) -> bool:
+    """Whether a transformers attention module is one of its model's chunked-attention layers
+    (``config.layer_types[layer_idx] == "chunked_attention"``, Llama-4)."""
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    return types is not None and index is not None and types[index] == "chunked_attention"
+
+
 def _closure(fn) -> dict[str, object]:
     """The variables a nested function closes over, by name."""
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
@@ -381,6 +389,12 @@ def enable(
         chunks = attention_mask if isinstance(attention_mask, AttentionChunks) else None
         if chunks is not None:  # Llama-4's chunked attention, from the mask function (one device)
             attention_mask = None
+        elif torch.compiler.is_compiling() and _chunked_layer(module):
+            # Compiled, the mask function cannot read the chunks from the pattern's closures.
+            raise ValueError(
+                "ringflash attention cannot apply chunked attention (Llama-4's chunked layers) under "
+                "torch.compile: run the model eagerly"
+            )
         causal, window = _attention_options(module, dropout, attention_mask, sliding_window, is_causal, kw)
         if cu_seq_lens_k is not None and (
             cu_seq_lens_q is None
