@@ -468,3 +468,20 @@ def test_a_decode_loop_with_int_lengths_shares_one_plan():
     assert len(kvcache._PLANS) == 1
     with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
         kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=-1, causal=True)
+
+
+def test_split_kv_attention_is_its_plan_and_run():
+    """decode.split_kv_attention (the kernel module's unchecked entry: plan_split_kv then
+    run_split_kv) gives flash_attn_with_kvcache's result over the same cache."""
+    from ringflash.kernels import decode
+
+    k_cache, v_cache, _, _, seqlens = _setup(2, 48, 2, 32, torch.float32, [17, 40], 0, seed=70)
+    q = _randn(2, 2, 4, 32, seed=71)
+    expected = ringflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=3, return_softmax_lse=True
+    )
+    got = decode.split_kv_attention(
+        q, k_cache, v_cache, seqlens, 0, softmax_scale=32**-0.5, window=(None, 0), softcap=0.0,
+        alibi_slopes=None, batch_idx=None, block_table=None, num_splits=3, key_offset=0, held=48,
+    )  # fmt: skip
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
