@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import ringflash
 
 
-def _device_us(f: Callable, iters: int) -> float:
+def back_to_back_us(f: Callable, iters: int) -> float:
     """Median over 5 rounds of device time per call, ``iters`` calls between two events."""
     times = []
     for _ in range(5):
@@ -54,7 +54,8 @@ def _wall_us(f: Callable, iters: int) -> float:
     return (time.perf_counter() - t) * 1e6 / iters
 
 
-def _graphed(f: Callable) -> Callable:
+def graphed(f: Callable) -> Callable:
+    """The replay of a CUDA graph of one call of f (warmed up on a side stream first)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -151,9 +152,9 @@ def main() -> None:
                 try:
                     with context():
                         f()
-                        device = _device_us(f, args.iters)
+                        device = back_to_back_us(f, args.iters)
                         wall = _wall_us(f, args.iters)
-                        graph = _device_us(_graphed(f), args.iters) if args.graph else float("nan")
+                        graph = back_to_back_us(graphed(f), args.iters) if args.graph else float("nan")
                 except Exception as e:  # a baseline that cannot run this shape
                     print(f"| {batch} | {length} | {name} | n/a ({type(e).__name__}) | | | |")
                     continue

@@ -26,21 +26,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from bench_decode import back_to_back_us, graphed  # launch/ is on the path: run as a script
 
 import ringflash
-
-
-def _back_to_back_us(f: Callable, iters: int) -> float:
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            f()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def _single_call_us(f: Callable, iters: int) -> float:
@@ -62,19 +50,6 @@ def _slowest(value: float, device: torch.device) -> float:
     return float(t)
 
 
-def _graphed(f: Callable) -> Callable:
-    """The replay of a CUDA graph of one call of f (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        f()
-    return graph.replay
-
-
 def _timed(
     make: Callable[[], Callable], iters: int, device: torch.device, alone: bool, single_only: bool = False
 ) -> tuple[float, float]:
@@ -89,7 +64,7 @@ def _timed(
         torch.cuda.synchronize()
         if not alone:
             dist.barrier()
-        together = float("nan") if single_only else _back_to_back_us(f, iters)
+        together = float("nan") if single_only else back_to_back_us(f, iters)
         pair = (together, _single_call_us(f, iters))
     dist.barrier()
     return tuple(_slowest(x if not alone or rank == 0 else 0.0, device) for x in pair)
@@ -116,7 +91,7 @@ def _decode_row(args, length: int, device: torch.device) -> None:
         ringflash.sp_flash_attn_with_kvcache, q, k_shard, torch.randn_like(k_shard), k_new, v_new,
         cache_seqlens=seqlens, causal=True, check_bounds=False,
     )  # fmt: skip
-    for what, wrap in (("decode step", lambda f: f), ("decode step, CUDA graph", _graphed)):
+    for what, wrap in (("decode step", lambda f: f), ("decode step, CUDA graph", graphed)):
         one = _timed(functools.partial(wrap, whole_step), args.iters, device, alone=True)
         many = _timed(functools.partial(wrap, sharded_step), args.iters, device, alone=False)
         if rank == 0:
