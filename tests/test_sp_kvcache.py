@@ -35,47 +35,63 @@ def _steps(world: int):
     ]
 
 
+def _paged(k_shard: torch.Tensor, v_shard: torch.Tensor, page_size: int, seed: int):
+    """A shard's K/V (2 sequences, slots, heads_k, head_dim) laid out as shuffled pages of
+    ``page_size``, the two sequences' interleaved: (block_table, k_pages, v_pages)."""
+    pages = k_shard.shape[1] // page_size
+    order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(seed))
+    table = order.view(2, pages).to(k_shard.device, torch.int32)
+    paged = [torch.empty(2 * pages, page_size, *k_shard.shape[2:], device=k_shard.device) for _ in "kv"]
+    for b in range(2):
+        for j in range(pages):
+            for dst, src in zip(paged, (k_shard, v_shard)):
+                dst[table[b, j]] = src[b, j * page_size : (j + 1) * page_size]
+    return table, *paged
+
+
+def _unpaged(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The rows (2 sequences, slots, ...) that ``_paged`` laid out as ``pages``."""
+    return torch.stack([torch.cat([pages[table[b, j]] for j in range(table.shape[1])]) for b in range(2)])
+
+
+def _step_equals_whole(step: tuple, g: torch.Generator, whole, shard, slopes, sinks, **sharded) -> None:
+    """One call of ``step`` = (lengths before, new tokens, queries, options) over the whole
+    cache on this process and over this rank's shard (``sharded``: the sharded call's own
+    arguments): the same (out, lse). Queries and new tokens come from ``g``, alike everywhere."""
+    lengths, new, seqlen_q, options = step
+    device = whole[0].device
+    options = dict(options)
+    extra = dict(
+        alibi_slopes=slopes if options.pop("alibi", False) else None,
+        sinks=sinks if options.pop("sinks", False) else None,
+    )
+    q = torch.randn(2, seqlen_q, HEADS, HEAD_DIM, generator=g).to(device)
+    k, v = (torch.randn(2, new, HEADS_K, HEAD_DIM, generator=g).to(device) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    expected = ringflash.flash_attn_with_kvcache(
+        q, *whole, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **options, **extra
+    )
+    got = ringflash.sp_flash_attn_with_kvcache(
+        q, *shard, k, v, cache_seqlens=seqlens, num_splits=2, return_softmax_lse=True, **sharded, **options,
+        **extra,
+    )  # fmt: skip
+    errors = rel_err(got[0], expected[0]), rel_err(got[1], expected[1])
+    assert max(errors) < 1e-5, (lengths, options, errors)
+
+
 def _sharded_equals_whole(paged: bool):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = worker_device()
     (k_whole, v_whole), slopes, sinks = _tensors(world)
     k_whole, v_whole, slopes, sinks = (t.to(device) for t in (k_whole, v_whole, slopes, sinks))
     own = slice(rank * CAPACITY, (rank + 1) * CAPACITY)
-    k_shard, v_shard = k_whole[:, own].clone(), v_whole[:, own].clone()
-    table = None
+    shard, table = (k_whole[:, own].clone(), v_whole[:, own].clone()), None
     if paged:  # this rank's pages of 8 positions, shuffled, the two sequences' interleaved
-        pages = CAPACITY // 8
-        order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(rank))
-        table = order.view(2, pages).to(device, torch.int32)
-        k_pages = torch.empty(2 * pages, 8, HEADS_K, HEAD_DIM, device=device)
-        v_pages = torch.empty_like(k_pages)
-        for b in range(2):
-            for j in range(pages):
-                k_pages[table[b, j]] = k_shard[b, j * 8 : (j + 1) * 8]
-                v_pages[table[b, j]] = v_shard[b, j * 8 : (j + 1) * 8]
-        k_shard, v_shard = k_pages, v_pages
+        table, *shard = _paged(*shard, 8, rank)
     g = torch.Generator().manual_seed(1)  # the same new tokens and queries on every rank
-    for lengths, new, seqlen_q, options in _steps(world):
-        options = dict(options)
-        extra = dict(
-            alibi_slopes=slopes if options.pop("alibi", False) else None,
-            sinks=sinks if options.pop("sinks", False) else None,
-        )
-        q = torch.randn(2, seqlen_q, HEADS, HEAD_DIM, generator=g).to(device)
-        k, v = (torch.randn(2, new, HEADS_K, HEAD_DIM, generator=g).to(device) for _ in range(2))
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        whole = ringflash.flash_attn_with_kvcache(
-            q, k_whole, v_whole, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **options, **extra
-        )
-        sharded = ringflash.sp_flash_attn_with_kvcache(
-            q, k_shard, v_shard, k, v, cache_seqlens=seqlens, block_table=table, num_splits=2,
-            return_softmax_lse=True, **options, **extra,
-        )  # fmt: skip
-        errors = rel_err(sharded[0], whole[0]), rel_err(sharded[1], whole[1])
-        assert max(errors) < 1e-5, (lengths, options, errors)
-    if paged:
-        rows = [torch.cat([k_shard[table[b, j]] for j in range(CAPACITY // 8)]) for b in range(2)]
-        k_shard = torch.stack(rows)
+    for step in _steps(world):
+        _step_equals_whole(step, g, (k_whole, v_whole), shard, slopes, sinks, block_table=table)
+    k_shard = _unpaged(shard[0], table) if paged else shard[0]
     return torch.equal(k_shard, k_whole[:, own])  # this rank's positions, appends included
 
 
@@ -224,13 +240,7 @@ def _spread_equals_whole(paged: bool):
     k_shard[:, :PROMPT], v_shard[:, :PROMPT] = k_whole[:, mine], v_whole[:, mine]
     table, shard = None, (k_shard, v_shard)
     if paged:  # pages of 2 slots, shuffled
-        order = torch.randperm(slots, generator=torch.Generator().manual_seed(rank)).to(device)
-        table = order.view(2, slots // 2).to(torch.int32)
-        shard = tuple(torch.empty(slots, 2, HEADS_K, HEAD_DIM, device=device) for _ in "kv")
-        for b in range(2):
-            for j in range(slots // 2):
-                for dst, src in zip(shard, (k_shard, v_shard)):
-                    dst[table[b, j]] = src[b, 2 * j : 2 * j + 2]
+        table, *shard = _paged(k_shard, v_shard, 2, rank)
     steps = [  # (lengths before, new tokens, queries, options)
         ([spread_from - 3, spread_from - 1], 5, 5, dict(causal=True)),  # from the last range into the dealt
         ([spread_from + 2, spread_from + 4], 1, 1, dict(causal=True, window_size=(2 * world + 1, 0))),
@@ -238,27 +248,12 @@ def _spread_equals_whole(paged: bool):
         ([spread_from + 4, spread_from + 6], 3, 3, dict(sinks=True, causal=True, softcap=1.5)),
     ]
     g = torch.Generator().manual_seed(8)
-    for lengths, new, seqlen_q, options in steps:
-        options = dict(options)
-        extra = dict(
-            alibi_slopes=slopes if options.pop("alibi", False) else None,
-            sinks=sinks if options.pop("sinks", False) else None,
+    for step in steps:
+        _step_equals_whole(
+            step, g, (k_whole, v_whole), shard, slopes, sinks, block_table=table, spread_from=spread_from
         )
-        q = torch.randn(2, seqlen_q, HEADS, HEAD_DIM, generator=g).to(device)
-        k, v = (torch.randn(2, new, HEADS_K, HEAD_DIM, generator=g).to(device) for _ in range(2))
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        whole = ringflash.flash_attn_with_kvcache(
-            q, k_whole, v_whole, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **options, **extra
-        )
-        spread = ringflash.sp_flash_attn_with_kvcache(
-            q, *shard, k, v, cache_seqlens=seqlens, block_table=table, num_splits=2, return_softmax_lse=True,
-            spread_from=spread_from, **options, **extra,
-        )  # fmt: skip
-        errors = rel_err(spread[0], whole[0]), rel_err(spread[1], whole[1])
-        assert max(errors) < 1e-5, (lengths, options, errors)
     if paged:
-        rows = [torch.cat([shard[0][table[b, j]] for j in range(slots // 2)]) for b in range(2)]
-        k_shard = torch.stack(rows)
+        k_shard = _unpaged(shard[0], table)
     same = True
     for b, end in enumerate((spread_from + 7, spread_from + 9)):  # the sequences' final lengths
         dealt = torch.arange(spread_from + rank, end, world)  # the positions dealt to this rank
