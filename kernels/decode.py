@@ -35,6 +35,7 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # 16-256 tokens: 1.5-2.2x the dense time at one program per SM, 1.02-1.07x at four, with
 # 64-key tiles and two stages). And the fewest keys a split is given.
 PAGED_PROGRAMS_PER_SM = 4
+PAGED_BLOCK_N, PAGED_STAGES = 64, 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 
@@ -252,7 +253,7 @@ def plan_split_kv(
     paged = table_stride is not None
     page_size = cache_shape[1]
     if paged:  # see PAGED_PROGRAMS_PER_SM
-        tile, stages = min(tile, 64), 2
+        tile, stages = min(tile, PAGED_BLOCK_N), PAGED_STAGES
     spread_from, spread_rank, spread_world, slots = spread or (0, 0, 1, held)
     keys_per_split = -(-slots // (num_splits * tile)) * tile
     lse_shape = (batch, heads_q, seqlen_q)
