@@ -6,7 +6,8 @@ packed forms (flash-attn 2.x's names and signatures) are the autograd-aware entr
 ``attention_forward``/``attention_backward`` with ``build_problem`` are the low-level calls the
 ring engine uses, with masks in global token positions (``TokenPositions``);
 ``merge_attention_partial`` and ``merge_sinks`` are the merge rule; ``pad_head_dim`` serves
-head dims that are not multiples of 8.
+head dims that are not multiples of 8; ``TileMask`` is a block-sparse mask (any mask, from a
+FlexAttention ``mask_mod``/``BlockMask`` or ranges) for ``flash_attn_func(..., block_mask=)``.
 """
 
 from .backward import attention_backward, attention_delta
@@ -27,10 +28,12 @@ from .merge import check_sinks, merge_attention_partial, merge_sinks
 from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
 from .problem import AttentionProblem, build_problem, check_window, cu_seqlens_tensor
 from .probs import attention_probs
+from .tile_mask import TileMask
 
 __all__ = [
     "AttentionProblem",
     "MaskBounds",
+    "TileMask",
     "TokenPositions",
     "Visibility",
     "attention_backward",

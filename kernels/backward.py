@@ -31,7 +31,16 @@ from .hopper.dispatch import hopper_module, uses_fused_backward
 from .launcher import launch
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
-from .tiling import program_tile, row_pointers, seq_bounds, tile_grid, visibility_mask, visible_tiles
+from .tiling import (
+    listed_tile,
+    mask_bits,
+    program_tile,
+    row_pointers,
+    seq_bounds,
+    tile_grid,
+    visibility_mask,
+    visible_tiles,
+)
 
 
 # packed_docs changes with every packed batch: a constant or alignment hint of it would recompile.
@@ -77,11 +86,14 @@ def _dkdv_tiles(
     ALIBI_H0, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, blocks=0, kinds=0, bits=0, bits_col0=0, LISTED: tl.constexpr = 0,
+    HAS_BITS: tl.constexpr = False, BITS_WORDS: tl.constexpr = 1, BITS_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     """Add the query tiles in [lo, hi) of every query head of the GQA group (the *_base pointers
     and ALIBI_H0, its slopes, are at its first head) to dk/dv, last tile first. One flat loop,
     tile-major and head-minor: the group's heads are visited at the same positions.
+    Block-sparse: LISTED/HAS_BITS as in ``_fwd_tiles``, over listed query blocks (the keys'
+    block starts at position bits_col0).
 
     Why last tile first: under a causal mask the dK/dV programs of a launch start at different
     query tiles (their diagonals) but all end at the last one. Walking backwards, programs
@@ -95,7 +107,8 @@ def _dkdv_tiles(
     for it in range(0, n_tiles * GROUP):
         tile = n_tiles - 1 - it // GROUP
         g = zero64 + it % GROUP
-        m0 = lo + tile * BLOCK_M
+        at = lo + tile * BLOCK_M
+        m0, block0 = listed_tile(at, blocks, LISTED)
         rows = m0 + offs_m
         io_mask = d_ok
         row_mask = rows < len_q
@@ -118,6 +131,10 @@ def _dkdv_tiles(
             vis = visibility_mask(
                 key_pos, q_start + q_stride * rows, rows, len_q, win_right, win_left, HAS_RIGHT, HAS_LEFT
             )
+            if HAS_BITS:  # keys are the rows here: the block's (query, key) bits transposed
+                block_bits = bits + tl.load(kinds + at // LISTED).to(tl.int64) * BITS_STRIDE
+                in_rows, in_cols = (rows - block0)[None, :], (key_pos - bits_col0)[:, None]
+                vis = vis & mask_bits(block_bits, in_rows, in_cols, BITS_WORDS)
             p_t = tl.where(vis, p_t, 0.0)
         do_rows = row_pointers(do_base + g * stride_dh, m0, offs_m, stride_ds, WIDE)
         do = tl.load(do_rows + offs_d[None, :], mask=io_mask, other=0.0)
@@ -216,12 +233,15 @@ def _dq_tiles(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, blocks=0, kinds=0, bits=0, bits_row0=0, LISTED: tl.constexpr = 0,
+    HAS_BITS: tl.constexpr = False, BITS_WORDS: tl.constexpr = 1, BITS_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
+    """dq plus the key tiles in [lo, hi); masks and block-sparse walks as in ``_fwd_tiles``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, BLOCK_N):
+        start_n, block0 = listed_tile(it, blocks, LISTED)
         cols = start_n + offs_n
         kv_mask = d_ok
         if MASKED:
@@ -240,6 +260,10 @@ def _dq_tiles(
         if MASKED:
             col_pos = k_start + k_stride * cols
             vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+            if HAS_BITS:
+                block_bits = bits + tl.load(kinds + it // LISTED).to(tl.int64) * BITS_STRIDE
+                in_rows, in_cols = (row_pos - bits_row0)[:, None], (cols - block0)[None, :]
+                vis = vis & mask_bits(block_bits, in_rows, in_cols, BITS_WORDS)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = softcap_grad(p * (dp - delta[:, None]), th, HAS_SOFTCAP)

@@ -24,7 +24,16 @@ from .launcher import launch
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import LOG2E as LOG2E  # re-exported: the Hopper kernels take it from here
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales
-from .tiling import program_tile, row_pointers, seq_bounds, tile_grid, visibility_mask, visible_tiles
+from .tiling import (
+    listed_tile,
+    mask_bits,
+    program_tile,
+    row_pointers,
+    seq_bounds,
+    tile_grid,
+    visibility_mask,
+    visible_tiles,
+)
 
 
 @triton.jit
@@ -34,12 +43,19 @@ def _fwd_tiles(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, blocks=0, kinds=0, bits=0, bits_row0=0, LISTED: tl.constexpr = 0,
+    HAS_BITS: tl.constexpr = False, BITS_WORDS: tl.constexpr = 1, BITS_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
+    """The key tiles in [lo, hi) folded into (acc, l_i, m_i). MASKED: keys past len_k and the
+    window hidden. Block-sparse (block_sparse.py): LISTED > 0 walks the key blocks listed at
+    ``blocks`` (``tiling.listed_tile``; lo/hi offsets into the list), and HAS_BITS hides what
+    each one's bit mask does (block ``kinds[entry]`` of ``bits``, BITS_STRIDE words each; its
+    rows from position bits_row0)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, BLOCK_N):
+        start_n, block0 = listed_tile(it, blocks, LISTED)
         cols = start_n + offs_n
         kv_mask = d_ok
         if MASKED:
@@ -50,6 +66,10 @@ def _fwd_tiles(
         if MASKED:
             col_pos = k_start + k_stride * cols
             vis = visibility_mask(row_pos, col_pos, cols, len_k, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+            if HAS_BITS:
+                block_bits = bits + tl.load(kinds + it // LISTED).to(tl.int64) * BITS_STRIDE
+                in_rows, in_cols = (row_pos - bits_row0)[:, None], (cols - block0)[None, :]
+                vis = vis & mask_bits(block_bits, in_rows, in_cols, BITS_WORDS)
         # ALiBi biases every tile, the mask-free ones too.
         qk, _ = log2_scores(
             qk, qk_scale, softcap_log2, slope_log2, row_pos, k_start, k_stride, cols, HAS_SOFTCAP, HAS_ALIBI

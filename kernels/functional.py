@@ -13,9 +13,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .block_sparse import BlockSparseAttention, check_tile_mask
 from .merge import check_sinks, merge_sinks
-from .ops import flash_attention, flash_attention_probs
+from .ops import check_scalar_args, flash_attention, flash_attention_probs
+from .plans import cached_problem
 from .problem import MAX_HEAD_DIM
+from .tile_mask import TileMask, as_tile_mask
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -63,7 +66,7 @@ def _check_unsupported(dropout_p: object, block_table: object = None) -> None:
 
 def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, sinks, return_lse, **varlen,
+    return_attn_probs, sinks, return_lse, block_mask=None, **varlen,
 ):  # fmt: skip
     """The one implementation behind the six public functions; ``varlen`` holds cu_seqlens_q/k,
     max_seqlen_q/k and block_table for the varlen forms."""
@@ -77,9 +80,14 @@ def _attention(
     if sinks is not None and head_dim:  # before the kernels (q itself is checked with the problem)
         check_sinks(sinks, q.shape[-2], q.device)
     kw = dict(softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = flash_attention(
-        qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw, deterministic=deterministic
-    )
+    if block_mask is not None:
+        if return_attn_probs:
+            raise ValueError("return_attn_probs cannot be combined with block_mask")
+        out, lse = block_sparse_attention(qp, kp, vp, block_mask, softmax_scale, causal, window_size, **kw)
+    else:
+        out, lse = flash_attention(
+            qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw, deterministic=deterministic
+        )
     if qp is not q:
         out = out[..., :head_dim]
     if sinks is not None:
@@ -105,6 +113,7 @@ def flash_attn_func(
     *,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    block_mask: TileMask | object | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Exact attention without materializing the score matrix, differentiable; flash-attn 2.x's
     ``flash_attn_func`` with the same arguments in the same order.
@@ -145,6 +154,12 @@ def flash_attn_func(
             row's softmax denominator, with no value (gpt-oss's ``s_aux``); differentiable.
         return_lse: also return the LSE (ringflash's; flash-attn returns it only with
             return_attn_probs).
+        block_mask: ringflash's: any mask, block-sparse (``TileMask``, or FlexAttention's
+            ``BlockMask`` from ``create_block_mask``, converted once per BlockMask object) over
+            (batch or 1, heads_q or 1, seqlen_q, seqlen_k): only its visible blocks are computed.
+            It replaces causal/window_size (which must stay at their defaults); ALiBi distances
+            stay bottom-right aligned as above. Under torch.compile it runs eagerly (a graph
+            break).
 
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype; with ``return_lse`` (out, lse);
@@ -160,8 +175,41 @@ def flash_attn_func(
     """
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, sinks, return_lse,
+        return_attn_probs, sinks, return_lse, block_mask,
     )  # fmt: skip
+
+
+# Not traced: torch.compile runs it eagerly, a graph break (the custom-op form is not built yet).
+@torch.compiler.disable
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: object,
+    softmax_scale: float | None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ``flash_attn_func``'s arguments under ``block_mask`` (a TileMask or a
+    FlexAttention BlockMask), both differentiable; q/k/v with head_dim a multiple of 8."""
+    scale, causal, (left, right), softcap, _ = check_scalar_args(
+        softmax_scale, causal, window_size, softcap, False
+    )
+    if causal or (left, right) != (-1, -1):
+        raise ValueError(
+            "block_mask replaces causal and window_size: fold them into the mask (e.g. a mask_mod "
+            f"q_idx >= kv_idx) and pass causal=False, window_size=(-1, -1); got causal={causal}, "
+            f"window_size={(left, right)}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    problem = cached_problem(q, k, v, None, None, 0, 0, scale, False, -1, -1, softcap, alibi_slopes, False)
+    mask = check_tile_mask(as_tile_mask(block_mask), problem, q.device)
+    return BlockSparseAttention.apply(q, k, v, mask, problem)
 
 
 def flash_attn_varlen_func(

@@ -85,6 +85,28 @@ def visibility_mask(
 
 
 @triton.jit
+def listed_tile(it, blocks, LISTED: tl.constexpr):
+    """(first row of the tile at offset ``it`` of a walk, first row of its block). A plain walk
+    (LISTED 0) is over rows themselves: (it, 0). A block-sparse walk is over a list of blocks of
+    LISTED rows (``blocks``: their numbers, int32) laid end to end: offset it is row it % LISTED
+    of block blocks[it // LISTED]. One flat loop over a list pipelines across its blocks."""
+    if LISTED > 0:
+        block0 = tl.load(blocks + it // LISTED) * LISTED
+        return block0 + it % LISTED, block0
+    else:
+        return it, 0
+
+
+@triton.jit
+def mask_bits(bits, rows, cols, WORDS: tl.constexpr):
+    """Bit (row, col) of a block's element mask (``tile_mask.TileMask.bits``: int32 words, WORDS
+    per row, col's bit at col % 32 of word col // 32), for broadcastable rows/cols local to the
+    block: True where the pair is visible."""
+    words = tl.load(bits + rows * WORDS + cols // 32)
+    return ((words >> (cols % 32)) & 1) != 0
+
+
+@triton.jit
 def row_pointers(base, first, rows, stride, WIDE: tl.constexpr):
     """[len(rows), 1] pointers to rows ``first + rows`` of ``base`` at a row stride.
 

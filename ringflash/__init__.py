@@ -1,7 +1,8 @@
 """ringflash: exact attention over sequences too long for one GPU.
 
 Single device: ``flash_attn_func``, ``flash_attn_varlen_func`` and their qkv/kv-packed forms
-(Triton FlashAttention-2 with LSE, flash-attn 2.x's signatures).
+(Triton FlashAttention-2 with LSE, flash-attn 2.x's signatures); any mask block-sparse through
+``flash_attn_func(..., block_mask=TileMask or FlexAttention BlockMask)``.
 Sequence parallel: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
 ``stripe_flash_attn_func``, their ``*_varlen_func`` and qkv/kv-packed forms, the llama3 forms
 (``llama3_flash_attn_varlen_func``: all-gathered K/V, documents of any length) and the Hugging Face
@@ -25,6 +26,7 @@ from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .infini import InfiniAttention, InfiniMemory, infini_attention
 from .integrations.hf import substitute_hf_flash_attn, update_ring_flash_attn_params
 from .kernels import (
+    TileMask,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -75,6 +77,7 @@ __all__ = [
     "ReferenceDecoder",
     "SequenceParallelAttention",
     "SP_MODES",
+    "TileMask",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -22,14 +22,15 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window_si
 
 def reference_attention(
     q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, q_pos=None, k_pos=None,
-    softcap=0.0, alibi_slopes=None, sinks=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, mask=None,
 ):  # fmt: skip
     """Attention in float64 on the CPU. q (B, Sq, H, D); k, v (B, Sk, Hk, D).
 
     Positions default to flash-attn's bottom-right alignment. softcap: scores -> softcap *
     tanh(scores / softcap) (scaled scores, before the mask); alibi_slopes (H,) or (B, H): bias
     -slope * |pq - pk| added after the softcap (flash-attn's order); sinks (H,): one extra logit
-    per head in each row's softmax denominator, with no value (gpt-oss). Returns (out (B, Sq, H,
+    per head in each row's softmax denominator, with no value (gpt-oss); mask: bool (B or 1, H or
+    1, Sq, Sk), pairs it leaves False hidden too (a block-sparse mask). Returns (out (B, Sq, H,
     D), lse (B, H, Sq)), the LSE including the sink; rows that see no key give out 0 and lse -inf
     (with sinks: lse = the sink). Differentiable, sinks included.
     """
@@ -48,6 +49,8 @@ def reference_attention(
         slopes = alibi_slopes.to("cpu", torch.float64).expand(b, h)[:, :, None, None]
         scores = scores - slopes * (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float64)
     scores = scores.masked_fill(~visibility(q_pos, k_pos, causal, window_size), -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to("cpu").expand(b, h, sq, sk), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     if sinks is not None:
         sink = sinks.to("cpu", torch.float64)[None, :, None].expand_as(lse)

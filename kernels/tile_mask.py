@@ -1,0 +1,318 @@
+"""Block-sparse attention masks: which (query block, key block) pairs a mask leaves visible.
+
+A ``TileMask`` describes a mask over (batch, heads, seqlen_q, seqlen_k) at the granularity of
+blocks of ``block_q`` x ``block_k`` positions (multiples of 128, as FlexAttention's
+``BlockMask``): each block is invisible (never loaded), full (every pair visible: no element
+mask) or partial (visible pairs given by a bit mask). The kernels (``block_sparse.py``) walk
+only the visible blocks, so time follows their number. It is built once per mask, from:
+
+- ``TileMask.from_mask_mod(mask_mod, ...)``: a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``,
+  evaluated over every pair once (in chunks of query blocks);
+- ``TileMask.from_block_mask(block_mask)``: a FlexAttention ``BlockMask`` (its block lists are
+  taken as they are; ``mask_mod`` is evaluated over its partial blocks only);
+- ``TileMask.from_ranges(ranges, ...)``: (q_start, q_end, k_start, k_end, "full" | "causal")
+  rectangles, MagiAttention's slices;
+- ``TileMask.from_dense(mask)``: a boolean (batch or 1, heads or 1, seqlen_q, seqlen_k) tensor.
+
+Layout (every tensor int32 on the mask's device; ``Bm``/``Hm`` are 1 for a mask shared by the
+batch / the heads): ``kv_count`` (Bm, Hm, NQ, 2) and ``kv_index``/``kv_kind`` (Bm, Hm, NQ, NK):
+query block m sees key blocks kv_index[..., m, :P + F] (P, F = kv_count[..., m, :]), first P
+partial ones (kind: the partial block of ``bits``), then F full ones (kind -1), each group in
+order (the kernels walk each group in one loop); ``q_count``/``q_index``/``q_kind`` the same
+seen from each key block (the backward's dK/dV walk); ``bits`` (partials, block_q, block_k // 32): bit c % 32
+of word c // 32 of row r set where query r and key c of the block are visible. A full block
+lies inside the sequences (a block cut by seqlen_q or seqlen_k is partial), so the kernels
+need no bounds check on it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MASK_BLOCK = 128  # block sizes must be multiples of this: every kernel tile (<= 128 rows) divides them
+_CHUNK_PAIRS = 1 << 26  # query/key pairs evaluated at once by ``from_mask_mod``
+_INVISIBLE, _FULL = -2, -1  # kinds in the (Bm, Hm, NQ, NK) grid; partials are numbered from 0
+
+
+@dataclass(frozen=True, eq=False)
+class TileMask:
+    """A block-sparse mask over (batch, heads, seqlen_q, seqlen_k) in blocks of block_q x
+    block_k; build it with one of the ``from_*`` constructors (module docstring)."""
+
+    seqlen_q: int
+    seqlen_k: int
+    block_q: int
+    block_k: int
+    kv_count: torch.Tensor
+    kv_index: torch.Tensor
+    kv_kind: torch.Tensor
+    q_count: torch.Tensor
+    q_index: torch.Tensor
+    q_kind: torch.Tensor
+    bits: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        """1 for a mask shared by every sequence of the batch."""
+        return self.kv_count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        """1 for a mask shared by every query head."""
+        return self.kv_count.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_count.device
+
+    def density(self) -> float:
+        """The fraction of blocks that are visible (full or partial)."""
+        return float(self.kv_count.sum()) / max(1, self.kv_index.numel())
+
+    def visible_pairs(self) -> int:
+        """Visible (query, key) pairs summed over the mask's batch and heads (1 each where shared)."""
+        full = int(self.kv_count[..., 1].sum()) * self.block_q * self.block_k
+        partial_ids = torch.arange(self.kv_index.shape[-1], device=self.device) < self.kv_count[..., :1]
+        used = self.kv_kind[partial_ids].long()
+        bits = (self.bits[used, :, :, None] >> torch.arange(32, device=self.device)) & 1
+        return full + int(bits.sum())
+
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, *, block_size: int | tuple[int, int] = MASK_BLOCK) -> TileMask:
+        """From a boolean (batch or 1, heads or 1, seqlen_q, seqlen_k) tensor (True = visible)."""
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+            raise TypeError("mask must be a 4-D bool tensor (batch or 1, heads or 1, seqlen_q, seqlen_k)")
+        batch, heads, seqlen_q, seqlen_k = mask.shape
+        return cls.from_mask_mod(
+            lambda b, h, q, kv: mask[b, h, q, kv], batch, heads, seqlen_q, seqlen_k,
+            block_size=block_size, device=mask.device,
+        )  # fmt: skip
+
+    @classmethod
+    def from_mask_mod(
+        cls,
+        mask_mod: Callable,
+        batch: int,
+        heads: int,
+        seqlen_q: int,
+        seqlen_k: int,
+        *,
+        block_size: int | tuple[int, int] = MASK_BLOCK,
+        device: torch.device | str | None = None,
+    ) -> TileMask:
+        """From a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (called through
+        ``torch.vmap`` on index tensors, as FlexAttention's ``create_mask`` calls it), evaluated
+        once over every (query, key) pair of ``batch`` x ``heads`` (1 where the mask does not
+        depend on them), query blocks at a time. Cost: seqlen_q x seqlen_k evaluations per
+        (batch, head), like FlexAttention's ``create_block_mask``."""
+        block_q, block_k = _block_sizes(block_size)
+        for name, n in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+        device = torch.device(device if device is not None else "cpu")
+        nq, nk = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+        evaluate = torch.vmap(
+            torch.vmap(torch.vmap(torch.vmap(mask_mod, (None, None, None, 0)), (None, None, 0, None)),
+                       (None, 0, None, None)), (0, None, None, None),
+        )  # fmt: skip
+        b_idx, h_idx = (torch.arange(n, device=device) for n in (batch, heads))
+        kv_idx = torch.arange(nk * block_k, device=device).clamp_(max=seqlen_k - 1)
+        kv_in = torch.arange(nk * block_k, device=device) < seqlen_k
+        rows = max(1, _CHUNK_PAIRS // (batch * heads * block_q * nk * block_k)) * block_q
+        grid = torch.empty(batch, heads, nq, nk, dtype=torch.int32, device=device)
+        partials = []
+        for r0 in range(0, nq * block_q, rows):
+            q_pos = torch.arange(r0, min(r0 + rows, nq * block_q), device=device)
+            visible = evaluate(b_idx, h_idx, q_pos.clamp(max=seqlen_q - 1), kv_idx)
+            if visible.dtype != torch.bool:
+                raise TypeError(f"mask_mod must return a bool tensor, got {visible.dtype}")
+            visible = visible & (q_pos < seqlen_q)[:, None] & kv_in[None, :]  # vmap may broadcast
+            blocks = visible.view(batch, heads, -1, block_q, nk, block_k).transpose(3, 4)
+            kinds, parts = _classify(blocks, seqlen_q, seqlen_k, r0 // block_q, block_q, block_k)
+            grid[:, :, r0 // block_q : r0 // block_q + kinds.shape[2]] = kinds + torch.where(
+                kinds >= 0, sum(p.shape[0] for p in partials), 0
+            ).to(torch.int32)
+            partials.append(parts)
+        return cls._from_grid(grid, torch.cat(partials), seqlen_q, seqlen_k, block_q, block_k)
+
+    @classmethod
+    def from_ranges(
+        cls,
+        ranges: Sequence[tuple[int, int, int, int, str]],
+        seqlen_q: int,
+        seqlen_k: int,
+        *,
+        block_size: int | tuple[int, int] = MASK_BLOCK,
+        device: torch.device | str | None = None,
+    ) -> TileMask:
+        """From (q_start, q_end, k_start, k_end, kind) rectangles, kind "full" (every pair
+        visible) or "causal" (key k visible to query q where k - k_end <= q - q_end: flash-attn's
+        bottom-right alignment), ends exclusive; a pair is visible where any range makes it so.
+        The same for every sequence and head."""
+        if isinstance(ranges, (str, bytes)) or not isinstance(ranges, Sequence) or not ranges:
+            raise TypeError("ranges must be a non-empty sequence of (q_start, q_end, k_start, k_end, kind)")
+        bounds, causal = [], []
+        for r in ranges:
+            ok = isinstance(r, (tuple, list)) and len(r) == 5
+            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in r[:4])
+            if not ok or r[4] not in ("full", "causal"):
+                raise ValueError(
+                    f"a range must be (q_start, q_end, k_start, k_end, 'full' | 'causal'), got {r!r}"
+                )
+            qs, qe, ks, ke = r[:4]
+            if not (0 <= qs < qe <= seqlen_q and 0 <= ks < ke <= seqlen_k):
+                raise ValueError(
+                    f"range {r!r} must satisfy 0 <= q_start < q_end <= seqlen_q ({seqlen_q}) and "
+                    f"0 <= k_start < k_end <= seqlen_k ({seqlen_k})"
+                )
+            bounds.append((qs, qe, ks, ke))
+            causal.append(r[4] == "causal")
+        dev = torch.device(device if device is not None else "cpu")
+        qs, qe, ks, ke = torch.tensor(bounds, device=dev).unbind(1)
+        is_causal = torch.tensor(causal, device=dev)
+
+        def mask_mod(b, h, q, kv):
+            inside = (q >= qs) & (q < qe) & (kv >= ks) & (kv < ke)
+            return (inside & (~is_causal | (kv - ke <= q - qe))).any()
+
+        return cls.from_mask_mod(mask_mod, 1, 1, seqlen_q, seqlen_k, block_size=block_size, device=dev)
+
+    @classmethod
+    def from_block_mask(cls, block_mask: object) -> TileMask:
+        """From FlexAttention's ``BlockMask`` (``create_block_mask``): its full and partial block
+        lists as they are, its ``mask_mod`` evaluated over the partial blocks (and the full ones
+        that the sequences' ends cut) only. Its block sizes must be multiples of 128."""
+        try:
+            from torch.nn.attention.flex_attention import BlockMask
+        except ImportError as e:  # pragma: no cover - torch without FlexAttention
+            raise TypeError("block_mask needs torch.nn.attention.flex_attention") from e
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a FlexAttention BlockMask, got {type(block_mask).__name__}")
+        seqlen_q, seqlen_k = (int(n) for n in block_mask.seq_lengths)
+        block_q, block_k = _block_sizes(tuple(block_mask.BLOCK_SIZE))
+        nq, nk = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+        counts, indices = block_mask.kv_num_blocks, block_mask.kv_indices
+        batch, heads = counts.shape[:2]
+        device = counts.device
+        grid = torch.full((batch, heads, nq, nk), _INVISIBLE, dtype=torch.int32, device=device)
+        slots = torch.arange(indices.shape[-1], device=device)
+        lists = [(counts, indices, 0)]  # partial blocks, marked 0 then numbered
+        if block_mask.full_kv_num_blocks is not None:
+            lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, _FULL))
+        for count, index, kind in lists:
+            listed = slots[: index.shape[-1]] < count[..., :nq, None]
+            index = index[..., :nq, :].long().clamp(max=nk - 1)
+            kinds = torch.where(listed, kind, _INVISIBLE).to(torch.int32)
+            grid.scatter_reduce_(3, index, kinds, reduce="amax")  # a block is in one list at most
+        cut = torch.zeros(nq, nk, dtype=torch.bool, device=device)  # blocks the sequences' ends cut
+        cut[-1, :] |= seqlen_q % block_q != 0
+        cut[:, -1] |= seqlen_k % block_k != 0
+        grid = torch.where((grid == _FULL) & cut, 0, grid)
+        where = (grid >= 0).nonzero()
+        b, h, qb, kb = where.unbind(1)
+        grid[b, h, qb, kb] = torch.arange(where.shape[0], dtype=torch.int32, device=device)
+        q_pos = qb[:, None] * block_q + torch.arange(block_q, device=device)
+        kv_pos = kb[:, None] * block_k + torch.arange(block_k, device=device)
+        evaluate = torch.vmap(
+            torch.vmap(torch.vmap(block_mask.mask_mod, (None, None, None, 0)), (None, None, 0, None)),
+            (0, 0, 0, 0),
+        )  # fmt: skip
+        parts = torch.empty(where.shape[0], block_q, block_k, dtype=torch.bool, device=device)
+        step = max(1, _CHUNK_PAIRS // (block_q * block_k))
+        for i in range(0, where.shape[0], step):
+            sl = slice(i, i + step)
+            qp, kp = q_pos[sl], kv_pos[sl]
+            visible = evaluate(b[sl], h[sl], qp.clamp(max=seqlen_q - 1), kp.clamp(max=seqlen_k - 1))
+            parts[sl] = visible & (qp < seqlen_q)[:, :, None] & (kp < seqlen_k)[:, None, :]
+        return cls._from_grid(grid, parts, seqlen_q, seqlen_k, block_q, block_k)
+
+    @classmethod
+    def _from_grid(
+        cls, grid: torch.Tensor, parts: torch.Tensor, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int
+    ) -> TileMask:
+        """From the (Bm, Hm, NQ, NK) grid of kinds (invisible -2, full -1, partial i >= 0) and
+        the partial blocks' (P, block_q, block_k) bool masks."""
+        kv_count, kv_index, kv_kind = _block_lists(grid)
+        q_count, q_index, q_kind = _block_lists(grid.transpose(2, 3))
+        return cls(
+            seqlen_q, seqlen_k, block_q, block_k, kv_count, kv_index, kv_kind, q_count, q_index, q_kind,
+            _pack_bits(parts),
+        )  # fmt: skip
+
+
+def _block_sizes(block_size: object) -> tuple[int, int]:
+    sizes = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
+    ok = len(sizes) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in sizes)
+    if not ok or not all(x > 0 and x % MASK_BLOCK == 0 for x in sizes):
+        raise ValueError(
+            f"block_size must be an int or a pair of ints, multiples of {MASK_BLOCK}, got {block_size!r}"
+        )
+    return int(sizes[0]), int(sizes[1])
+
+
+def _classify(
+    blocks: torch.Tensor, seqlen_q: int, seqlen_k: int, first_q: int, block_q: int, block_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks: (B, H, nq, nk, block_q, block_k) bool of query blocks first_q.. -> (kinds (B, H,
+    nq, nk) int32 with partials numbered from 0 in order, their (P, block_q, block_k) masks).
+    A block cut by the sequences' ends is partial even when every pair in it is visible."""
+    flat = blocks.flatten(-2)
+    anything, everything = flat.any(-1), flat.all(-1)
+    nq, nk = blocks.shape[2:4]
+    inside = torch.ones(nq, nk, dtype=torch.bool, device=blocks.device)
+    if seqlen_q % block_q:
+        inside[(first_q + torch.arange(nq, device=blocks.device)) * block_q + block_q > seqlen_q] = False
+    if seqlen_k % block_k:
+        inside[:, -1] = False
+    full = everything & inside
+    partial = anything & ~full
+    kinds = torch.full(anything.shape, _INVISIBLE, dtype=torch.int32, device=blocks.device)
+    kinds[full] = _FULL
+    kinds[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=blocks.device)
+    return kinds, blocks[partial]
+
+
+def _block_lists(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, index, kind) of each row of grid's last dim: its partial blocks, then its full
+    ones, each in order (count[..., 0] and [..., 1] of them), then the invisible ones."""
+    rank = torch.where(grid >= 0, 0, torch.where(grid == _FULL, 1, 2)).to(torch.int8)
+    order = torch.sort(rank, dim=-1, stable=True).indices
+    count = torch.stack([(rank == r).sum(-1, dtype=torch.int32) for r in (0, 1)], -1).contiguous()
+    kind = grid.gather(-1, order).to(torch.int32).contiguous()
+    return count, order.to(torch.int32).contiguous(), kind
+
+
+def _pack_bits(parts: torch.Tensor) -> torch.Tensor:
+    """(P, rows, cols) bool -> (P, rows, cols // 32) int32 words, col c at bit c % 32 of word c // 32."""
+    p, rows, cols = parts.shape
+    weights = torch.ones(32, dtype=torch.int64, device=parts.device) << torch.arange(32, device=parts.device)
+    words = (parts.view(p, rows, cols // 32, 32).to(torch.int64) * weights).sum(-1)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement in int32
+    if p == 0:  # the kernels take a pointer even when no block reads it
+        return torch.zeros(1, rows, cols // 32, dtype=torch.int32, device=parts.device)
+    return words.to(torch.int32).contiguous()
+
+
+_CONVERTED: dict[int, tuple[weakref.ref, TileMask]] = {}
+
+
+def as_tile_mask(mask: object) -> TileMask:
+    """``mask`` itself if it is a TileMask; a FlexAttention ``BlockMask`` converted once
+    (``TileMask.from_block_mask``) and remembered while it lives, so that every layer and step
+    that passes the same BlockMask reuses the conversion."""
+    if isinstance(mask, TileMask):
+        return mask
+    hit = _CONVERTED.get(id(mask))
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    tile_mask = TileMask.from_block_mask(mask)
+    for key in [key for key, (ref, _) in _CONVERTED.items() if ref() is None]:
+        del _CONVERTED[key]
+    _CONVERTED[id(mask)] = (weakref.ref(mask), tile_mask)
+    return tile_mask

@@ -1,0 +1,264 @@
+"""Block-sparse attention (``flash_attn_func(..., block_mask=)``, kernels/block_sparse.py) against
+the float64 reference with the same mask as a dense boolean tensor: out, LSE, dq, dk, dv.
+
+Masks are chosen so that every path runs: blocks no query sees (never loaded: their K/V rows
+hold NaN in ``test_invisible_blocks_are_never_read``), full blocks (no element mask), partial
+blocks (bit masks) including blocks cut by the sequences' ends, rows that see nothing (out 0,
+LSE -inf) and keys that nothing sees (dk = dv = 0); per-head masks under GQA (the dK/dV
+program walks each query head's list). CPU shapes are 1-3 blocks of 128 per side; bf16 and real
+sizes run in the GPU-marked tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from reference import TOLERANCE, reference_attention
+from test_kernels import _inputs, assert_close
+
+import ringflash
+from ringflash.kernels.tile_mask import TileMask
+
+# Under the interpreter an int32 overflow in a kernel raises here (tests/interpreter_patching.py).
+pytestmark = pytest.mark.overflow_checks
+
+
+def dense_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """(batch, heads, seqlen_q, seqlen_k) bool of ``mask_mod`` by a plain loop-free broadcast,
+    independent of ``TileMask``'s vmap evaluation."""
+    b = torch.arange(batch)[:, None, None, None]
+    h = torch.arange(heads)[None, :, None, None]
+    q = torch.arange(seqlen_q)[None, None, :, None]
+    kv = torch.arange(seqlen_k)[None, None, None, :]
+    return mask_mod(b, h, q, kv).expand(batch, heads, seqlen_q, seqlen_k)
+
+
+def striped(b, h, q, kv):
+    """Invisible, full and partial blocks, per sequence and head: key block 1 hidden from query
+    block 0 and causal within a sliding band elsewhere, heads offset; sequence 1's query rows
+    0-9 see nothing."""
+    band = (kv <= q + 40 * h) & (kv >= q - 300 + 30 * b)
+    hidden = (q < 128) & (kv >= 128) & (kv < 256)
+    blind = (b == 1) & (q < 10)
+    return band & ~hidden & ~blind | (kv < 64) & (q >= 128) & ~blind
+
+
+def _run(q, k, v, dout, block_mask, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringflash.flash_attn_func(*leaves, block_mask=block_mask, return_lse=True, **kw)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out, lse, grads
+
+
+def _reference(q, k, v, dout, mask, **kw):
+    qd, kd, vd = (t.detach().to("cpu", torch.float64).requires_grad_() for t in (q, k, v))
+    out, lse = reference_attention(qd, kd, vd, mask=mask, **kw)
+    return out, lse, torch.autograd.grad(out, (qd, kd, vd), dout.detach().to("cpu", torch.float64))
+
+
+def check(q, k, v, dout, block_mask, mask, **kw):
+    """The block-sparse call against the reference, plus the exact zeros of blind rows and
+    unseen keys, and no NaN."""
+    got = _run(q, k, v, dout, block_mask, **kw)
+    ref_kw = {n: kw[n] for n in ("softmax_scale", "softcap", "alibi_slopes", "sinks") if n in kw}
+    expected = _reference(q, k, v, dout, mask, **ref_kw)
+    tol = TOLERANCE[q.dtype]
+    (out, lse, grads), (ref_out, ref_lse, ref_grads) = got, expected
+    for name, a, e in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)
+    ):
+        assert a.shape == e.shape, name
+        assert not torch.isnan(a).any(), name
+        assert_close(name, a, e, tol)
+    full = mask.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    blind = ~full.any(-1)  # (b, h, sq)
+    if "sinks" not in kw:
+        assert (out.transpose(1, 2).cpu()[blind] == 0).all() and torch.isneginf(lse.cpu()[blind]).all()
+    group = q.shape[2] // k.shape[2]
+    unseen = ~full.unflatten(1, (k.shape[2], group)).any(2).any(-2)  # (b, hk, sk)
+    assert (grads[1].transpose(1, 2).cpu()[unseen] == 0).all() and (
+        grads[2].transpose(1, 2).cpu()[unseen] == 0
+    ).all()
+    return got
+
+
+def _kinds(m: TileMask) -> set[str]:
+    partial, full = m.kv_count.unbind(-1)
+    found = {"partial"} if partial.any() else set()
+    found |= {"full"} if full.any() else set()
+    return found | ({"invisible"} if (partial + full < m.kv_index.shape[-1]).any() else set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_mask_mod_per_sequence_and_head_under_gqa(device, dtype):
+    b, s, h, hk, d = 2, 270, 4, 2, 16
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, dtype, device, seed=1)
+    m = TileMask.from_mask_mod(striped, b, h, s, s, device=device)
+    assert _kinds(m) == {"full", "partial", "invisible"}
+    check(q, k, v, dout, m, dense_mask(striped, b, h, s, s))
+
+
+def test_softcap_alibi_sinks_and_fewer_queries(device):
+    """sq < sk: the mask in indices, ALiBi's distances bottom-right aligned as flash_attn_func's."""
+    b, sq, sk, h, hk, d = 1, 200, 390, 2, 1, 40
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.float32, device, seed=2)
+    q = q * 3
+
+    def mod(b, h, q, kv):
+        return (kv <= q + 190) & ((kv // 100) % 2 == 0) | (kv >= 384)
+
+    g = torch.Generator().manual_seed(3)
+    slopes = (0.05 + 0.3 * torch.rand(h, generator=g)).to(device)
+    sinks = torch.randn(h, generator=g).to(device)
+    m = TileMask.from_mask_mod(mod, 1, 1, sq, sk, device=device)
+    check(q, k, v, dout, m, dense_mask(mod, 1, 1, sq, sk), softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+
+
+def test_flex_block_mask_is_taken_as_it_is(device):
+    """A FlexAttention BlockMask (its own full/partial lists, sequences not multiples of the block)
+    gives the same result as its mask_mod evaluated everywhere; the conversion is kept per object."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, s, h, hk, d = 1, 333, 2, 2, 16
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.float32, device, seed=4)
+
+    def mod(b, h, q, kv):
+        return (q >= kv) & ((q - kv < 260) | (kv < 20 + h))
+
+    block_mask = flex.create_block_mask(mod, 1, h, s, s, device=device, BLOCK_SIZE=128)
+    assert block_mask.full_kv_num_blocks is not None and int(block_mask.full_kv_num_blocks.sum()) > 0
+    check(q, k, v, dout, block_mask, dense_mask(mod, 1, h, s, s))
+    from ringflash.kernels.tile_mask import as_tile_mask
+
+    assert as_tile_mask(block_mask) is as_tile_mask(block_mask)
+
+
+def test_ranges_full_and_causal(device):
+    """MagiAttention-style slices: a causal prefix, a later query range seeing it fully and
+    itself causally (bottom-right: k - k_end <= q - q_end), one more full rectangle."""
+    s, h, d = 390, 2, 32
+    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float16, device, seed=5)
+    ranges = [(0, 150, 0, 150, "causal"), (150, 390, 0, 150, "full"), (150, 390, 150, 300, "causal"),
+              (300, 390, 330, 390, "full")]  # fmt: skip
+    expected = torch.zeros(s, s, dtype=torch.bool)
+    for qs, qe, ks, ke, kind in ranges:
+        qi, ki = torch.arange(qs, qe)[:, None], torch.arange(ks, ke)[None, :]
+        expected[qs:qe, ks:ke] |= (
+            torch.ones(qe - qs, ke - ks, dtype=torch.bool) if kind == "full" else (ki - ke <= qi - qe)
+        )
+    m = TileMask.from_ranges(ranges, s, s, device=device)
+    check(q, k, v, dout, m, expected[None, None])
+
+
+def test_dense_bool_mask_and_odd_head_dim(device):
+    """A random block pattern with random elements in its partial blocks; head_dim 36 runs
+    zero-padded to 40 as in flash_attn_func."""
+    s, h, d = 256, 2, 36
+    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float32, device, seed=6)
+    g = torch.Generator().manual_seed(7)
+    blocks = torch.tensor([[1, 0], [2, 1]])  # 0 invisible, 1 full, 2 random elements
+    mask = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    mask = (mask == 1) | ((mask == 2) & (torch.rand(s, s, generator=g) < 0.3))
+    mask = mask[None, None].to(device)
+    m = TileMask.from_dense(mask)
+    assert _kinds(m) == {"full", "partial", "invisible"}
+    check(q, k, v, dout, m, mask.cpu())
+
+
+def test_invisible_blocks_are_never_read(device):
+    """Keys in blocks that no query sees hold NaN: nothing reads them (a kernel that loaded and
+    then masked them would still multiply NaN values by zero probabilities)."""
+    s, h, d = 384, 2, 16
+    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float32, device, seed=8)
+
+    def mod(b, h, q, kv):
+        return (kv < 128) | (kv >= 256) & (q >= kv - 256)
+
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, 128:256], poisoned_v[:, 128:256] = float("nan"), float("nan")
+    m = TileMask.from_mask_mod(mod, 1, 1, s, s, device=device)
+    out, lse, grads = _run(q, poisoned_k, poisoned_v, dout, m)
+    ref_out, ref_lse, _ = _reference(q, k, v, dout, dense_mask(mod, 1, 1, s, s))
+    assert not any(torch.isnan(t).any() for t in (out, lse, grads[0]))
+    assert_close("out", out, ref_out, TOLERANCE[torch.float32])
+    assert_close("lse", lse, ref_lse, TOLERANCE[torch.float32])
+
+
+def test_lists_follow_the_grid(device):
+    """The block lists of a known pattern both ways (partial blocks first, then full ones), and
+    the bits of a partial block."""
+    s = 256
+    m = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
+    # Blocks (0, 0) and (1, 1) causal (partial), (1, 0) full, (0, 1) invisible.
+    assert m.kv_count.tolist() == [[[[1, 0], [1, 1]]]] and m.q_count.tolist() == [[[[1, 1], [1, 0]]]]
+    assert m.kv_index[0, 0, 1].tolist() == [1, 0] and m.q_index[0, 0, 0].tolist() == [0, 1]
+    assert m.kv_kind[0, 0, 1, 1] == -1 and m.q_kind[0, 0, 0, 1] == -1
+    assert m.bits.shape == (2, 128, 4)
+    row5 = m.bits[m.kv_kind[0, 0, 0, 0], 5].to(torch.int64) & 0xFFFFFFFF
+    assert row5.tolist() == [0b111111, 0, 0, 0]  # query 5 sees keys 0-5
+    assert m.density() == pytest.approx(0.75)
+    assert m.visible_pairs() == s * (s + 1) // 2
+
+
+def test_under_torch_compile_it_runs_eagerly(device):
+    """A graph break around the block-sparse call, the same result as eager (fake tensors never
+    reach the kernels)."""
+    s, h, d = 128, 2, 16
+    q, k, v, _ = _inputs(1, s, s, h, h, d, torch.float32, device, seed=11)
+    m = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
+
+    def step(q, k, v):
+        return ringflash.flash_attn_func(q, k, v, block_mask=m) * 2
+
+    torch.testing.assert_close(torch.compile(step, backend="eager")(q, k, v), step(q, k, v))
+
+
+def test_refusals(device):
+    s, h, d = 256, 2, 16
+    q, k, v, _ = _inputs(1, s, s, h, h, d, torch.float32, device)
+    m = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
+    with pytest.raises(ValueError, match="replaces causal"):
+        ringflash.flash_attn_func(q, k, v, causal=True, block_mask=m)
+    with pytest.raises(ValueError, match="replaces causal"):
+        ringflash.flash_attn_func(q, k, v, window_size=(8, 0), block_mask=m)
+    with pytest.raises(ValueError, match="seqlen_q, seqlen_k = 256, 256"):
+        ringflash.flash_attn_func(q[:, :200], k, v, block_mask=m)
+    with pytest.raises(ValueError, match="return_attn_probs"):
+        ringflash.flash_attn_func(q, k, v, return_attn_probs=True, block_mask=m)
+    with pytest.raises(TypeError, match="block_mask must be"):
+        ringflash.flash_attn_func(q, k, v, block_mask=torch.ones(s, s, dtype=torch.bool))
+    per_head = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 3, s, s, device=device)
+    with pytest.raises(ValueError, match="heads 3"):
+        ringflash.flash_attn_func(q, k, v, block_mask=per_head)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, block_size=64)
+    with pytest.raises(ValueError, match="a range must be"):
+        TileMask.from_ranges([(0, 10, 0, 10, "diagonal")], s, s)
+    with pytest.raises(ValueError, match="must satisfy"):
+        TileMask.from_ranges([(0, 300, 0, 10, "full")], s, s)
+    with pytest.raises(TypeError, match="bool"):
+        TileMask.from_mask_mod(lambda b, h, q, kv: q - kv, 1, 1, s, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("s", "h", "hk", "d"), [(2048, 4, 2, 128), (1536, 2, 1, 64), (1100, 2, 2, 256)])
+def test_gpu_real_sizes(dtype, s, h, hk, d):
+    """Real tiles (128 x 64/128) inside 128- and 256-position blocks, bf16/fp16, a BigBird-like
+    mask (local band, global first keys, random blocks) per head."""
+    q, k, v, dout = _inputs(1, s, s, h, hk, d, dtype, DEVICE, seed=9)
+    g = torch.Generator().manual_seed(10)
+    random_blocks = torch.rand(h, -(-s // 256), -(-s // 256), generator=g) < 0.2
+
+    def bigbird(blocks):
+        def mod(b, h, q, kv):
+            return ((q - kv).abs() < 300) | (kv < 64) | blocks[h, q // 256, kv // 256]
+
+        return mod
+
+    expected = dense_mask(bigbird(random_blocks), 1, h, s, s)
+    for block in (128, 256):
+        m = TileMask.from_mask_mod(
+            bigbird(random_blocks.to(DEVICE)), 1, h, s, s, block_size=block, device=DEVICE
+        )
+        check(q, k, v, dout, m, expected)
