@@ -55,6 +55,28 @@ class TileMask:
     q_kind: torch.Tensor
     bits: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """The layout the kernels read without checks (the ``from_*`` constructors make it):
+        shapes, int32, contiguous, one device. Values are not read back (a device sync)."""
+        block_q, block_k = _block_sizes((self.block_q, self.block_k))
+        nq, nk = -(-self.seqlen_q // block_q), -(-self.seqlen_k // block_k)
+        lead = tuple(self.kv_count.shape[:2])
+        shapes = {
+            "kv_count": (*lead, nq, 2), "kv_index": (*lead, nq, nk), "kv_kind": (*lead, nq, nk),
+            "q_count": (*lead, nk, 2), "q_index": (*lead, nk, nq), "q_kind": (*lead, nk, nq),
+        }  # fmt: skip
+        for name, shape in shapes.items():
+            t = getattr(self, name)
+            ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == torch.int32
+            if not ok or not t.is_contiguous() or t.device != self.kv_count.device:
+                raise ValueError(
+                    f"TileMask.{name} must be a contiguous int32 {shape} tensor on the others' device: "
+                    "build masks with the TileMask.from_* constructors"
+                )
+        bits_ok = self.bits.dim() == 3 and tuple(self.bits.shape[1:]) == (block_q, block_k // 32)
+        if not bits_ok or self.bits.dtype != torch.int32 or not self.bits.is_contiguous():
+            raise ValueError(f"TileMask.bits must be a contiguous int32 (P, {block_q}, {block_k // 32})")
+
     @property
     def batch(self) -> int:
         """1 for a mask shared by every sequence of the batch."""
@@ -207,7 +229,7 @@ class TileMask:
             lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, _FULL))
         for count, index, kind in lists:
             listed = slots[: index.shape[-1]] < count[..., :nq, None]
-            index = index[..., :nq, :].long().clamp(max=nk - 1)
+            index = index[..., :nq, :].long().clamp(0, nk - 1)  # unlisted slots may hold anything
             kinds = torch.where(listed, kind, _INVISIBLE).to(torch.int32)
             grid.scatter_reduce_(3, index, kinds, reduce="amax")  # a block is in one list at most
         cut = torch.zeros(nq, nk, dtype=torch.bool, device=device)  # blocks the sequences' ends cut

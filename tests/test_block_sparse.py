@@ -11,6 +11,8 @@ sizes run in the GPU-marked tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -238,6 +240,8 @@ def test_refusals(device):
         TileMask.from_ranges([(0, 300, 0, 10, "full")], s, s)
     with pytest.raises(TypeError, match="bool"):
         TileMask.from_mask_mod(lambda b, h, q, kv: q - kv, 1, 1, s, s)
+    with pytest.raises(ValueError, match="TileMask.kv_index must be"):  # a hand-made layout
+        dataclasses.replace(m, kv_index=m.kv_index.long())
 
 
 @pytest.mark.gpu
