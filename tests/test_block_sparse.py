@@ -92,10 +92,10 @@ def _kinds(m: TileMask) -> set[str]:
     return found | ({"invisible"} if (partial + full < m.kv_index.shape[-1]).any() else set())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_mask_mod_per_sequence_and_head_under_gqa(device, dtype):
+def test_mask_mod_per_sequence_and_head_under_gqa(device):
+    """float32 (fp16 on the CPU: the ranges test; bf16/fp16 at real sizes: the GPU tests)."""
     b, s, h, hk, d = 2, 270, 4, 2, 16
-    q, k, v, dout = _inputs(b, s, s, h, hk, d, dtype, device, seed=1)
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.float32, device, seed=1)
     m = TileMask.from_mask_mod(striped, b, h, s, s, device=device)
     assert _kinds(m) == {"full", "partial", "invisible"}
     check(q, k, v, dout, m, dense_mask(striped, b, h, s, s))
