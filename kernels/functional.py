@@ -83,7 +83,9 @@ def _attention(
     if block_mask is not None:
         if return_attn_probs:
             raise ValueError("return_attn_probs cannot be combined with block_mask")
-        out, lse = block_sparse_attention(qp, kp, vp, block_mask, softmax_scale, causal, window_size, **kw)
+        out, lse = block_sparse_attention(
+            qp, kp, vp, block_mask, softmax_scale, causal, window_size, **kw, deterministic=deterministic
+        )
     else:
         out, lse = flash_attention(
             qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw, deterministic=deterministic
@@ -192,11 +194,13 @@ def block_sparse_attention(
     *,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``flash_attn_func``'s arguments under ``block_mask`` (a TileMask or a
-    FlexAttention BlockMask), both differentiable; q/k/v with head_dim a multiple of 8."""
+    FlexAttention BlockMask), both differentiable; q/k/v with head_dim a multiple of 8. The
+    backward is deterministic whatever ``deterministic`` says (no atomics: block_sparse.py)."""
     scale, causal, (left, right), softcap, _ = check_scalar_args(
-        softmax_scale, causal, window_size, softcap, False
+        softmax_scale, causal, window_size, softcap, deterministic
     )
     if causal or (left, right) != (-1, -1):
         raise ValueError(

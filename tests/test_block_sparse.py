@@ -227,6 +227,8 @@ def test_refusals(device):
         ringflash.flash_attn_func(q[:, :200], k, v, block_mask=m)
     with pytest.raises(ValueError, match="return_attn_probs"):
         ringflash.flash_attn_func(q, k, v, return_attn_probs=True, block_mask=m)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ringflash.flash_attn_func(q, k, v, deterministic=1, block_mask=m)
     with pytest.raises(TypeError, match="block_mask must be"):
         ringflash.flash_attn_func(q, k, v, block_mask=torch.ones(s, s, dtype=torch.bool))
     per_head = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 3, s, s, device=device)
