@@ -135,6 +135,22 @@ def test_flex_block_mask_is_taken_as_it_is(device):
     assert as_tile_mask(block_mask) is as_tile_mask(block_mask)
 
 
+def test_flex_full_blocks_cut_by_the_end_are_masked(device):
+    """A BlockMask that lists every block full (``BlockMask.from_kv_blocks``), sequences not
+    multiples of 128: the last blocks reach past the keys, so they run masked (partial)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    s, h, d = 200, 1, 16
+    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float32, device, seed=12)
+    n = 2
+    none = torch.zeros(1, 1, n, dtype=torch.int32, device=device)
+    every = torch.arange(n, dtype=torch.int32, device=device).expand(1, 1, n, n).contiguous()
+    full = torch.full((1, 1, n), n, dtype=torch.int32, device=device)
+    block_mask = flex.BlockMask.from_kv_blocks(
+        none, every, full, every, BLOCK_SIZE=128, mask_mod=lambda b, h, q, kv: q >= 0, seq_lengths=(s, s)
+    )
+    check(q, k, v, dout, block_mask, torch.ones(1, 1, s, s, dtype=torch.bool))
+
+
 def test_ranges_full_and_causal(device):
     """MagiAttention-style slices: a causal prefix, a later query range seeing it fully and
     itself causally (bottom-right: k - k_end <= q - q_end), one more full rectangle."""
@@ -153,10 +169,10 @@ def test_ranges_full_and_causal(device):
 
 
 def test_dense_bool_mask_and_odd_head_dim(device):
-    """A random block pattern with random elements in its partial blocks; head_dim 36 runs
-    zero-padded to 40 as in flash_attn_func."""
+    """A random block pattern with random elements in its partial blocks, one mask for both
+    sequences of the batch; head_dim 36 runs zero-padded to 40 as in flash_attn_func."""
     s, h, d = 256, 2, 36
-    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float32, device, seed=6)
+    q, k, v, dout = _inputs(2, s, s, h, h, d, torch.float32, device, seed=6)
     g = torch.Generator().manual_seed(7)
     blocks = torch.tensor([[1, 0], [2, 1]])  # 0 invisible, 1 full, 2 random elements
     mask = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
