@@ -345,8 +345,12 @@ def _dq_kernel(
         _store_grad(dq_ptrs, dq, io_mask, ACCUMULATE)
 
 
-def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
-    """delta = rowsum(dout * out) in float32, shaped like the LSE (``problem.lse_shape``)."""
+def attention_delta(
+    out: torch.Tensor, dout: torch.Tensor, problem: AttentionProblem, dlse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """delta = rowsum(dout * out) in float32, shaped like the LSE (``problem.lse_shape``); minus
+    ``dlse``, a gradient on the LSE, where given (d lse_i / d s_ij = p_ij, so it enters the
+    backward only through delta)."""
     vl = problem.varlen
     delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
     o4, do4 = as_4d(out, vl), as_4d(dout, vl)
@@ -362,6 +366,8 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, problem: AttentionPro
             packed_docs, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m,
             IS_VARLEN=vl,
         )  # fmt: skip
+    if dlse is not None:
+        delta.sub_(dlse)
     return delta
 
 

@@ -31,6 +31,19 @@ from .tile_mask import TileMask
 
 
 @triton.jit
+def _block_list(COUNT, INDEX, KIND, b64, h64, block, stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
+                SIZE: tl.constexpr):  # fmt: skip
+    """The list of (batch b64, head h64, block ``block``) as a walk takes it: (end of its partial
+    blocks, end of its full ones, both in positions of a walk over SIZE-position blocks laid end
+    to end; its block numbers; their kinds)."""
+    counts = COUNT + b64 * stride_cb + h64 * stride_ch + block * 2  # (partial, full) per block
+    partial_end = tl.load(counts) * SIZE
+    full_end = partial_end + tl.load(counts + 1) * SIZE
+    entries = b64 * stride_ib + h64 * stride_ih + block * stride_im
+    return partial_end, full_end, INDEX + entries, KIND + entries
+
+
+@triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, COUNT, INDEX, KIND, BITS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -62,20 +75,19 @@ def _sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qb = m0 // MASK_Q
-    counts = COUNT + b64 * stride_cb + h64 * stride_ch + qb * 2
-    partial_end = tl.load(counts) * MASK_K  # the list's partial blocks, then its full ones
-    full_end = partial_end + tl.load(counts + 1) * MASK_K
-    entries = b64 * stride_ib + h64 * stride_ih + qb * stride_im
+    partial_end, full_end, blocks, kinds = _block_list(
+        COUNT, INDEX, KIND, b64, h64, qb, stride_cb, stride_ch, stride_ib, stride_ih, stride_im, MASK_K
+    )  # the row's partial blocks, then its full ones
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, partial_end, row_pos, 0, 1, seqlen_k,
         0, 0, qk_scale, softcap_log2, slope_log2, True, False, False, HAS_SOFTCAP, HAS_ALIBI,
-        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS,
+        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, blocks, kinds, BITS,
         q_start + qb * MASK_Q, MASK_K, True, MASK_K // 32, MASK_Q * MASK_K // 32,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, partial_end, full_end, row_pos, 0, 1,
         seqlen_k, 0, 0, qk_scale, softcap_log2, slope_log2, False, False, False, HAS_SOFTCAP, HAS_ALIBI,
-        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS, 0, MASK_K,
+        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, blocks, kinds, BITS, 0, MASK_K,
     )  # fmt: skip
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -122,20 +134,19 @@ def _sparse_dq_kernel(
     slope_log2 = alibi_slope_log2(ALIBI, b, h, tl.num_programs(1), HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qb = m0 // MASK_Q
-    counts = COUNT + b64 * stride_cb + h64 * stride_ch + qb * 2
-    partial_end = tl.load(counts) * MASK_K
-    full_end = partial_end + tl.load(counts + 1) * MASK_K
-    entries = b64 * stride_ib + h64 * stride_ih + qb * stride_im
+    partial_end, full_end, blocks, kinds = _block_list(
+        COUNT, INDEX, KIND, b64, h64, qb, stride_cb, stride_ch, stride_ib, stride_ih, stride_im, MASK_K
+    )  # the row's partial blocks, then its full ones
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, partial_end, row_pos, 0, 1, seqlen_k,
         0, 0, qk_scale, softcap_log2, slope_log2, True, False, False, HAS_SOFTCAP, HAS_ALIBI,
-        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS,
+        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, blocks, kinds, BITS,
         q_start + qb * MASK_Q, MASK_K, True, MASK_K // 32, MASK_Q * MASK_K // 32,
     )  # fmt: skip
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, partial_end, full_end, row_pos, 0, 1,
         seqlen_k, 0, 0, qk_scale, softcap_log2, slope_log2, False, False, False, HAS_SOFTCAP, HAS_ALIBI,
-        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS, 0, MASK_K,
+        BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, WIDE, blocks, kinds, BITS, 0, MASK_K,
     )  # fmt: skip
     dq = dq * softmax_scale
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
@@ -178,22 +189,21 @@ def _sparse_dkdv_kernel(
         alibi_h = ALIBI
         if HAS_ALIBI:
             alibi_h = ALIBI + b64 * tl.num_programs(1) * GROUP + h64
-        counts = COUNT + b64 * stride_cb + h64 * stride_ch + kb * 2
-        partial_end = tl.load(counts) * MASK_Q
-        full_end = partial_end + tl.load(counts + 1) * MASK_Q
-        entries = b64 * stride_ib + h64 * stride_ih + kb * stride_im
+        partial_end, full_end, blocks, kinds = _block_list(
+            COUNT, INDEX, KIND, b64, h64, kb, stride_cb, stride_ch, stride_ib, stride_ih, stride_im, MASK_Q
+        )
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh,
             stride_dh, stride_lh, 0, partial_end, offs_n, q_start, 1, seqlen_q, 0, 0, qk_scale, softcap_log2,
             alibi_h, True, False, False, HAS_SOFTCAP, HAS_ALIBI, 1, BLOCK_M, BLOCK_D, HEAD_DIM,
-            DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS, kb * MASK_K, MASK_Q, True,
+            DOT_PRECISION, WIDE, blocks, kinds, BITS, kb * MASK_K, MASK_Q, True,
             MASK_K // 32, MASK_Q * MASK_K // 32,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, stride_qh,
             stride_dh, stride_lh, partial_end, full_end, offs_n, q_start, 1, seqlen_q, 0, 0, qk_scale,
             softcap_log2, alibi_h, False, False, False, HAS_SOFTCAP, HAS_ALIBI, 1, BLOCK_M, BLOCK_D,
-            HEAD_DIM, DOT_PRECISION, WIDE, INDEX + entries, KIND + entries, BITS, 0, MASK_Q,
+            HEAD_DIM, DOT_PRECISION, WIDE, blocks, kinds, BITS, 0, MASK_Q,
         )  # fmt: skip
     dk = dk * softmax_scale
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
@@ -269,9 +279,7 @@ def sparse_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ``sparse_forward`` given dout (and dlse, a gradient on the LSE, or None)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = attention_delta(out, dout, problem)
-    if dlse is not None:
-        delta.sub_(dlse)
+    delta = attention_delta(out, dout, problem, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fp32, scales = q.dtype == torch.float32, score_scales(problem)
     common = dict(

@@ -88,9 +88,7 @@ def _backward_op(
 def _backward_impl(dout, q, k, v, out, lse, dlse, problem: AttentionProblem):
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    delta = attention_delta(out, dout, problem)
-    if dlse is not None:
-        delta.sub_(dlse)
+    delta = attention_delta(out, dout, problem, dlse)
     return attention_backward(dout, q, k, v, lse, delta, problem)
 
 
