@@ -151,6 +151,22 @@ def test_flex_full_blocks_cut_by_the_end_are_masked(device):
     check(q, k, v, dout, block_mask, torch.ones(1, 1, s, s, dtype=torch.bool))
 
 
+def test_each_call_takes_its_own_mask(device):
+    """Calls of one shape (one cached problem) with different masks, a BlockMask's conversion
+    kept per object: the second and third calls follow their own masks, and a new BlockMask
+    (its predecessor gone, so its id may come back) is converted anew."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    s, h, d = 200, 1, 16
+    q, k, v, _ = _inputs(1, s, s, h, h, d, torch.float32, device, seed=13)
+    mods = (lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: kv >= q, lambda b, h, q, kv: (q - kv).abs() < 70)
+    for mod in mods:
+        block_mask = flex.create_block_mask(mod, 1, 1, s, s, device=device, BLOCK_SIZE=128)
+        got = ringflash.flash_attn_func(q, k, v, block_mask=block_mask)
+        expected, _ = reference_attention(q, k, v, mask=dense_mask(mod, 1, 1, s, s))
+        assert_close("out", got, expected, TOLERANCE[torch.float32])
+        del block_mask
+
+
 def test_ranges_full_and_causal(device):
     """MagiAttention-style slices: a causal prefix, a later query range seeing it fully and
     itself causally (bottom-right: k - k_end <= q - q_end), one more full rectangle."""
