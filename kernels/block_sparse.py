@@ -108,7 +108,7 @@ def _sparse_dq_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, q_start,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -150,7 +150,7 @@ def _sparse_dq_kernel(
     )  # fmt: skip
     dq = dq * softmax_scale
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
-    _store_grad(dq_ptrs, dq, io_mask, False)
+    _store_grad(dq_ptrs, dq, io_mask, ACCUMULATE)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def _sparse_dkdv_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, q_start,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -208,25 +208,34 @@ def _sparse_dkdv_kernel(
     dk = dk * softmax_scale
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + krow[:, None] * stride_dks + offs_d[None, :]
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + krow[:, None] * stride_dvs + offs_d[None, :]
-    _store_grad(dk_ptrs, dk, kv_mask, False)
-    _store_grad(dv_ptrs, dv, kv_mask, False)
+    _store_grad(dk_ptrs, dk, kv_mask, ACCUMULATE)
+    _store_grad(dv_ptrs, dv, kv_mask, ACCUMULATE)
 
 
 def check_tile_mask(mask: object, problem: AttentionProblem, device: torch.device) -> TileMask:
     """``mask`` if it is a TileMask that fits the problem's (dense) shapes and q's device."""
-    if not isinstance(mask, TileMask):
-        raise TypeError(f"block_mask must be a ringflash TileMask or a FlexAttention BlockMask, got {mask!r}")
     if problem.varlen:
         raise ValueError("block_mask describes dense (batch, seqlen) inputs: it cannot take cu_seqlens")
-    if (mask.seqlen_q, mask.seqlen_k) != (problem.max_seqlen_q, problem.max_seqlen_k):
+    shape = (problem.batch, problem.heads_q, problem.max_seqlen_q, problem.max_seqlen_k)
+    return check_mask_fits(mask, *shape, device)
+
+
+def check_mask_fits(
+    mask: object, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device: torch.device
+) -> TileMask:
+    """``mask`` if it is a TileMask for ``batch`` sequences (or shared), ``heads_q`` heads (or
+    shared), seqlen_q x seqlen_k, on ``device``; shapes only (a trace checks it too)."""
+    if not isinstance(mask, TileMask):
+        raise TypeError(f"block_mask must be a ringflash TileMask or a FlexAttention BlockMask, got {mask!r}")
+    if (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, seqlen_k):
         raise ValueError(
             f"block_mask is for seqlen_q, seqlen_k = {mask.seqlen_q}, {mask.seqlen_k}; the call has "
-            f"{problem.max_seqlen_q}, {problem.max_seqlen_k}"
+            f"{seqlen_q}, {seqlen_k}"
         )
-    if mask.batch not in (1, problem.batch) or mask.heads not in (1, problem.heads_q):
+    if mask.batch not in (1, batch) or mask.heads not in (1, heads_q):
         raise ValueError(
             f"block_mask has batch {mask.batch} and heads {mask.heads}: each must be 1 or the call's "
-            f"({problem.batch} sequences, {problem.heads_q} query heads)"
+            f"({batch} sequences, {heads_q} query heads)"
         )
     if mask.device != device:
         raise ValueError(f"block_mask is on {mask.device}, q on {device}")
@@ -243,13 +252,21 @@ def _mask_args(mask: TileMask, lists: str) -> tuple:
 
 
 def sparse_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TileMask, problem: AttentionProblem
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TileMask,
+    problem: AttentionProblem,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (batch, seqlen_q, heads_q, head_dim) over k/v (batch, seqlen_k, heads_k,
     head_dim) where ``mask`` leaves pairs visible (``check_tile_mask`` first); out in q's dtype,
-    lse float32 (batch, heads_q, seqlen_q), rows that see nothing 0 / -inf."""
-    out = torch.empty_like(q)
-    lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
+    lse float32 (batch, heads_q, seqlen_q), rows that see nothing 0 / -inf. ``out``/``lse``:
+    buffers (views with a unit last stride) to write instead of new tensors (a ring step's)."""
+    out = torch.empty_like(q) if out is None else out
+    if lse is None:
+        lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
     cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
     tensors, strides = _mask_args(mask, "kv")
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
@@ -280,34 +297,65 @@ def sparse_backward(
     """(dq, dk, dv) of ``sparse_forward`` given dout (and dlse, a gradient on the LSE, or None)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = attention_delta(out, dout, problem, dlse)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return sparse_gradients(dout, q, k, v, lse, delta, mask, problem)
+
+
+def sparse_gradients(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: TileMask,
+    problem: AttentionProblem,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+    compute_dkdv: bool = True,
+    compute_dq: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The dK/dV and dQ kernels under ``mask``, arguments as ``attention_backward``'s: lse the
+    final LSE of these queries over all their keys, delta from ``attention_delta``; dq/dk/dv
+    buffers written (added to with ``accumulate``) or, missing, allocated like q/k/v; one of the
+    two kernels alone with ``compute_dkdv``/``compute_dq`` (a ring step ships dK/dV early)."""
+    if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
+        raise ValueError("accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv "
+                         "with compute_dkdv")  # fmt: skip
     fp32, scales = q.dtype == torch.float32, score_scales(problem)
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         MASK_Q=mask.block_q, MASK_K=mask.block_k, **score_constexprs(problem),
-        DOT_PRECISION=dot_precision(q.dtype), WIDE=_wide(problem, q, k, v, dout),
+        DOT_PRECISION=dot_precision(q.dtype), WIDE=_wide(problem, q, k, v, dout), ACCUMULATE=accumulate,
     )  # fmt: skip
     tail = (problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, *scales,
             problem.q_positions.start)  # fmt: skip
-    cfg = backward_kv_config(problem.head_dim, fp32)
-    tensors, strides = _mask_args(mask, "q")
-    launch(
-        _sparse_dkdv_kernel, (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch),
-        q, k, v, dout, lse, delta, dk, dv, alibi_tensor(problem), *tensors,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
-        *dv.stride()[:3],
-        lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    cfg = backward_q_config(problem.head_dim, fp32)
-    tensors, strides = _mask_args(mask, "kv")
-    launch(
-        _sparse_dq_kernel, (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch),
-        q, k, v, dout, lse, delta, dq, alibi_tensor(problem), *tensors,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-        lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if compute_dkdv:
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        cfg = backward_kv_config(problem.head_dim, fp32)
+        tensors, strides = _mask_args(mask, "q")
+        launch(
+            _sparse_dkdv_kernel,
+            (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch),
+            q, k, v, dout, lse, delta, dk, dv, alibi_tensor(problem), *tensors,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if compute_dq:
+        dq = torch.empty_like(q) if dq is None else dq
+        cfg = backward_q_config(problem.head_dim, fp32)
+        tensors, strides = _mask_args(mask, "kv")
+        launch(
+            _sparse_dq_kernel,
+            (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch),
+            q, k, v, dout, lse, delta, dq, alibi_tensor(problem), *tensors,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+            lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return dq, dk, dv
 
 

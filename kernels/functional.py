@@ -13,9 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .block_sparse import BlockSparseAttention, check_tile_mask
+from .block_sparse import BlockSparseAttention, check_mask_fits, check_tile_mask
+from .block_sparse_ops import block_sparse_op
 from .merge import check_sinks, merge_sinks
-from .ops import check_scalar_args, flash_attention, flash_attention_probs
+from .ops import check_scalar_args, flash_attention, flash_attention_probs, use_ops
 from .plans import cached_problem
 from .problem import MAX_HEAD_DIM
 from .tile_mask import TileMask, as_tile_mask
@@ -181,8 +182,10 @@ def flash_attn_func(
     )  # fmt: skip
 
 
-# Not traced: torch.compile runs it eagerly, a graph break (the custom-op form is not built yet).
-@torch.compiler.disable
+# A FlexAttention BlockMask is converted outside a trace (a graph break where it is not a TileMask yet).
+_converted = torch.compiler.disable(as_tile_mask)
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,7 +201,9 @@ def block_sparse_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``flash_attn_func``'s arguments under ``block_mask`` (a TileMask or a
     FlexAttention BlockMask), both differentiable; q/k/v with head_dim a multiple of 8. The
-    backward is deterministic whatever ``deterministic`` says (no atomics: block_sparse.py)."""
+    backward is deterministic whatever ``deterministic`` says (no atomics: block_sparse.py).
+    Traced by torch.compile, the custom op ``ringflash::block_sparse_forward`` (a TileMask
+    needs no graph break; a BlockMask is converted in one)."""
     scale, causal, (left, right), softcap, _ = check_scalar_args(
         softmax_scale, causal, window_size, softcap, deterministic
     )
@@ -211,9 +216,12 @@ def block_sparse_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    mask = block_mask if isinstance(block_mask, TileMask) else _converted(block_mask)
+    if use_ops(q):  # the shapes checked here, in the trace; the rest by the op when it runs
+        check_mask_fits(mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        return block_sparse_op(q, k, v, mask, scale, softcap, alibi_slopes)
     problem = cached_problem(q, k, v, None, None, 0, 0, scale, False, -1, -1, softcap, alibi_slopes, False)
-    mask = check_tile_mask(as_tile_mask(block_mask), problem, q.device)
-    return BlockSparseAttention.apply(q, k, v, mask, problem)
+    return BlockSparseAttention.apply(q, k, v, check_tile_mask(mask, problem, q.device), problem)
 
 
 def flash_attn_varlen_func(

@@ -27,6 +27,7 @@ need no bounds check on it.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,57 @@ class TileMask:
         used = self.kv_kind[partial_ids].long()
         bits = (self.bits[used, :, :, None] >> torch.arange(32, device=self.device)) & 1
         return full + int(bits.sum())
+
+    def grid(self) -> torch.Tensor:
+        """The (Bm, Hm, NQ, NK) int32 kinds of every block: -2 invisible, -1 full, else its
+        partial block's index into ``bits``."""
+        grid = torch.empty_like(self.kv_index)
+        return grid.scatter_(3, self.kv_index.long(), self.kv_kind)  # each row's list is a permutation
+
+    def take(self, q_blocks: torch.Tensor, k_blocks: torch.Tensor) -> TileMask:
+        """The mask of the queries of blocks ``q_blocks`` over the keys of blocks ``k_blocks``
+        (1-D int tensors, in the order the sub-problem holds them): a sequence-parallel rank's
+        view of the global mask. The blocks must be whole (not cut by the sequences' ends)."""
+        nq, nk = self.kv_index.shape[2:]
+        sides = (("q_blocks", q_blocks, nq, self.block_q, self.seqlen_q),
+                 ("k_blocks", k_blocks, nk, self.block_k, self.seqlen_k))  # fmt: skip
+        for name, blocks, n, block, seqlen in sides:
+            if seqlen % block and bool((blocks == n - 1).any()):
+                raise ValueError(f"{name} takes the last block, which the sequence's end cuts ({seqlen} "
+                                 f"positions in blocks of {block})")  # fmt: skip
+        grid = self.grid()[:, :, q_blocks.to(self.device)][:, :, :, k_blocks.to(self.device)]
+        partial = grid >= 0
+        used = grid[partial].long()
+        grid = grid.clone()
+        grid[partial] = torch.arange(used.numel(), dtype=torch.int32, device=self.device)
+        bits = self.bits[used] if used.numel() else torch.zeros_like(self.bits[:1])
+        return _from_lists(grid, bits, len(q_blocks) * self.block_q, len(k_blocks) * self.block_k,
+                           self.block_q, self.block_k)  # fmt: skip
+
+    def select_heads(self, start: int, stop: int) -> TileMask:
+        """The mask of query heads [start, stop) (itself where the heads share one mask): a
+        Ulysses rank's heads."""
+        if self.heads == 1:
+            return self
+        if not 0 <= start < stop <= self.heads:
+            raise ValueError(f"heads [{start}, {stop}) are not among the mask's {self.heads}")
+        pick = lambda t: t[:, start:stop].contiguous()  # noqa: E731
+        names = ("kv_count", "kv_index", "kv_kind", "q_count", "q_index", "q_kind")
+        lists = [pick(getattr(self, n)) for n in names]
+        return TileMask(self.seqlen_q, self.seqlen_k, self.block_q, self.block_k, *lists, self.bits)
+
+    def digest(self) -> str:
+        """A hash of the whole mask (reads it back to the host once per mask: a device sync),
+        so that ranks can check they were given the same mask."""
+        hit = _DIGESTS.get(self)
+        if hit is None:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(repr((self.seqlen_q, self.seqlen_k, self.block_q, self.block_k)).encode())
+            for t in (self.kv_count, self.kv_index, self.kv_kind, self.bits):
+                h.update(repr(tuple(t.shape)).encode())
+                h.update(t.cpu().numpy().tobytes())
+            hit = _DIGESTS[self] = h.hexdigest()
+        return hit
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, *, block_size: int | tuple[int, int] = MASK_BLOCK) -> TileMask:
@@ -260,12 +312,17 @@ class TileMask:
     ) -> TileMask:
         """From the (Bm, Hm, NQ, NK) grid of kinds (invisible -2, full -1, partial i >= 0) and
         the partial blocks' (P, block_q, block_k) bool masks."""
-        kv_count, kv_index, kv_kind = _block_lists(grid)
-        q_count, q_index, q_kind = _block_lists(grid.transpose(2, 3))
-        return cls(
-            seqlen_q, seqlen_k, block_q, block_k, kv_count, kv_index, kv_kind, q_count, q_index, q_kind,
-            _pack_bits(parts),
-        )  # fmt: skip
+        return _from_lists(grid, _pack_bits(parts), seqlen_q, seqlen_k, block_q, block_k)
+
+
+def _from_lists(
+    grid: torch.Tensor, bits: torch.Tensor, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int
+) -> TileMask:
+    """The TileMask of a grid of kinds whose partial blocks index the packed ``bits``."""
+    kv_count, kv_index, kv_kind = _block_lists(grid)
+    q_count, q_index, q_kind = _block_lists(grid.transpose(2, 3))
+    return TileMask(seqlen_q, seqlen_k, block_q, block_k, kv_count, kv_index, kv_kind, q_count, q_index,
+                    q_kind, bits.contiguous())  # fmt: skip
 
 
 def _block_sizes(block_size: object) -> tuple[int, int]:
@@ -322,6 +379,7 @@ def _pack_bits(parts: torch.Tensor) -> torch.Tensor:
 
 
 _CONVERTED: dict[int, tuple[weakref.ref, TileMask]] = {}
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TileMask.digest's, per mask
 
 
 def as_tile_mask(mask: object) -> TileMask:

@@ -21,6 +21,7 @@ compressive memory, sequence parallel by a prefix sum or a relay of the memory).
 """
 
 from .batch import shard_batch
+from .block_masks import balanced_layout, layout_work
 from .comm import use_high_priority_comm
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .infini import InfiniAttention, InfiniMemory, infini_attention
@@ -35,7 +36,7 @@ from .kernels import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
-from .layouts import LAYOUTS, layout_indices, zigzag_indices
+from .layouts import LAYOUTS, ChunkLayout, layout_indices, zigzag_indices
 from .llama3 import (
     llama3_flash_attn_prepare_cu_seqlens,
     llama3_flash_attn_varlen_func,
@@ -71,6 +72,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LAYOUTS",
+    "ChunkLayout",
     "InfiniAttention",
     "InfiniMemory",
     "ParallelGroups",
@@ -78,6 +80,8 @@ __all__ = [
     "SequenceParallelAttention",
     "SP_MODES",
     "TileMask",
+    "balanced_layout",
+    "layout_work",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .block_masks import MaskedCall, check_block_mask, gathered_keys_mask
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
 from .consistency import join_rank_check
 from .kernels import (
@@ -33,13 +34,12 @@ from .kernels import (
     MaskBounds,
     TokenPositions,
     Visibility,
-    attention_backward,
     attention_delta,
-    attention_forward,
     block_visibility,
     build_problem,
     check_sinks,
 )
+from .kernels.tile_mask import TileMask, as_tile_mask
 from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
 from .ring import check_shards
 from .setup_cache import SetupCache
@@ -48,15 +48,17 @@ _UNMASKED = MaskBounds(None, None)
 
 
 @dataclass(frozen=True)
-class GatherCall:
+class GatherCall(MaskedCall):
     """One kernel launch of one head stride: index tuples of its q rows/heads in the local
     (batch, n, heads_q, head_dim) tensors, its key rows in the gathered (batch, S, stride,
-    head_dim) K/V, its LSE entries in the local (batch, heads_q, n) LSE, and its problem."""
+    head_dim) K/V, its LSE entries in the local (batch, heads_q, n) LSE, its problem, and its
+    view of the block mask where the call has one."""
 
     q_index: tuple
     k_index: tuple
     lse_index: tuple
     problem: AttentionProblem
+    mask: TileMask | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def check_heads_k_stride(heads_k_stride: object, heads_k: int) -> int:
     return heads_k_stride
 
 
-def _stride_call(call: RowCall, i: int, stride: int, group: int) -> GatherCall:
+def _stride_call(call: RowCall, i: int, stride: int, group: int, mask: TileMask | None) -> GatherCall:
     hq = slice(i * stride * group, (i + 1) * stride * group)
     p = replace(call.problem, heads_q=stride * group, heads_k=stride)
     if p.alibi_slopes is not None:
@@ -111,16 +113,21 @@ def _stride_call(call: RowCall, i: int, stride: int, group: int) -> GatherCall:
     if call.varlen:
         return GatherCall((0, call.q_rows, hq), (0, call.k_rows), (0, hq, call.q_rows), p)
     every = slice(None)
-    return GatherCall((every, call.q_rows, hq), (every, call.k_rows), (every, hq, call.q_rows), p)
+    mask = None if mask is None else mask.select_heads(hq.start, hq.stop)
+    return GatherCall((every, call.q_rows, hq), (every, call.k_rows), (every, hq, call.q_rows), p, mask)
 
 
 def gather_plan(
-    calls: Sequence[RowCall], heads_k: int, stride: int, rows: int, order: torch.Tensor | None
-) -> GatherPlan:
-    """Cut ``calls`` (over all heads) into head strides; ``rows``: the local query rows."""
+    calls: Sequence[RowCall], heads_k: int, stride: int, rows: int, order: torch.Tensor | None,
+    mask: TileMask | None = None,
+) -> GatherPlan:  # fmt: skip
+    """Cut ``calls`` (over all heads) into head strides; ``rows``: the local query rows;
+    ``mask``: the local queries' view of a block mask over the gathered keys (natural order)."""
     covered = sum(c.q_rows.stop - c.q_rows.start for c in calls)
     group = calls[0].problem.group if calls else 1
-    steps = tuple(tuple(_stride_call(c, i, stride, group) for c in calls) for i in range(heads_k // stride))
+    steps = tuple(
+        tuple(_stride_call(c, i, stride, group, mask) for c in calls) for i in range(heads_k // stride)
+    )
     return GatherPlan(stride, steps, order, complete=covered == rows)
 
 
@@ -249,8 +256,7 @@ def gather_forward(
     for i, calls in enumerate(plan.steps):
         k_all, v_all = gather.take(i)
         for c in calls:
-            attention_forward(q[c.q_index], k_all[c.k_index], v_all[c.k_index], c.problem,
-                              out=out[c.q_index], lse=lse[c.lse_index])  # fmt: skip
+            c.forward(q[c.q_index], k_all[c.k_index], v_all[c.k_index], out[c.q_index], lse[c.lse_index])
     return out, lse
 
 
@@ -305,9 +311,8 @@ def gather_backward(
             t.zero_()
         for c in calls:
             qi, li = c.q_index, c.lse_index
-            attention_backward(dout[qi], q[qi], k_all[c.k_index], v_all[c.k_index], lse[li], delta[li],
-                               c.problem, dq=dq[qi], dk=grads[0][c.k_index], dv=grads[1][c.k_index],
-                               accumulate=True)  # fmt: skip
+            c.backward(dout[qi], q[qi], k_all[c.k_index], v_all[c.k_index], lse[li], delta[li], dq=dq[qi],
+                       dk=grads[0][c.k_index], dv=grads[1][c.k_index], accumulate=True)  # fmt: skip
         pending[i % 2] = [
             reduce_scatter_async(m, _to_shards(t, plan.order, w), group) for m, t in zip(mine[i % 2], grads)
         ]
@@ -358,15 +363,22 @@ def layout_setup(
     heads_k_stride: int | None,
     check_ranks: bool = True,
     error: Exception | None = None,
+    block_mask: object = None,
 ) -> tuple[AttentionProblem, GatherPlan, dist.ProcessGroup, torch.Tensor | None]:
     """Validate and plan ``sp_mode="allgather"`` over local shards (batch, local_seqlen, heads,
     head_dim) cut by ``layout`` (any: the gathered K/V are put in natural order): (base problem,
     plan, group, checked sinks). Arguments as in ``ring.ring_setup``, plus ``heads_k_stride`` (K/V
     heads gathered at a time; None: all of them, ``default_heads_k_stride``). ``error``: an
-    argument error the caller found, raised after the ranks' check, which this rank still joins."""
+    argument error the caller found, raised after the ranks' check, which this rank still joins.
+    ``block_mask``: a TileMask or BlockMask over the full sequence (``block_masks.py``)."""
+    if block_mask is not None and error is None:
+        try:
+            block_mask = as_tile_mask(block_mask)  # a BlockMask converted once, then by identity
+        except (ValueError, TypeError) as e:
+            error = e
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
-                   cu_seqlens=cu_seqlens)  # fmt: skip
+                   cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, heads_k_stride=heads_k_stride, **options)
     if hit is not None:  # built before for this signature; the ranks' check still runs
         (base, plan), group = hit, resolved
@@ -377,23 +389,36 @@ def layout_setup(
         join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
                         sp_mode="allgather", **options)  # fmt: skip
         return base, plan, group, sinks
-    stride = None
+    stride = view = None
+    shard_options = {n: x for n, x in options.items() if n != "block_mask"}
     try:
-        base, sinks = check_shards(q, k, v, sinks=sinks, mode="all-gather", **options)
+        base, sinks = check_shards(q, k, v, sinks=sinks, mode="all-gather", **shard_options)
         stride = check_heads_k_stride(heads_k_stride, base.heads_k)
     except (ValueError, TypeError) as e:
         error = error or e
     group = resolve_group_or_raise(group, error)
-    join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
-                    sp_mode="allgather", **options)  # fmt: skip
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     total = q.shape[1] * world
+    if block_mask is not None and error is None:
+        try:
+            check_block_mask(
+                block_mask, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                cu_seqlens=cu_seqlens, total=total, batch=q.shape[0], heads_q=base.heads_q, device=q.device,
+            )  # fmt: skip
+            view = gathered_keys_mask(block_mask, layout, rank, world)
+        except (ValueError, TypeError) as e:
+            error = e
+    join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
+                    sp_mode="allgather", **options)  # fmt: skip
     doc_lens = full_document_lengths(layout, q.shape[1], world, cu_seqlens)
     bounds = None if cu_seqlens is None else (0, *itertools.accumulate(doc_lens))
-    calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
+    if view is None:
+        calls = layout_calls(base, layout, rank, world, doc_lens, cu_seqlens is not None, q.device)
+    else:  # one block-sparse call of the local queries over every gathered key
+        calls = [RowCall(slice(0, q.shape[1]), slice(0, total), False, replace(base, max_seqlen_k=total))]
     order = natural_order(layout, world, total, bounds, q.device)
-    plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order)
-    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens)
+    plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order, view)
+    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens, block_mask)
     return base, plan, group, sinks
 
 

@@ -187,10 +187,12 @@ def allgather_attention(
     cu_seqlens: Tensor | Sequence[int] | None,
     heads_k_stride: int | None,
     error: Exception | None = None,
+    block_mask: object = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``sp_mode="allgather"`` over local shards (batch, local_seqlen, heads,
-    head_dim), differentiable in q, k, v and sinks; arguments as in ``allgather.layout_setup``."""
-    if use_ops(q):  # traced: the op validates, checks the ranks and plans when it runs
+    head_dim), differentiable in q, k, v and sinks; arguments as in ``allgather.layout_setup``
+    (a call with ``block_mask`` is not traced: sp_attn_func runs it eagerly)."""
+    if use_ops(q) and block_mask is None:  # traced: the op validates, checks the ranks and plans when it runs
         if error is not None:
             raise error
         check_layout(layout)
@@ -207,7 +209,7 @@ def allgather_attention(
     base, plan, group, sinks = layout_setup(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,
-        cu_seqlens=cu_seqlens, heads_k_stride=heads_k_stride, error=error,
+        cu_seqlens=cu_seqlens, heads_k_stride=heads_k_stride, error=error, block_mask=block_mask,
     )  # fmt: skip
     return apply_sinks(*run_gather_attention(q, k, v, base, plan, group), sinks)
 

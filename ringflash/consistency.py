@@ -33,17 +33,24 @@ import torch.distributed as dist
 
 from .comm import host_all_gather_object, host_values_agree
 from .kernels.problem import cu_seqlens_host
+from .kernels.tile_mask import TileMask
+from .layouts import ChunkLayout
 
 
 def describe(x: object) -> object:
     """A picklable, comparable summary of an argument: tensors by shape (values are not
-    compared: that would read device memory back), ints/floats/strings/tuples as they are."""
+    compared: that would read device memory back), ints/floats/strings/tuples as they are, a
+    block mask by its digest."""
     if isinstance(x, torch.Tensor):
         return ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."))
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, (list, tuple)):
         return tuple(describe(i) for i in x)
+    if isinstance(x, ChunkLayout):
+        return ("ChunkLayout", x.chunks)
+    if isinstance(x, TileMask):  # by content, hashed once per mask (a device sync the first time)
+        return ("TileMask", x.batch, x.heads, x.seqlen_q, x.seqlen_k, x.block_q, x.block_k, x.digest())
     return type(x).__name__
 
 

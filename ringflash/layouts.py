@@ -8,6 +8,9 @@ segment) pairs to compute, and with which mask, follows from the positions alone
 - ``zigzag``: 2W equal chunks; rank r holds chunks r and 2W-1-r, so every rank has the same
   amount of causal work.
 - ``stripe``: token t lives on rank t mod W (positions r, r+W, r+2W, ...).
+- a ``ChunkLayout``: C equal chunks, rank r holding the chunks its entry lists, in that order
+  (``block_masks.balanced_layout`` makes one that balances a block mask's work; zigzag is
+  ``ChunkLayout(((0, 3), (1, 2)))`` on two ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +28,30 @@ LAYOUTS = ("contiguous", "zigzag", "stripe")
 
 
 @dataclass(frozen=True)
+class ChunkLayout:
+    """A layout chunk by chunk: the sequence (each packed document) is cut into C equal chunks,
+    and ring rank r holds chunks ``chunks[r]`` in that order (every rank as many; together
+    each chunk once). Pass it wherever a layout name goes (``layout=``)."""
+
+    chunks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.chunks, tuple) and len(self.chunks) > 0
+        ok = ok and all(isinstance(r, tuple) and len(r) == len(self.chunks[0]) > 0 for r in self.chunks)
+        ok = ok and all(isinstance(c, int) and not isinstance(c, bool) for r in self.chunks for c in r)
+        if not ok or sorted(c for r in self.chunks for c in r) != list(range(self.count)):
+            raise ValueError(
+                "ChunkLayout.chunks must be a tuple of equally long tuples of ints, one per rank, "
+                f"listing every chunk 0..C-1 once; got {self.chunks!r}"
+            )
+
+    @property
+    def count(self) -> int:
+        """C, the number of chunks."""
+        return sum(len(r) for r in self.chunks)
+
+
+@dataclass(frozen=True)
 class Segment:
     """Local tokens [local_start, local_start + length): the same chunk of every document, at
     document-relative ``positions`` (``per_len`` scales with each document's chunk length).
@@ -37,14 +64,20 @@ class Segment:
     seq_lens: tuple[int, ...]
 
 
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def check_layout(layout: object) -> str | ChunkLayout:
+    if not isinstance(layout, ChunkLayout) and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or a ChunkLayout, got {layout!r}")
     return layout  # type: ignore[return-value]
 
 
-def shard_multiple(layout: str, world_size: int) -> int:
+def shard_multiple(layout: str | ChunkLayout, world_size: int) -> int:
     """The full sequence length (each packed document's length) must be a multiple of this."""
+    if isinstance(layout, ChunkLayout):
+        if len(layout.chunks) != world_size:
+            raise ValueError(
+                f"the ChunkLayout is for {len(layout.chunks)} ring ranks, the ring has {world_size}"
+            )
+        return layout.count
     return 2 * world_size if check_layout(layout) == "zigzag" else world_size
 
 
@@ -125,6 +158,11 @@ def segments(layout: str, rank: int, world_size: int, doc_lens: tuple[int, ...])
     """The segments of rank ``rank``'s local tokens under ``layout``, for a full sequence made of
     documents of lengths ``doc_lens`` (one document: an unpacked sequence), each split on its
     own. Packed local order: chunk c of every document, then (zigzag) the mirrored chunk."""
+    if isinstance(layout, ChunkLayout):
+        lens = tuple(n // layout.count for n in doc_lens)
+        length = sum(lens)
+        return [Segment(j * length, length, TokenPositions(0, 1, per_len=c), lens)
+                for j, c in enumerate(layout.chunks[rank])]  # fmt: skip
     check_layout(layout)
     if layout == "stripe":
         return [Segment(0, sum(doc_lens) // world_size, TokenPositions(rank, world_size),

@@ -186,7 +186,10 @@ def _sp_args(
     scale, causal, (left, right), softcap, deterministic = check_scalar_args(
         softmax_scale, causal, window_size, softcap, deterministic
     )
-    check_layout(layout)
+    if not isinstance(check_layout(layout), str):
+        raise NotImplementedError(
+            f"layout={layout!r} under torch.compile: the compiled ops take layout names"
+        )
     cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     cu_list = None if cu_seqlens is None or cu_tensor is not None else [int(c) for c in cu_seqlens]
     return (

@@ -20,19 +20,20 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from .block_masks import MaskedCall, check_block_mask, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
 from .consistency import join_rank_check
 from .kernels import (
     AttentionProblem,
     MaskBounds,
+    TileMask,
     TokenPositions,
-    attention_backward,
     attention_delta,
-    attention_forward,
     build_problem,
     check_sinks,
     uses_fused_backward,
 )
+from .kernels.tile_mask import as_tile_mask
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
 from .merge import apply_sinks, merge_unchecked
 from .schedule import BlockTask, ring_schedule
@@ -42,15 +43,17 @@ _UNMASKED = MaskBounds(None, None)
 
 
 @dataclass(frozen=True)
-class KernelCall:
+class KernelCall(MaskedCall):
     """One kernel launch of a ring step: index tuples of its q rows, k rows and LSE rows in the
-    local (batch, seqlen, ...) tensors, the query slice for the merge, and its problem."""
+    local (batch, seqlen, ...) tensors, the query slice for the merge, its problem, and the
+    step's view of the block mask where the call has one (``block_mask``)."""
 
     q_index: tuple
     k_index: tuple
     lse_index: tuple
     q_slice: slice
     problem: AttentionProblem
+    mask: TileMask | None = None
 
 
 def _kernel_call(base: AttentionProblem, task: BlockTask, cu_local: torch.Tensor | None) -> KernelCall:
@@ -110,10 +113,7 @@ def ring_forward(
         for j, c in enumerate(calls):
             direct = i == 0 and first is not None and first[j]
             out, lse = (acc_out, acc_lse) if direct else (blk_out, blk_lse)
-            attention_forward(
-                q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], c.problem,
-                out=out[c.q_index], lse=lse[c.lse_index],
-            )  # fmt: skip
+            c.forward(q[c.q_index], kv[0][c.k_index], kv[1][c.k_index], out[c.q_index], lse[c.lse_index])
             if not direct:
                 qs = c.q_slice
                 merge_unchecked(acc_out[:, qs], acc_lse[:, :, qs], blk_out[:, qs], blk_lse[:, :, qs])
@@ -150,7 +150,7 @@ def backward_is_fused(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch
     """Whether every kernel call of the plan computes dQ and dK/dV in one fused kernel
     (``uses_fused_backward``); ``ring_backward`` then runs its fused schedule."""
     return all(
-        uses_fused_backward(c.problem, q[c.q_index], k[c.k_index], v[c.k_index])
+        c.mask is None and uses_fused_backward(c.problem, q[c.q_index], k[c.k_index], v[c.k_index])
         for step in plan
         for c in step
     )
@@ -205,12 +205,12 @@ def ring_backward(
 
     def block(c: KernelCall, kv) -> tuple:
         qi, ki = c.q_index, c.k_index
-        return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index], c.problem
+        return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index]
 
     def launch(c: KernelCall, kv, grads=None) -> None:
         """dQ (grads None), dK/dV added into ``grads``, or both (fused)."""
         dkdv = {} if grads is None else dict(dk=grads[0][c.k_index], dv=grads[1][c.k_index])
-        attention_backward(
+        c.backward(
             *block(c, kv), dq=dq[c.q_index] if grads is None or fused else None, **dkdv, accumulate=True,
             compute_dkdv=grads is not None, compute_dq=grads is None or fused,
         )  # fmt: skip
@@ -344,13 +344,19 @@ def ring_setup(
     cu_seqlens: torch.Tensor | Sequence[int] | None,
     check_ranks: bool = True,
     error: Exception | None = None,
+    block_mask: object = None,
 ) -> tuple[AttentionProblem, RingPlan, RingComm, torch.Tensor | None]:
     """Validate a ring call and plan it: (base problem, plan, comm, checked sinks); arguments as
-    in ``ring_attention``. Built once per call signature (``SETUPS``); the ranks' check runs on
-    every call."""
+    in ``ring_attention``. Built once per call signature (``SETUPS``; a block mask by identity);
+    the ranks' check runs on every call."""
+    if block_mask is not None and error is None:
+        try:
+            block_mask = as_tile_mask(block_mask)  # a BlockMask converted once, then by identity
+        except (ValueError, TypeError) as e:
+            error = e
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
-                   cu_seqlens=cu_seqlens)  # fmt: skip
+                   cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, **options)
     if hit is not None:
         base, plan, rank, world_size = hit
@@ -361,15 +367,28 @@ def ring_setup(
             error = e
         join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
         return base, plan, comm, sinks
+    shard_options = {n: x for n, x in options.items() if n != "block_mask"}
     try:
-        base, sinks = check_shards(q, k, v, sinks=sinks, mode="ring", **options)
+        base, sinks = check_shards(q, k, v, sinks=sinks, mode="ring", **shard_options)
     except (ValueError, TypeError) as e:
         error = error or e
     comm = RingComm(resolve_group_or_raise(group, error))
+    if block_mask is not None and error is None:
+        try:
+            check_block_mask(block_mask, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                             cu_seqlens=cu_seqlens, total=q.shape[1] * comm.world_size, batch=q.shape[0],
+                             heads_q=base.heads_q, device=q.device)  # fmt: skip
+            steps = ring_step_masks(block_mask, layout, comm.rank, comm.world_size)
+        except (ValueError, TypeError) as e:
+            error = e
     join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
-    doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
-    plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
-    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, alibi_slopes, cu_seqlens)
+    if block_mask is None:
+        doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
+        plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
+    else:
+        plan = block_sparse_ring_plan(base, steps)
+    pinned = (alibi_slopes, cu_seqlens, block_mask)
+    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, *pinned)
     return base, plan, comm, sinks
 
 
@@ -394,17 +413,20 @@ def ring_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None,
     check_ranks: bool = True,
     error: Exception | None = None,
+    block_mask: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ring attention over local shards (batch, local_seqlen, heads, head_dim); the
     machinery behind every ring entry point. Arguments wrong on their own raise first, then a
     missing process group; ``check_ranks``: check that every rank passed the same arguments
     (``consistency.check_ranks_agree``; callers that checked a larger group already skip it).
     ``error``: an argument error the caller found; it is raised after the check, which this
-    rank must still join. Eager only: traced by torch.compile, the entry points run the custom
-    op ``ringflash::ring_attn_forward`` instead (``ring_functions.dispatch_ring_attention``)."""
+    rank must still join. ``block_mask``: a TileMask or BlockMask over the full sequence
+    (``block_masks.py``), run by the block-sparse kernels. Eager only: traced by torch.compile,
+    the entry points run the custom op ``ringflash::ring_attn_forward`` instead
+    (``ring_functions.dispatch_ring_attention``)."""
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, group=group, layout=layout,
-                   cu_seqlens=cu_seqlens, check_ranks=check_ranks)  # fmt: skip
+                   cu_seqlens=cu_seqlens, check_ranks=check_ranks, block_mask=block_mask)  # fmt: skip
     base, plan, comm, sinks = ring_setup(q, k, v, sinks=sinks, error=error, **options)
     k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
     out, lse = _RingFlashAttention.apply(q, k, v, base, plan, comm)
@@ -428,3 +450,12 @@ def ring_plan(
         seq_lens = segments(layout, comm.rank, comm.world_size, doc_lens)[0].seq_lens
         cu_local = cumulative_lengths(seq_lens, device)
     return tuple(tuple(_kernel_call(base, t, cu_local) for t in step) for step in schedule.steps)
+
+
+def block_sparse_ring_plan(base: AttentionProblem, steps: tuple[TileMask | None, ...]) -> RingPlan:
+    """One block-sparse call per ring step over the whole local shards, under the step's view of
+    the mask (``block_masks.ring_step_masks``); none where the view leaves nothing visible."""
+    whole = (slice(None), slice(None))
+    rows = slice(0, base.max_seqlen_q)
+    return tuple(() if m is None else (KernelCall(whole, whole, (*whole, slice(None)), rows, base, m),)
+                 for m in steps)  # fmt: skip

@@ -24,6 +24,9 @@ def dispatch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     runs (sinks stay outside it, in plain torch ops); eager, the engine itself."""
     if not (isinstance(q, torch.Tensor) and use_ops(q)):  # a non-tensor q: the engine raises after the check
         return ring_attention(q, k, v, **options)
+    if options.get("block_mask") is not None:  # no custom op takes a mask: a graph break
+        return _ring_attention_eager(q, k, v, **options)
+    options.pop("block_mask", None)
     error, sinks = options.pop("error", None), options.pop("sinks", None)
     if error is not None:
         raise error
@@ -32,9 +35,12 @@ def dispatch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return apply_sinks(*ring_attention_op(q, k, v, **options), sinks)
 
 
+_ring_attention_eager = torch.compiler.disable(ring_attention)
+
+
 def _ring_entry(
     q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse, error=None,
+    return_attn_probs, group, *, layout, cu_seqlens, softcap, sinks, return_lse, block_mask=None, error=None,
 ):  # fmt: skip
     """The dense entry points' one body; ``error``: an argument error the caller found (a packed
     tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
@@ -45,7 +51,7 @@ def _ring_entry(
     out, lse = dispatch_ring_attention(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic, group=group, layout=layout,
-        cu_seqlens=cu_seqlens, error=error,
+        cu_seqlens=cu_seqlens, block_mask=block_mask, error=error,
     )  # fmt: skip
     return attention_returns(out, lse, return_attn_probs, return_lse)
 
@@ -68,6 +74,7 @@ def ring_flash_attn_func(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    block_mask: object = None,
 ) -> torch.Tensor | tuple:
     """Exact attention over a sequence sharded across ``group``, differentiable; ring-flash-attn's
     ``ring_flash_attn_func`` (same arguments, order, defaults and returns; contiguous shards).
@@ -97,6 +104,10 @@ def ring_flash_attn_func(
             rank's rows' contribution: sum it over the group as for any replicated parameter
             (``reduce_gradients`` does).
         return_lse: return (out, lse).
+        block_mask: ringflash's: any mask, block-sparse (``TileMask`` or FlexAttention's
+            ``BlockMask``) over the *full* sequence in global positions, the same on every rank;
+            replaces causal/window_size; not with cu_seqlens, alibi_slopes or layout "stripe";
+            each shard (zigzag: each half) a whole number of the mask's blocks (``sp_attn_func``).
 
     Returns:
         out: (batch, local_seqlen, heads_q, head_dim) in q's dtype, in q's token order; with
@@ -107,7 +118,7 @@ def ring_flash_attn_func(
     return _ring_entry(
         q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
         return_attn_probs, group, layout=layout, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
-        return_lse=return_lse,
+        return_lse=return_lse, block_mask=block_mask,
     )  # fmt: skip
 
 
@@ -128,13 +139,14 @@ def zigzag_ring_flash_attn_func(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    block_mask: object = None,
 ) -> torch.Tensor | tuple:
     """``ring_flash_attn_func`` on zigzag shards (rank r holds chunks r and 2W-1-r of 2W), as
-    ring-flash-attn's ``zigzag_ring_flash_attn_func``; causal=False works too."""
+    ring-flash-attn's ``zigzag_ring_flash_attn_func``; causal=False and ``block_mask`` work too."""
     return _ring_entry(
         q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
         return_attn_probs, group, layout="zigzag", cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
-        return_lse=return_lse,
+        return_lse=return_lse, block_mask=block_mask,
     )  # fmt: skip
 
 

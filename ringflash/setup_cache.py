@@ -3,7 +3,8 @@
 A ring or all-gather call checks its shards, resolves its group, reads the document lengths and
 plans every step's kernel calls: hundreds of microseconds of Python per call, the same for every
 layer and step of a model. The setup depends only on q/k/v's shapes, strides, dtypes and devices,
-the group and the options, tensors among them (ALiBi slopes, cu_seqlens) by identity and version:
+the group and the options, tensors among them (ALiBi slopes, cu_seqlens) by identity and version,
+a block mask by identity:
 a call whose key was seen takes what was built then. The ranks' agreement check is not part of
 it and runs on every call (``consistency``): a rank that finds its setup cached still joins it.
 """
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 from .comm import resolve_group
 from .kernels.plans import identity_key, layout_key
+from .kernels.tile_mask import TileMask
+from .layouts import ChunkLayout
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -25,6 +28,10 @@ _SCALARS = (bool, int, float, str, type(None))
 def _option_key(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return identity_key(value)
+    if isinstance(value, TileMask):  # immutable: its identity stands for it (the entry pins it)
+        return (TileMask, id(value))
+    if isinstance(value, ChunkLayout):  # frozen, compared by value
+        return value
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_option_key(x) for x in value))
     if isinstance(value, _SCALARS):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .allgather_ops import allgather_attention
+from .block_masks import check_block_mask
 from .comm import resolve_group
 from .consistency import call_signature, check_ranks_agree
 from .conventions import attention_returns, check_dropout
@@ -96,6 +97,7 @@ def sp_attn_func(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     heads_k_stride: int | None = None,
+    block_mask: object = None,
 ) -> torch.Tensor | tuple:
     """Exact attention over a sequence sharded across ``group``, in any sequence-parallel mode.
 
@@ -130,11 +132,24 @@ def sp_attn_func(
         heads_k_stride: "allgather" only: K/V heads gathered at a time, a divisor of heads_k
             (None: all, one gather); memory: the full sequence's K/V of heads_k_stride heads (twice,
             double-buffered, when heads_k_stride < heads_k, so the next gather overlaps the kernels).
+        block_mask: any mask, block-sparse: a ``TileMask`` or FlexAttention ``BlockMask`` over the
+            *full* sequence in global positions, the same on every rank (each rank takes its part:
+            ``block_masks.py``); it replaces causal/window_size and cannot take cu_seqlens or
+            alibi_slopes. Every mode; layouts "contiguous", "zigzag" or a ``ChunkLayout``
+            (``balanced_layout``) with every chunk (a shard; zigzag: half a shard) a whole number
+            of the mask's blocks. Runs eagerly under torch.compile (a graph break).
 
     Returns:
         out (batch, local_seqlen, heads_q, head_dim) in q's dtype (and the LSE). Every rank of the
         group must pass the same shapes and options, else every rank raises ValueError.
     """
+    if block_mask is not None and use_ops(q):  # no custom op takes a mask: run eagerly
+        return _sp_attn_eager(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+            return_attn_probs, group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size,
+            cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks, return_lse=return_lse,
+            heads_k_stride=heads_k_stride, block_mask=block_mask,
+        )  # fmt: skip
     error = None
     try:
         check_dropout(dropout_p)
@@ -160,7 +175,7 @@ def sp_attn_func(
     if sp_mode == "allgather":
         out, lse = allgather_attention(
             q, k, v, group=group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-            sinks=sinks, heads_k_stride=heads_k_stride, error=error, **options,
+            sinks=sinks, heads_k_stride=heads_k_stride, error=error, block_mask=block_mask, **options,
         )  # fmt: skip
         return attention_returns(out, lse, return_attn_probs, return_lse)
     if sp_mode != "ring" and use_ops(q):  # traced: one opaque op, which checks the ranks when it runs
@@ -179,7 +194,8 @@ def sp_attn_func(
         return attention_returns(*apply_sinks(out, lse, sinks), return_attn_probs, return_lse)
     if sp_mode == "ring" and error is None:
         out, lse = dispatch_ring_attention(q, k, v, group=group, layout=layout, cu_seqlens=cu_seqlens,
-                                  alibi_slopes=alibi_slopes, sinks=sinks, **options)  # fmt: skip
+                                  alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
+                                  **options)  # fmt: skip
         return attention_returns(out, lse, return_attn_probs, return_lse)
     try:
         group = resolve_group(group)
@@ -193,17 +209,27 @@ def sp_attn_func(
             if sp_mode == "ulysses" and ulysses_size not in (None, world):
                 raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
             u = world if sp_mode == "ulysses" else check_ulysses_size(ulysses_size, world)
+            if block_mask is not None:
+                block_mask = check_block_mask(
+                    block_mask, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                    cu_seqlens=cu_seqlens, total=q.shape[1] * world, batch=q.shape[0], heads_q=q.shape[2],
+                    device=q.device,
+                )  # fmt: skip
         except (ValueError, TypeError) as e:
             error = e
     signature = call_signature(
         q, k, v, sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu_seqlens,
-        alibi_slopes=alibi_slopes, sinks=sinks, **options,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask, **options,
     )  # fmt: skip
     check_ranks_agree(group, signature, error)
     mesh = ulysses_ring_mesh(group, u)
     out, lse = mesh_attention(q, k, v, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-                               sinks=sinks, **options)  # fmt: skip
+                               sinks=sinks, block_mask=block_mask, **options)  # fmt: skip
     return attention_returns(out, lse, return_attn_probs, return_lse)
+
+
+# Traced by torch.compile, a call with a block mask runs eagerly: a graph break, as on one device.
+_sp_attn_eager = torch.compiler.disable(sp_attn_func)
 
 
 def ulysses_attn_func(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .block_masks import heads_view
 from .comm import all_to_all
 from .kernels import flash_attn_func, flash_attn_varlen_func
 from .layouts import cumulative_lengths, document_lengths
@@ -102,17 +103,27 @@ def _head_slice(x: torch.Tensor | None, mesh: UlyssesRingMesh) -> torch.Tensor |
     return x[..., j * per_rank : (j + 1) * per_rank]
 
 
-def mesh_attention(q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_slopes, sinks, **options):
+def mesh_attention(
+    q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_slopes, sinks, block_mask=None, **options
+):
     """(out, lse) of Ulysses or hybrid attention over ``mesh`` (eager): the all-to-all to heads,
-    single-device attention or the ring across the ring group, the all-to-all back."""
+    single-device attention or the ring across the ring group, the all-to-all back.
+    ``block_mask``: a checked TileMask over the full sequence (``block_masks.check_block_mask``);
+    each rank takes its query heads' part of it."""
     u = mesh.ulysses_size
+    if block_mask is not None and block_mask.heads > 1:
+        per_rank = q.shape[2] // u
+        j = dist.get_rank(mesh.ulysses_group)
+        block_mask = heads_view(block_mask, j * per_rank, (j + 1) * per_rank)
     kv_heads = _kv_heads_for(q.shape[2], k.shape[2], u)
     if kv_heads != k.shape[2]:
         rep = kv_heads // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     alibi_slopes, sinks = _head_slice(alibi_slopes, mesh), _head_slice(sinks, mesh)
     q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group)
-    if mesh.ring_size == 1:
+    if mesh.ring_size == 1 and block_mask is not None:  # one ring rank: the natural token order
+        out, lse = flash_attn_func(q, k, v, sinks=sinks, return_lse=True, block_mask=block_mask, **options)
+    elif mesh.ring_size == 1:
         doc_lens = None
         if cu_seqlens is not None:
             doc_lens = document_lengths(cu_seqlens, q.shape[1], layout, 1)
@@ -122,6 +133,6 @@ def mesh_attention(q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_
     else:
         out, lse = ring_attention(
             q, k, v, group=mesh.ring_group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-            sinks=sinks, check_ranks=False, **options,
+            sinks=sinks, check_ranks=False, block_mask=block_mask, **options,
         )  # fmt: skip
     return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group)

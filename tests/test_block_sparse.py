@@ -234,17 +234,30 @@ def test_lists_follow_the_grid(device):
     assert m.visible_pairs() == s * (s + 1) // 2
 
 
-def test_under_torch_compile_it_runs_eagerly(device):
-    """A graph break around the block-sparse call, the same result as eager (fake tensors never
-    reach the kernels)."""
+def test_under_torch_compile_without_a_graph_break(device):
+    """Traced by torch.compile with fullgraph=True (a graph break would raise) through the custom
+    ops ``ringflash::block_sparse_forward/backward``: out, LSE (used through a loss) and every
+    gradient equal eager's. A BlockMask is converted in a graph break (fullgraph=False)."""
     s, h, d = 128, 2, 16
-    q, k, v, _ = _inputs(1, s, s, h, h, d, torch.float32, device, seed=11)
-    m = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
+    q, k, v, dout = _inputs(1, s, s, h, h, d, torch.float32, device, seed=11)
+    m = TileMask.from_mask_mod(lambda b, h, q, kv: (q >= kv) & (kv > 5) | (kv < 2), 1, 1, s, s, device=device)
 
-    def step(q, k, v):
-        return ringflash.flash_attn_func(q, k, v, block_mask=m) * 2
+    def step(q, k, v, mask):
+        out, lse = ringflash.flash_attn_func(q, k, v, block_mask=mask, return_lse=True)
+        return out, (out * dout).sum() + lse.square().sum()
 
-    torch.testing.assert_close(torch.compile(step, backend="eager")(q, k, v), step(q, k, v))
+    results = []
+    for run in (torch.compile(step, backend="aot_eager", fullgraph=True), step):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, loss = run(*leaves, m)
+        results.append((out, *torch.autograd.grad(loss, leaves)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    block_mask = flex.create_block_mask(causal, 1, 1, s, s, device=device, BLOCK_SIZE=128)
+    got = torch.compile(step, backend="aot_eager")(q, k, v, block_mask)[0]
+    torch.testing.assert_close(got, step(q, k, v, block_mask)[0])
 
 
 def test_refusals(device):
@@ -300,3 +313,36 @@ def test_gpu_real_sizes(dtype, s, h, hk, d):
             bigbird(random_blocks.to(DEVICE)), 1, h, s, s, block_size=block, device=DEVICE
         )
         check(q, k, v, dout, m, expected)
+
+
+def test_ring_step_form_writes_views_and_accumulates(device):
+    """The form a ring step calls (``sparse_forward`` into views of larger buffers,
+    ``sparse_gradients`` adding dQ and dK/dV into float32 accumulators, one kernel at a time)
+    gives what the plain calls give. CPU: float32, 256 tokens; GPU: bf16, 2048 tokens, d128."""
+    from ringflash.kernels import attention_delta, build_problem
+    from ringflash.kernels.block_sparse import sparse_forward, sparse_gradients
+
+    on_gpu = device != "cpu"
+    s, d, dtype = (2048, 128, torch.bfloat16) if on_gpu else (256, 16, torch.float32)
+    q, k, v, dout = _inputs(1, s, s, 2, 1, d, dtype, device, seed=12)
+    m = TileMask.from_mask_mod(striped, 1, 2, s, s, device=device)
+    problem = build_problem(q, k, v, None, False, (-1, -1))
+    out, lse = sparse_forward(q, k, v, m, problem)
+    out_buf = torch.zeros(1, s, 3, d, device=device, dtype=torch.float32)  # float32, as the ring's
+    lse_buf = torch.zeros(1, 2, s + 7, device=device)
+    sparse_forward(q, k, v, m, problem, out=out_buf[:, :, 1:], lse=lse_buf[:, :, 3 : 3 + s])
+    torch.testing.assert_close(out_buf[:, :, 1:].to(dtype), out, atol=0, rtol=0)
+    torch.testing.assert_close(lse_buf[:, :, 3 : 3 + s], lse, atol=0, rtol=0)
+    assert out_buf[:, :, 0].eq(0).all() and lse_buf[:, :, :3].eq(0).all()
+    delta = attention_delta(out, dout, problem)
+    grads = sparse_gradients(dout, q, k, v, lse, delta, m, problem)
+    g = torch.Generator().manual_seed(13)
+    start = [torch.randn(t.shape, generator=g).to(device) for t in (q, k, v)]
+    acc = [t.clone() for t in start]
+    sparse_gradients(dout, q, k, v, lse, delta, m, problem, dk=acc[1], dv=acc[2], accumulate=True,
+                     compute_dq=False)  # fmt: skip
+    assert torch.equal(acc[0], start[0])  # dQ's kernel did not run
+    sparse_gradients(dout, q, k, v, lse, delta, m, problem, dq=acc[0], accumulate=True, compute_dkdv=False)
+    tol = 1e-2 if on_gpu else 1e-5
+    for a, s0, grad in zip(acc, start, grads):
+        torch.testing.assert_close(a - s0, grad.float(), atol=tol, rtol=tol)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import worker_device
-from reference import rel_err
+from reference import reference_attention, rel_err
 
 from ringflash import reduce_gradients, sequence_parallel_cross_entropy, sequence_parallel_groups, shard_batch
 
@@ -294,15 +294,18 @@ def test_hf_keyword_edge_cases(device):
     assert out.shape == (1, 8, 2, 16)
 
 
-def test_hf_refuses_mask_patterns_it_cannot_honour(device):
-    """The attention pattern transformers builds into a mask function is checked too: causal,
-    causal sliding windows (the window reaches the attention as ``sliding_window``) and packed
-    documents pass, and chunks that hold the whole sequence; shorter chunks (Llama-4),
-    bidirectional overlays (Gemma-3 images) and bidirectional windows raise ValueError instead
-    of running as plain causal attention."""
+def test_hf_mask_patterns(device):
+    """The attention pattern transformers builds into a mask function is read: causal, causal
+    sliding windows (the window reaches the attention as ``sliding_window``), packed documents
+    and chunks that hold the whole sequence need no mask; shorter chunks (Llama-4) become
+    ``AttentionChunks``; on one device any other pattern (Gemma-3's bidirectional image blocks,
+    bidirectional windows) becomes a TileMask of exactly the pattern (sequence parallel they
+    raise: test_llama4_chunks_are_refused_sequence_parallel)."""
+    from test_block_masks import decoded
     from transformers import masking_utils as mu
 
     import ringflash.integrations.hf as rf_hf
+    from ringflash import TileMask
 
     mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.enable()]
     packed = mu.packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long))
@@ -317,19 +320,92 @@ def test_hf_refuses_mask_patterns_it_cannot_honour(device):
     chunked = mu.chunked_causal_mask_function(4, None)
     found = mask(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
     assert found == rf_hf.AttentionChunks(4, 0, 0)
-    refused = {
-        "blockwise_overlay": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 8))),
-        "sliding_window_bidirectional_overlay": mu.sliding_window_bidirectional_mask_function(4),
-    }
-    for name, fn in refused.items():
-        with pytest.raises(ValueError, match=name):
-            mask(batch_size=1, q_length=8, kv_length=8, mask_function=fn)
+    # Any other pattern, on one device: a block-sparse TileMask of exactly the pattern.
+    images = torch.tensor([[-1, 0, 0, 0, -1, -1, 1, 1]])  # Gemma-3's image blocks, bidirectional inside
+    others = [mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(images)),
+              mu.sliding_window_bidirectional_mask_function(4)]  # fmt: skip
+    for fn in others:
+        tiles = mask(batch_size=1, q_length=8, kv_length=8, mask_function=fn)
+        assert isinstance(tiles, TileMask)
+        idx, zero = torch.arange(8), torch.tensor(0)
+        expected = fn(zero, zero, idx[:, None], idx[None, :]).expand(8, 8)
+        assert torch.equal(decoded(tiles)[0, 0], expected)
+        assert mask(batch_size=1, q_length=3, q_offset=5, kv_length=8, mask_function=fn).seqlen_q == 3
     # transformers 4.53-4.5x call it with cache_position instead of q_length/q_offset.
     old_call = dict(batch_size=2, cache_position=torch.arange(8), kv_length=8, kv_offset=0)
     assert mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8)) is None
     with pytest.raises(ValueError, match="attention_mask with padding"):
         mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8).tril())
 
+
+def test_gemma3_bidirectional_text_model_step_equals_eager(device):
+    """Gemma-3 with ``use_bidirectional_attention`` (EmbeddingGemma): bidirectional attention on
+    the full layers, a bidirectional sliding window on the local ones, both patterns that the
+    model writes itself; on one device they run as block-sparse masks, and a training step's
+    logits and gradients equal eager attention's."""
+    import ringflash.integrations.hf as rf_hf
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], use_bidirectional_attention=True,
+        initializer_range=0.2,
+    )  # fmt: skip
+    ids = _ids(2)[:, :20].to(device)
+    results = []
+    for implementation in (rf_hf.enable(), "eager"):
+        torch.manual_seed(0)
+        model = transformers.Gemma3TextModel(config).float().to(device)
+        model.config._attn_implementation = implementation
+        hidden = model(input_ids=ids).last_hidden_state
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        (hidden * weights).sum().backward()  # (the norm makes hidden.square().mean() flat)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results.append((hidden.detach(), grads))
+    (ours, ours_grads), (eager, eager_grads) = results
+    assert rel_err(ours, eager) < 1e-5
+    assert len(ours_grads) == len(eager_grads)
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(ours_grads, eager_grads))
+
+
+def test_image_blocks_and_prefix_lm_through_the_attention_function(device):
+    """Gemma-3's image blocks (``or_masks(causal, blockwise_overlay(groups))``) and a PaliGemma-like
+    prefix (the first 140 positions bidirectional), per sequence, through the registered mask
+    and attention functions: out and gradients against float64 attention under the same dense
+    mask, with sinks and GQA; blocks of 128 with 200 keys (partial and full blocks)."""
+    from transformers import AttentionInterface
+    from transformers import masking_utils as mu
+
+    import ringflash.integrations.hf as rf_hf
+
+    name = rf_hf.enable()
+    mask_fn, attention = mu.ALL_MASK_ATTENTION_FUNCTIONS[name], AttentionInterface()[name]
+    s = 200
+    groups = torch.full((2, s), -1)
+    groups[0, 20:150], groups[1, 100:160] = 0, 1  # one image per sequence
+    prefix = (torch.arange(s) < 140).long().expand(2, s).contiguous()  # PaliGemma's token types
+    patterns = {
+        "images": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups.to(device))),
+        "prefix": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay((prefix - 1).to(device))),
+    }
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(4)
+    for label, fn in patterns.items():
+        q, k, v, dout = (torch.randn(2, h, s, 16, generator=g) for h in (2, 1, 1, 2))  # (batch, heads, ...)
+        sinks = torch.randn(2, generator=g)
+        tiles = mask_fn(batch_size=2, q_length=s, kv_length=s, mask_function=fn, device=device)
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out, _ = attention(module, *leaves, tiles, s_aux=sinks.to(device))
+        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2).to(device))
+        idx = torch.arange(s, device=device)
+        dense = fn(torch.arange(2, device=device)[:, None, None], 0, idx[None, :, None], idx[None, None, :])
+        dense = dense.cpu()[:, None]  # (batch, 1, s, s)
+        ref = [t.double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = reference_attention(*ref, sinks=sinks, mask=dense)
+        ref_grads = torch.autograd.grad(ref_out, ref, dout.double().transpose(1, 2))
+        assert rel_err(out, ref_out) < 1e-4, label
+        for a, e in zip(grads, ref_grads):
+            assert rel_err(a.transpose(1, 2), e) < 1e-4, label
 
 
 def _llama4(attn_implementation: str) -> torch.nn.Module:
@@ -365,16 +441,16 @@ def test_llama4_chunks_are_refused_sequence_parallel(rank_pool):
     assert all(e and "chunked_overlay" in e for e in errors), errors
 
 
-def test_llama4_chunked_layers_are_refused_under_compile(monkeypatch):
+def test_llama4_chunked_layers_are_refused_under_compile(monkeypatch, device):
     """Compiled, the mask function cannot read the chunks: a chunked layer's attention raises
     instead of running plain causal attention; the model's full-attention layer still runs."""
     from transformers import AttentionInterface
 
     import ringflash.integrations.hf as rf_hf
 
-    model = _llama4(rf_hf.enable())
+    model = _llama4(rf_hf.enable()).to(device)
     attention = AttentionInterface()[rf_hf.NAME]
-    q = torch.randn(1, 2, 8, 16)
+    q = torch.randn(1, 2, 8, 16, device=device)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     chunked, full = (layer.self_attn for layer in model.model.layers)
     with pytest.raises(ValueError, match="under torch.compile"):

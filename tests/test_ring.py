@@ -22,7 +22,7 @@ from ringflash.layouts import layout_indices
 @dataclass(frozen=True)
 class Case:
     world: int
-    layout: str
+    layout: str | ringflash.ChunkLayout
     causal: bool = True
     window: tuple[int, int] = (-1, -1)
     batch: int = 1
@@ -130,6 +130,20 @@ def test_ring_matches_full_attention(rank_pool, world, layout, causal):
 @pytest.mark.parametrize(("causal", "window"), [(True, (5, -1)), (False, (7, 3)), (True, (20, 0))])
 def test_ring_sliding_window(rank_pool, layout, causal, window):
     check_ring(rank_pool, Case(4, layout, causal, window))
+
+
+# Chunks dealt out of order (what balanced_layout makes): 6 chunks of 8 over 3 ranks, a window
+# and packed documents (each document cut into 6 chunks on its own).
+SHUFFLED = ringflash.ChunkLayout(((4, 0), (2, 5), (1, 3)))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(3, SHUFFLED, True), Case(3, SHUFFLED, True, (9, 2)), packed(3, SHUFFLED, (12, 30, 6), causal=True)],
+    ids=["causal", "window", "packed"],
+)
+def test_ring_chunk_layout(rank_pool, case):
+    check_ring(rank_pool, case)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

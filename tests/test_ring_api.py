@@ -28,7 +28,7 @@ LLAMA3_ARGS = required(
     "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "heads_k_stride", "local_k_slice"
 )
 DENSE, VARLEN = Q_K_V + OPTIONS, Q_K_V + VARLEN_ARGS + OPTIONS
-EXTRAS = {"softcap", "sinks", "return_lse", "cu_seqlens", "layout"}
+EXTRAS = {"softcap", "sinks", "return_lse", "cu_seqlens", "layout", "block_mask"}
 RING_ENTRY_POINTS = {
     "ring_flash_attn_func": DENSE,
     "zigzag_ring_flash_attn_func": DENSE,

@@ -18,12 +18,15 @@ back; device-side asserts stop the step instead (``position_ids.assert_unpacked_
 compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. The mask
-function registered with it (``padding_mask_refusal``) builds no S x S mask: an all-ones 2D
-``attention_mask`` is dropped, one with padding raises ValueError (on every rank of the group), and
-so does a mask pattern the attention cannot apply (``unhonoured_mask_patterns``: e.g. Llama-4's
-attention chunks, Gemma-3's bidirectional image blocks), and so do keys that do not end at the last
-query (a StaticCache, whose unfilled slots the attention would see). Without it transformers would
-drop both before the attention function sees them.
+function registered with it (``padding_mask_refusal``) builds no S x S mask for the patterns the
+kernels apply themselves (causal, bidirectional, causal windows, packed documents; Llama-4's chunks
+on one device): an all-ones 2D ``attention_mask`` is dropped, one with padding raises ValueError (on
+every rank of the group). On one device any other pattern (Gemma-3's bidirectional image blocks,
+prefix-LM overlays, bidirectional windows) becomes a block-sparse ``TileMask`` evaluated from the
+model's mask function once per forward (``pattern_tile_mask``); sequence parallel such a pattern
+raises ValueError (``unhonoured_mask_patterns``), as do keys that do not end at the last query
+(a StaticCache, whose unfilled slots the attention would see). Without it transformers would drop
+both before the attention function sees them.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
@@ -64,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import host_values_agree, resolve_group
+from ..kernels import TileMask, flash_attn_func
 from ..layouts import host_bounds
 from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
@@ -244,6 +248,30 @@ def _check_key_alignment(
         )
 
 
+def pattern_tile_mask(
+    mask_function: object, batch_size: int, q_length: int | None, q_offset: object, kv_length: int,
+    kv_offset: object, cache_position: torch.Tensor | None, device: object,
+) -> TileMask:  # fmt: skip
+    """The block-sparse mask of a transformers mask function (``mask_function(batch_idx, head_idx,
+    q_idx, kv_idx)``, FlexAttention's ``mask_mod`` convention, absolute positions) over these
+    queries and keys, evaluated once per forward (as transformers' SDPA path builds its mask) for
+    every layer of the pattern: any pattern on one device (Gemma-3's bidirectional image blocks,
+    prefix-LM overlays...)."""
+    if q_length is not None:
+        query_start, queries = int(q_offset), int(q_length)
+    elif cache_position is not None:
+        query_start, queries = int(cache_position[0]), len(cache_position)
+    else:
+        raise ValueError("ringflash attention cannot place the queries of the model's attention pattern")
+    key_start = int(kv_offset)
+
+    def mask_mod(b, h, q, kv):
+        return mask_function(b, h, q + query_start, kv + key_start)
+
+    device = device if device is not None else "cpu"
+    return TileMask.from_mask_mod(mask_mod, batch_size, 1, queries, kv_length, device=device)
+
+
 def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
     """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
     what the attention function cannot apply. Without one, transformers drops the model's 2D
@@ -272,8 +300,10 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         q_offset: int | torch.Tensor = 0,
         kv_offset: int = 0,
         cache_position: torch.Tensor | None = None,
+        batch_size: int = 1,
+        device: torch.device | str | None = None,
         **kw,
-    ) -> AttentionChunks | None:
+    ) -> AttentionChunks | TileMask | None:
         # The pattern is read from the mask function's closures, which torch.compile cannot trace:
         # compiled, it is not checked (run one step eagerly to check a new model family).
         unhonoured, chunk = [], None
@@ -282,11 +312,16 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
             world = 1 if one_device else dist.get_world_size(resolve_group(group))
             unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world, chunks=one_device)
             chunk = chunk_size_of(mask_function) if one_device else None
+        if unhonoured and one_device and mask_function is not None:  # any other pattern: block-sparse
+            if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
+                raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+            return pattern_tile_mask(mask_function, batch_size, q_length, q_offset, kv_length, kv_offset,
+                                     cache_position, device)  # fmt: skip
         if unhonoured:
             raise ValueError(
-                f"ringflash attention cannot honour the model's attention pattern {unhonoured} (it applies "
-                "causal or bidirectional attention, causal sliding windows, packed documents and attention "
-                "chunks: on one device, or sequence parallel when longer than the sequence)"
+                f"ringflash attention cannot honour the model's attention pattern {unhonoured} sequence "
+                "parallel (it applies causal or bidirectional attention, causal sliding windows, packed "
+                "documents and attention chunks longer than the sequence there; on one device any pattern)"
             )
         _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
         chunks = None
@@ -340,6 +375,29 @@ def _attention_options(
     return causal, window
 
 
+def pattern_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: TileMask,
+    scaling: float | None, dropout: float, softcap: float | None, s_aux: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None, kw: dict,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of q/k/v (batch, heads, seqlen, head_dim) under the block-sparse mask the mask
+    function built from the model's pattern (``pattern_tile_mask``), which holds all of it:
+    causality, a sliding window, packed documents, overlays. Returns (batch, seqlen_q, heads,
+    head_dim)."""
+    _check_keywords(kw)
+    if dropout:
+        raise ValueError("ringflash attention does not support attention dropout; set attention_dropout=0")
+    if cu_seq_lens_q is not None:
+        raise ValueError(
+            "ringflash attention cannot take cu_seq_lens_q with a mask pattern it builds as a block mask: "
+            "pass position_ids instead (the pattern then holds the documents)"
+        )
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return flash_attn_func(
+        q, k, v, softmax_scale=scaling, softcap=_softcap(softcap), sinks=s_aux, block_mask=mask
+    )
+
+
 def _sharded_cache_step(key: torch.Tensor) -> tuple | None:
     """What a ``ShardedKVCache`` layer handed to the attention call receiving ``key`` (generate()
     over a sharded cache), or None."""
@@ -387,6 +445,9 @@ def enable(
         head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap;
         position_ids: int (batch or 1, seqlen), restarting where a packed document starts."""
         chunks = attention_mask if isinstance(attention_mask, AttentionChunks) else None
+        if isinstance(attention_mask, TileMask):  # any other pattern, from the mask function (one device)
+            return pattern_attention(query, key, value, attention_mask, scaling, dropout, softcap,
+                                     s_aux, cu_seq_lens_q, kw), None  # fmt: skip
         if chunks is not None:  # Llama-4's chunked attention, from the mask function (one device)
             attention_mask = None
         elif torch.compiler.is_compiling() and _chunked_layer(module):

@@ -1,0 +1,239 @@
+"""A block-sparse mask across the sequence-parallel group (ringflash/block_masks.py): each rank's
+views of one global mask (``TileMask.take``, ``select_heads``), and ring, Ulysses and hybrid
+attention under it on gloo ranks against float64 attention over the whole sequence with the same
+mask as a dense tensor: out, LSE, dq, dk, dv.
+
+The mask has, per head and sequence, blocks nobody sees, full and partial blocks, rows that see
+nothing, and (on two ranks) a whole ring step with nothing visible, which the plan drops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from distributed import errors_of, worker_device
+from reference import TOLERANCE, reference_attention, rel_err
+
+import ringflash
+from ringflash.block_masks import ring_step_masks
+from ringflash.kernels.tile_mask import TileMask
+from ringflash.layouts import layout_indices
+from ringflash.ring import SETUPS
+
+SEQLEN = 512  # 4 blocks of 128: zigzag over 2 ring ranks gives each rank two whole blocks
+
+
+def banded(b, h, q, kv):
+    """Per head and sequence: a causal band of 200 + 60 h keys, key block 3 hidden from query
+    block 2 (partial blocks, invisible ones), every query sees keys 0-31 (partial), sequence 1's
+    queries 0-4 see nothing."""
+    band = (kv <= q) & (kv > q - 200 - 60 * h)
+    hidden = (q >= 256) & (q < 384) & (kv >= 384)
+    blind = (b == 1) & (q < 5)
+    return (band & ~hidden | (kv < 32)) & ~blind
+
+
+def upper_half_only(b, h, q, kv):
+    """Queries see keys of their own half of 512: with contiguous shards of 128 on three ranks
+    (384 tokens), rank 0 needs rank 1's keys and not rank 2's, so its ring step 1 is empty."""
+    return (q < 256) == (kv < 256)
+
+
+def prefix_lm(b, h, q, kv):
+    """A prefix of 200 tokens seen by every query, causal after it: contiguous shards leave the
+    last rank with most of the work."""
+    return (kv <= q) | (kv < 200)
+
+
+def dense(mask_mod, batch: int, heads: int, seqlen: int = SEQLEN) -> torch.Tensor:
+    idx = [torch.arange(n) for n in (batch, heads, seqlen, seqlen)]
+    b, h, q, kv = torch.meshgrid(*idx, indexing="ij")
+    return mask_mod(b, h, q, kv)
+
+
+def decoded(mask: TileMask) -> torch.Tensor:
+    """(Bm, Hm, seqlen_q, seqlen_k) bool of what ``mask`` leaves visible, from its grid and bits."""
+    grid = mask.grid()
+    bm, hm, nq, nk = grid.shape
+    out = torch.zeros(bm, hm, nq * mask.block_q, nk * mask.block_k, dtype=torch.bool)
+    bits = (mask.bits[..., None] >> torch.arange(32)) & 1  # (P, bq, words, 32)
+    bits = bits.flatten(-2).bool()
+    for b, h, i, j in (grid > -2).nonzero().tolist():
+        kind = int(grid[b, h, i, j])
+        block = torch.ones(mask.block_q, mask.block_k, dtype=torch.bool) if kind == -1 else bits[kind]
+        out[b, h, i * mask.block_q : (i + 1) * mask.block_q, j * mask.block_k : (j + 1) * mask.block_k] = (
+            block
+        )
+    return out[..., : mask.seqlen_q, : mask.seqlen_k]
+
+
+def test_take_and_select_heads_are_the_dense_mask_sliced():
+    full = dense(banded, 2, 3)
+    mask = TileMask.from_dense(full)
+    q_blocks, k_blocks = torch.tensor([3, 0]), torch.tensor([2, 3, 1])
+    rows = torch.cat([torch.arange(128 * i, 128 * i + 128) for i in q_blocks.tolist()])
+    cols = torch.cat([torch.arange(128 * j, 128 * j + 128) for j in k_blocks.tolist()])
+    view = mask.take(q_blocks, k_blocks)
+    assert (view.seqlen_q, view.seqlen_k) == (256, 384)
+    assert torch.equal(decoded(view), full[:, :, rows][:, :, :, cols])
+    heads = mask.select_heads(1, 3)
+    assert torch.equal(decoded(heads), full[:, 1:3])
+    assert decoded(mask.take(torch.tensor([2]), torch.tensor([3]))).sum() == 0  # the hidden block
+    shared = TileMask.from_dense(full[:1, :1])
+    assert shared.select_heads(0, 1) is shared
+
+
+def test_step_views_follow_the_layout_and_drop_empty_steps():
+    mask = TileMask.from_dense(dense(upper_half_only, 1, 1))
+    steps = ring_step_masks(mask, "contiguous", 0, 2)
+    assert steps[0] is not None and steps[1] is None  # rank 0 never needs rank 1's keys
+    zig = ring_step_masks(mask, "zigzag", 1, 2)  # rank 1 holds blocks 1 and 2: both steps see something
+    assert all(s is not None for s in zig)
+    assert torch.equal(decoded(zig[0])[0, 0], dense(upper_half_only, 1, 1)[0, 0][128:384, 128:384])
+    with pytest.raises(ValueError, match="whole blocks of the mask"):
+        ring_step_masks(mask, "stripe", 0, 2)
+
+
+def test_balanced_layout_evens_out_the_work():
+    mask = TileMask.from_mask_mod(prefix_lm, 1, 1, 2048, 2048)
+    for world in (2, 4):
+        layout = ringflash.balanced_layout(mask, world)
+        assert sorted(c for r in layout.chunks for c in r) == list(range(16))
+        assert all(list(r) == sorted(r) for r in layout.chunks)
+        spread = {}
+        for name, lay in (("contiguous", "contiguous"), ("zigzag", "zigzag"), ("balanced", layout)):
+            work = ringflash.layout_work(mask, lay, world)
+            assert int(work.sum()) == int(mask.kv_count.sum())  # every visible block once
+            spread[name] = float(work.sum(1).max() / work.sum(1).float().mean())
+        assert spread["balanced"] <= min(spread["zigzag"], 1.05) < spread["contiguous"], spread
+    with pytest.raises(ValueError, match="multiple of world_size 3"):
+        ringflash.balanced_layout(mask, 3)
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    ulysses: int  # 1: the ring; world: Ulysses; between: hybrid
+    layout: str | ringflash.ChunkLayout
+    mask_mod: object = banded
+    seqlen: int = SEQLEN
+    batch: int = 2
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 16
+    sinks: bool = False
+    mode: str | None = None  # None: from ulysses
+    heads_k_stride: int | None = None  # allgather
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(3)
+    mk = lambda h: torch.randn(case.batch, case.seqlen, h, case.head_dim, generator=g)  # noqa: E731
+    sinks = torch.randn(case.heads, generator=g) if case.sinks else None
+    return mk(case.heads), mk(case.kv_heads), mk(case.kv_heads), mk(case.heads), sinks
+
+
+def _run(case: Case):
+    q, k, v, dout, sinks = _inputs(case)
+    dev = worker_device()
+    mask = TileMask.from_dense(dense(case.mask_mod, case.batch, case.heads, case.seqlen).to(dev))
+    shard = lambda t: ringflash.shard_sequence(t.to(dev), layout=case.layout, ulysses_size=case.ulysses)  # noqa: E731
+    if isinstance(case.layout, ringflash.ChunkLayout):  # its shards come back whole
+        assert torch.equal(ringflash.gather_sequence(shard(q), layout=case.layout), q.to(dev))
+    q, k, v, dout = (shard(t) for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mode = case.mode or {1: "ring", case.world: "ulysses"}.get(case.ulysses, "hybrid")
+    out, lse = ringflash.sp_attn_func(
+        q, k, v, layout=case.layout, sp_mode=mode, ulysses_size=case.ulysses, return_lse=True,
+        sinks=None if sinks is None else sinks.to(dev), block_mask=mask, heads_k_stride=case.heads_k_stride,
+    )  # fmt: skip
+    out.backward(dout)
+    if case.world == 3:  # the same mask again: the ring's plan (its step views) is not rebuilt
+        builds = SETUPS.builds
+        with torch.no_grad():
+            ringflash.sp_attn_func(q, k, v, layout=case.layout, sp_mode=mode, block_mask=mask)
+        assert SETUPS.builds == builds
+    return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
+
+
+BALANCED = ringflash.balanced_layout(TileMask.from_dense(dense(prefix_lm, 1, 1)), 2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 1, "zigzag"),
+        Case(3, 1, "contiguous", upper_half_only, 384, batch=1, heads=1),
+        Case(4, 2, "zigzag", batch=1),
+        Case(2, 2, "contiguous", batch=1, sinks=True),
+        Case(2, 1, BALANCED, prefix_lm, batch=1),
+        Case(2, 1, "zigzag", batch=1, kv_heads=2, mode="allgather", heads_k_stride=1),
+    ],  # fmt: skip
+    ids=[
+        "ring-zigzag",
+        "ring-contiguous-empty-step",
+        "hybrid",
+        "ulysses-sinks",
+        "ring-balanced",
+        "allgather",
+    ],
+)
+def test_sequence_parallel_block_mask_matches_whole_sequence(rank_pool, case):
+    results = rank_pool(case.world).run(_run, case)
+    q, k, v, dout, sinks = _inputs(case)
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    full = dense(case.mask_mod, case.batch, case.heads, case.seqlen)
+    ref_out, ref_lse = reference_attention(q, k, v, mask=full, sinks=sinks)
+    ref_out.backward(dout.double())
+    expected = dict(out=ref_out, lse=ref_lse, dq=q.grad, dk=k.grad, dv=v.grad)
+    got = {}
+    for i, (name, exp) in enumerate(expected.items()):
+        dim = 2 if name == "lse" else 1
+        got[name] = torch.empty(exp.shape, dtype=results[0][i].dtype)
+        for r, res in enumerate(results):
+            got[name].index_copy_(
+                dim, layout_indices(case.layout, r, case.world, case.seqlen, case.ulysses), res[i]
+            )
+        assert not got[name].isnan().any(), f"{case}: {name} has NaN"
+        err = rel_err(got[name], exp)
+        assert err < TOLERANCE[torch.float32], f"{case}: {name} rel err {err:.2e}"
+    if case.mask_mod is banded and case.batch == 2 and not case.sinks:  # sequence 1's queries 0-4 see nothing
+        assert got["out"][1, :5].abs().max() == 0 and got["lse"][1, :, :5].eq(float("-inf")).all()
+
+
+def _bad_calls():
+    dev = worker_device()
+    q = torch.randn(1, SEQLEN // 2, 2, 16, device=dev)
+    mask = TileMask.from_dense(dense(banded, 1, 1).to(dev))
+    other = TileMask.from_dense(dense(upper_half_only, 1, 1).to(dev))
+    rank = torch.distributed.get_rank()
+    short = TileMask.from_dense(dense(banded, 1, 1)[..., :256, :256].to(dev))
+    sp = ringflash.sp_attn_func
+    slopes = torch.ones(2, device=dev)
+    return errors_of(
+        {
+            "causal": lambda: sp(q, q, q, causal=True, sp_mode="ring", block_mask=mask),
+            "stripe": lambda: sp(q, q, q, layout="stripe", sp_mode="ring", block_mask=mask),
+            "alibi": lambda: sp(q, q, q, sp_mode="allgather", alibi_slopes=slopes, block_mask=mask),
+            "length": lambda: sp(q, q, q, sp_mode="ulysses", block_mask=short),
+            "differ": lambda: sp(q, q, q, sp_mode="ring", block_mask=mask if rank else other),
+            "packed": lambda: ringflash.ring_flash_attn_func(
+                q, q, q, cu_seqlens=[0, SEQLEN], block_mask=mask
+            ),
+            "type": lambda: ringflash.zigzag_ring_flash_attn_func(q, q, q, block_mask="causal"),
+        }
+    )
+
+
+def test_block_mask_bad_inputs(rank_pool):
+    errors = rank_pool(2).run(_bad_calls)
+    for e in errors:
+        assert "block_mask replaces causal" in e["causal"]
+        assert "whole blocks of the mask" in e["stripe"]
+        assert "block_mask with alibi_slopes is not supported" in e["alibi"]
+        assert "must cover the full sequence (512 tokens" in e["length"]
+        assert "block_mask: rank 0: ('TileMask'" in e["differ"]
+        assert "cannot take cu_seqlens" in e["packed"]
+        assert "TileMask or a FlexAttention BlockMask" in e["type"] or "BlockMask" in e["type"]
