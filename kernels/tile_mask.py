@@ -121,7 +121,10 @@ class TileMask:
             if seqlen % block and bool((blocks == n - 1).any()):
                 raise ValueError(f"{name} takes the last block, which the sequence's end cuts ({seqlen} "
                                  f"positions in blocks of {block})")  # fmt: skip
-        grid = self.grid()[:, :, q_blocks.to(self.device)][:, :, :, k_blocks.to(self.device)]
+        rows = q_blocks.to(self.device)
+        index = self.kv_index[:, :, rows]  # the grid of the taken rows only (each a permutation)
+        grid = torch.empty_like(index).scatter_(3, index.long(), self.kv_kind[:, :, rows])
+        grid = grid[:, :, :, k_blocks.to(self.device)]
         partial = grid >= 0
         used = grid[partial].long()
         grid = grid.clone()

@@ -91,8 +91,8 @@ def listed_tile(it, blocks, LISTED: tl.constexpr):
     LISTED rows (``blocks``: their numbers, int32) laid end to end: offset it is row it % LISTED
     of block blocks[it // LISTED]. One flat loop over a list pipelines across its blocks."""
     if LISTED > 0:
-        block0 = tl.load(blocks + it // LISTED) * LISTED
-        return block0 + it % LISTED, block0
+        block0 = tl.multiple_of(tl.load(blocks + it // LISTED) * LISTED, LISTED)
+        return tl.multiple_of(block0 + it % LISTED, 16), block0
     else:
         return it, 0
 

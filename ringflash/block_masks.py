@@ -87,7 +87,7 @@ def check_block_mask(
     return check_mask_fits(mask, batch, heads_q, total, total, device)
 
 
-def shard_blocks(positions: torch.Tensor, block: int, layout: str) -> torch.Tensor:
+def shard_blocks(positions: torch.Tensor, block: int, layout: str | ChunkLayout) -> torch.Tensor:
     """The mask blocks of a rank's tokens at global ``positions`` (in local order): each run of
     ``block`` local tokens must be one whole block, else ValueError."""
     runs = positions.view(-1, block) if positions.numel() % block == 0 else None
@@ -104,7 +104,9 @@ def shard_blocks(positions: torch.Tensor, block: int, layout: str) -> torch.Tens
     return runs[:, 0] // block
 
 
-def ring_step_masks(mask: TileMask, layout: str, rank: int, world_size: int) -> tuple[TileMask | None, ...]:
+def ring_step_masks(
+    mask: TileMask, layout: str | ChunkLayout, rank: int, world_size: int
+) -> tuple[TileMask | None, ...]:
     """Step i's mask of rank ``rank``'s queries over the keys of rank (rank - i) % world_size
     (where the ring has brought them), or None where it leaves nothing visible. Reads the
     mask's lists back once (a device sync): call it once per plan."""

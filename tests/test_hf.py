@@ -338,7 +338,7 @@ def test_hf_mask_patterns(device):
         mask(**old_call, mask_function=mu.causal_mask_function, attention_mask=torch.ones(2, 8).tril())
 
 
-def test_gemma3_bidirectional_text_model_step_equals_eager(device):
+def test_gemma3_bidirectional_text_model_step_equals_eager(device, monkeypatch):
     """Gemma-3 with ``use_bidirectional_attention`` (EmbeddingGemma): bidirectional attention on
     the full layers, a bidirectional sliding window on the local ones, both patterns that the
     model writes itself; on one device they run as block-sparse masks, and a training step's
@@ -352,6 +352,9 @@ def test_gemma3_bidirectional_text_model_step_equals_eager(device):
         initializer_range=0.2,
     )  # fmt: skip
     ids = _ids(2)[:, :20].to(device)
+    built = []  # the patterns made into block masks: one per layer type (full and sliding)
+    make = rf_hf.pattern_tile_mask
+    monkeypatch.setattr(rf_hf, "pattern_tile_mask", lambda *a: built.append(1) or make(*a))
     results = []
     for implementation in (rf_hf.enable(), "eager"):
         torch.manual_seed(0)
@@ -363,6 +366,7 @@ def test_gemma3_bidirectional_text_model_step_equals_eager(device):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         results.append((hidden.detach(), grads))
     (ours, ours_grads), (eager, eager_grads) = results
+    assert len(built) == 2
     assert rel_err(ours, eager) < 1e-5
     assert len(ours_grads) == len(eager_grads)
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(ours_grads, eager_grads))
