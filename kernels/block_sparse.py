@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta
-from .configs import backward_kv_config, backward_q_config, block_d, forward_config
+from .configs import block_d, forward_config, sparse_dq_config, sparse_kv_config
 from .forward import _fwd_tiles, dot_precision
 from .launcher import launch
 from .problem import AttentionProblem, wide_offsets
@@ -334,7 +334,7 @@ def sparse_gradients(
     if compute_dkdv:
         dk = torch.empty_like(k) if dk is None else dk
         dv = torch.empty_like(v) if dv is None else dv
-        cfg = backward_kv_config(problem.head_dim, fp32)
+        cfg = sparse_kv_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "q")
         launch(
             _sparse_dkdv_kernel,
@@ -346,7 +346,7 @@ def sparse_gradients(
         )  # fmt: skip
     if compute_dq:
         dq = torch.empty_like(q) if dq is None else dq
-        cfg = backward_q_config(problem.head_dim, fp32)
+        cfg = sparse_dq_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "kv")
         launch(
             _sparse_dq_kernel,

@@ -106,3 +106,18 @@ def backward_q_config(head_dim: int, fp32: bool = False) -> TileConfig:
         return _INTERPRET_CONFIG
     cfg = TileConfig(128, 64, 8, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 3)
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
+
+
+# The block-sparse dQ and dK/dV kernels (block_sparse.py) walk listed blocks, where the dense picks
+# above ran 13-26% slower than these (H200, bf16, 65536 tokens, 16 heads, BigBird and full masks,
+# 2026-11-28: docs/experiments.md §61); float32 and the interpreter take the dense ones.
+def sparse_dq_config(head_dim: int, fp32: bool = False) -> TileConfig:
+    if INTERPRET or fp32:
+        return backward_q_config(head_dim, fp32)
+    return TileConfig(64, 64, 4, 3) if head_dim <= 128 else TileConfig(64, 64, 4, 2)
+
+
+def sparse_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
+    if INTERPRET or fp32:
+        return backward_kv_config(head_dim, fp32)
+    return TileConfig(64, 64, 4, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 3)
