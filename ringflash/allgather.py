@@ -418,7 +418,8 @@ def layout_setup(
         calls = [RowCall(slice(0, q.shape[1]), slice(0, total), False, replace(base, max_seqlen_k=total))]
     order = natural_order(layout, world, total, bounds, q.device)
     plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order, view)
-    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens, block_mask)
+    weak = () if block_mask is None else (block_mask,)
+    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens, weak=weak)
     return base, plan, group, sinks
 
 

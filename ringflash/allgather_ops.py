@@ -23,7 +23,7 @@ from .allgather import gather_backward, gather_forward, layout_setup, prepared_s
 from .comm import group_from_name, group_name
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
-from .layouts import check_layout
+from .layouts import layout_name
 from .merge import apply_sinks
 
 
@@ -195,7 +195,7 @@ def allgather_attention(
     if use_ops(q) and block_mask is None:  # traced: the op validates, checks the ranks and plans when it runs
         if error is not None:
             raise error
-        check_layout(layout)
+        layout_name(layout)
         sinks = None if sinks is None else check_sinks(sinks, q.shape[2], q.device)
         cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
         cu_list = None if cu_seqlens is None or cu_tensor is not None else [int(c) for c in cu_seqlens]

@@ -70,6 +70,16 @@ def check_layout(layout: object) -> str | ChunkLayout:
     return layout  # type: ignore[return-value]
 
 
+def layout_name(layout: object) -> str:
+    """``layout`` checked as a layout name: the compiled ops' schemas take strings, so a
+    ``ChunkLayout`` under torch.compile raises NotImplementedError."""
+    if isinstance(check_layout(layout), ChunkLayout):
+        raise NotImplementedError(
+            f"layout={layout!r} under torch.compile: the compiled ops take layout names"
+        )
+    return layout  # type: ignore[return-value]
+
+
 def shard_multiple(layout: str | ChunkLayout, world_size: int) -> int:
     """The full sequence length (each packed document's length) must be a multiple of this."""
     if isinstance(layout, ChunkLayout):

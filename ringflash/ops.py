@@ -30,7 +30,7 @@ from .comm import group_from_name, group_name
 from .consistency import call_signature, check_ranks_agree
 from .kernels import attention_forward, build_problem
 from .kernels.ops import _backward_impl, check_scalar_args
-from .layouts import check_layout, cumulative_lengths, document_lengths
+from .layouts import cumulative_lengths, document_lengths, layout_name
 from .mesh import check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_backward, ring_forward, ring_setup
 from .ulysses import _kv_heads_for, _lse_to_seq, heads_to_seq, seq_to_heads
@@ -186,10 +186,7 @@ def _sp_args(
     scale, causal, (left, right), softcap, deterministic = check_scalar_args(
         softmax_scale, causal, window_size, softcap, deterministic
     )
-    if not isinstance(check_layout(layout), str):
-        raise NotImplementedError(
-            f"layout={layout!r} under torch.compile: the compiled ops take layout names"
-        )
+    layout_name(layout)
     cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     cu_list = None if cu_seqlens is None or cu_tensor is not None else [int(c) for c in cu_seqlens]
     return (

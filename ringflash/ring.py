@@ -387,8 +387,8 @@ def ring_setup(
         plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
     else:
         plan = block_sparse_ring_plan(base, steps)
-    pinned = (alibi_slopes, cu_seqlens, block_mask)
-    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, *pinned)
+    weak = () if block_mask is None else (block_mask,)
+    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, alibi_slopes, cu_seqlens, weak=weak)
     return base, plan, comm, sinks
 
 

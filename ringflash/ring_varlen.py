@@ -22,7 +22,7 @@ from .comm import group_from_name, group_name, resolve_group_or_raise
 from .conventions import attention_returns, check_dropout
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
-from .layouts import check_layout, host_bounds
+from .layouts import host_bounds, layout_name
 from .merge import apply_sinks
 from .ring import ring_attention, ring_backward, ring_forward, ring_setup
 
@@ -99,7 +99,7 @@ def _varlen_entry(
         scale, causal, (left, right), softcap, deterministic = check_scalar_args(
             softmax_scale, causal, window_size, softcap, deterministic
         )
-        args = (cu_seqlens, max_seqlen, group_name(group), check_layout(layout), scale, causal, left, right,
+        args = (cu_seqlens, max_seqlen, group_name(group), layout_name(layout), scale, causal, left, right,
                 softcap, alibi_slopes, deterministic)  # fmt: skip
         out, lse = _varlen_forward_op(q, k, v, *args)
         out, lse = apply_sinks(out[None], lse[None], sinks)

@@ -28,7 +28,7 @@ _SCALARS = (bool, int, float, str, type(None))
 def _option_key(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return identity_key(value)
-    if isinstance(value, TileMask):  # immutable: its identity stands for it (the entry pins it)
+    if isinstance(value, TileMask):  # immutable: its identity stands for it (held weakly: ``put``)
         return (TileMask, id(value))
     if isinstance(value, ChunkLayout):  # frozen, compared by value
         return value
@@ -43,7 +43,7 @@ class SetupCache:
     """Setups by call signature, the least recently used dropped past ``size``."""
 
     def __init__(self, size: int = 64) -> None:
-        self._entries: OrderedDict[tuple, tuple[object, weakref.ref, tuple]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[object, weakref.ref, tuple, tuple]] = OrderedDict()
         self._size = size
         self.builds = 0  # setups stored (tests count them)
 
@@ -62,7 +62,7 @@ class SetupCache:
         if key is None:
             return None
         hit = self._entries.get(key)
-        if hit is None or hit[1]() is not group:
+        if hit is None or hit[1]() is not group or any(ref() is None for ref in hit[3]):
             return None
         self._entries.move_to_end(key)
         return hit[0]
@@ -79,16 +79,19 @@ class SetupCache:
         key = self.key(q, k, v, resolved, **options)
         return key, resolved, self.get(key, resolved)
 
-    def put(self, key: tuple | None, setup: object, group: object, *pinned: object) -> None:
+    def put(self, key: tuple | None, setup: object, group: object, *pinned: object, weak: tuple = ()) -> None:
         """Store ``setup`` for ``group``, held weakly: a cache that kept a process group alive past
         ``destroy_process_group`` would destroy it at interpreter exit, when gloo's threads can no
         longer be joined cleanly ("terminate called without an active exception"). ``pinned``: the
         tensors whose ids are in the key, held so that the ids cannot be reused while the entry
-        lives."""
+        lives. ``weak``: objects in the key by id that the entry must not keep alive (block masks:
+        a model that builds one per batch would otherwise keep 64 of them and their plans' views
+        on the GPU); the entry is dropped when one of them dies."""
         self.builds += 1
         if key is None:
             return
-        self._entries[key] = (setup, weakref.ref(group), pinned)
+        drop = lambda _ref, key=key: self._entries.pop(key, None)  # noqa: E731
+        self._entries[key] = (setup, weakref.ref(group), pinned, tuple(weakref.ref(w, drop) for w in weak))
         if len(self._entries) > self._size:
             self._entries.popitem(last=False)
 

@@ -155,6 +155,9 @@ def _run(case: Case):
         with torch.no_grad():
             ringflash.sp_attn_func(q, k, v, layout=case.layout, sp_mode=mode, block_mask=mask)
         assert SETUPS.builds == builds
+        entries = len(SETUPS._entries)
+        del mask  # the cache does not keep a mask (and its plan's views) alive
+        assert len(SETUPS._entries) == entries - 1
     return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
 
 

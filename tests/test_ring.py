@@ -146,6 +146,26 @@ def test_ring_chunk_layout(rank_pool, case):
     check_ring(rank_pool, case)
 
 
+def test_chunk_layout_checks():
+    """Zigzag as a ChunkLayout gives zigzag's indices (also per Ulysses piece and per packed
+    document); malformed chunk lists, and a ChunkLayout where a compiled op needs a name, raise."""
+    from ringflash.layouts import layout_name
+
+    zigzag = ringflash.ChunkLayout(((0, 3), (1, 2)))
+    for r in range(2):
+        assert torch.equal(layout_indices(zigzag, r, 2, 16), layout_indices("zigzag", r, 2, 16))
+        assert torch.equal(layout_indices(zigzag, r, 2, 16, 1, [0, 8, 16]),
+                           layout_indices("zigzag", r, 2, 16, 1, [0, 8, 16]))  # fmt: skip
+    assert torch.equal(layout_indices(zigzag, 3, 4, 32, 2), layout_indices("zigzag", 3, 4, 32, 2))
+    for bad in (((0, 1), (1, 2)), ((0,), (1, 2)), [(0,), (1,)], ((0, True),)):
+        with pytest.raises(ValueError, match="ChunkLayout.chunks"):
+            ringflash.ChunkLayout(bad)
+    with pytest.raises(ValueError, match="for 2 ring ranks, the ring has 3"):
+        layout_indices(zigzag, 0, 3, 24)
+    with pytest.raises(NotImplementedError, match="under torch.compile"):
+        layout_name(zigzag)
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("layout", ["zigzag", "stripe"])
 def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
