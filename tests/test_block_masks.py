@@ -161,21 +161,21 @@ def _run(case: Case):
     return tuple(t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad))
 
 
+# The prefix-LM mask's query blocks dealt out by balanced_layout: ChunkLayout(((1, 3), (0, 2))), chunks
+# out of order, run here under the banded mask (string zigzag runs in the hybrid and all-gather cases).
 BALANCED = ringflash.balanced_layout(TileMask.from_dense(dense(prefix_lm, 1, 1)), 2)
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        Case(2, 1, "zigzag"),
         Case(3, 1, "contiguous", upper_half_only, 384, batch=1, heads=1),
         Case(4, 2, "zigzag", batch=1),
         Case(2, 2, "contiguous", batch=1, sinks=True),
-        Case(2, 1, BALANCED, prefix_lm, batch=1),
+        Case(2, 1, BALANCED),
         Case(2, 1, "zigzag", batch=1, kv_heads=2, mode="allgather", heads_k_stride=1),
     ],  # fmt: skip
     ids=[
-        "ring-zigzag",
         "ring-contiguous-empty-step",
         "hybrid",
         "ulysses-sinks",

@@ -94,7 +94,7 @@ def _kinds(m: TileMask) -> set[str]:
 
 def test_mask_mod_per_sequence_and_head_under_gqa(device):
     """float32 (fp16 on the CPU: the ranges test; bf16/fp16 at real sizes: the GPU tests)."""
-    b, s, h, hk, d = 2, 270, 4, 2, 16
+    b, s, h, hk, d = 2, 270, 2, 1, 16  # GQA groups of 2, each head its own mask
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.float32, device, seed=1)
     m = TileMask.from_mask_mod(striped, b, h, s, s, device=device)
     assert _kinds(m) == {"full", "partial", "invisible"}

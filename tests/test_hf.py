@@ -373,10 +373,10 @@ def test_gemma3_bidirectional_text_model_step_equals_eager(device, monkeypatch):
 
 
 def test_image_blocks_and_prefix_lm_through_the_attention_function(device):
-    """Gemma-3's image blocks (``or_masks(causal, blockwise_overlay(groups))``) and a PaliGemma-like
-    prefix (the first 140 positions bidirectional), per sequence, through the registered mask
-    and attention functions: out and gradients against float64 attention under the same dense
-    mask, with sinks and GQA; blocks of 128 with 200 keys (partial and full blocks)."""
+    """Gemma-3's image blocks (``or_masks(causal, blockwise_overlay(groups))``: sequence 0 holds an
+    image) and a PaliGemma-like prefix (sequence 1's first 140 positions one bidirectional block)
+    through the registered mask and attention functions: out and gradients against float64
+    attention under the same dense mask, with sinks and GQA; blocks of 128 with 200 keys."""
     from transformers import AttentionInterface
     from transformers import masking_utils as mu
 
@@ -386,30 +386,23 @@ def test_image_blocks_and_prefix_lm_through_the_attention_function(device):
     mask_fn, attention = mu.ALL_MASK_ATTENTION_FUNCTIONS[name], AttentionInterface()[name]
     s = 200
     groups = torch.full((2, s), -1)
-    groups[0, 20:150], groups[1, 100:160] = 0, 1  # one image per sequence
-    prefix = (torch.arange(s) < 140).long().expand(2, s).contiguous()  # PaliGemma's token types
-    patterns = {
-        "images": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups.to(device))),
-        "prefix": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay((prefix - 1).to(device))),
-    }
-    module = torch.nn.Module()
+    groups[0, 20:150], groups[1, :140] = 0, 1  # an image; a prefix
+    fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups.to(device)))
     g = torch.Generator().manual_seed(4)
-    for label, fn in patterns.items():
-        q, k, v, dout = (torch.randn(2, h, s, 16, generator=g) for h in (2, 1, 1, 2))  # (batch, heads, ...)
-        sinks = torch.randn(2, generator=g)
-        tiles = mask_fn(batch_size=2, q_length=s, kv_length=s, mask_function=fn, device=device)
-        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
-        out, _ = attention(module, *leaves, tiles, s_aux=sinks.to(device))
-        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2).to(device))
-        idx = torch.arange(s, device=device)
-        dense = fn(torch.arange(2, device=device)[:, None, None], 0, idx[None, :, None], idx[None, None, :])
-        dense = dense.cpu()[:, None]  # (batch, 1, s, s)
-        ref = [t.double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
-        ref_out, _ = reference_attention(*ref, sinks=sinks, mask=dense)
-        ref_grads = torch.autograd.grad(ref_out, ref, dout.double().transpose(1, 2))
-        assert rel_err(out, ref_out) < 1e-4, label
-        for a, e in zip(grads, ref_grads):
-            assert rel_err(a.transpose(1, 2), e) < 1e-4, label
+    q, k, v, dout = (torch.randn(2, h, s, 16, generator=g) for h in (2, 1, 1, 2))  # (batch, heads, ...)
+    sinks = torch.randn(2, generator=g)
+    tiles = mask_fn(batch_size=2, q_length=s, kv_length=s, mask_function=fn, device=device)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    out, _ = attention(torch.nn.Module(), *leaves, tiles, s_aux=sinks.to(device))
+    grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2).to(device))
+    idx = torch.arange(s, device=device)
+    dense = fn(torch.arange(2, device=device)[:, None, None], 0, idx[None, :, None], idx[None, None, :])
+    ref = [t.double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref, sinks=sinks, mask=dense.cpu()[:, None])
+    ref_grads = torch.autograd.grad(ref_out, ref, dout.double().transpose(1, 2))
+    assert rel_err(out, ref_out) < 1e-4
+    for a, e in zip(grads, ref_grads):
+        assert rel_err(a.transpose(1, 2), e) < 1e-4
 
 
 def _llama4(attn_implementation: str) -> torch.nn.Module:
