@@ -397,6 +397,34 @@ def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, ac
     return dq, dk, dv
 
 
+def gradient_buffers(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    accumulate: bool,
+    compute_dkdv: bool,
+    compute_dq: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The (dq, dk, dv) buffers a backward launch writes: the caller's, or, missing, new ones like
+    q/k/v for the kernels that run; ValueError where ``accumulate`` has no buffer to add into or
+    a token stride is too large for the kernels (``check_token_stride``)."""
+    if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
+        raise ValueError(
+            "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"
+        )
+    if compute_dq and dq is None:
+        dq = torch.empty_like(q)
+    if compute_dkdv:
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+    check_token_stride(dout=dout, dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -422,16 +450,7 @@ def attention_backward(
     dK/dV while dQ is still being computed: the other kernel's buffers are then neither needed
     nor touched, and come back as given (None if not given).
     """
-    if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
-        raise ValueError(
-            "accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv with compute_dkdv"
-        )
-    if compute_dq and dq is None:
-        dq = torch.empty_like(q)
-    if compute_dkdv:
-        dk = torch.empty_like(k) if dk is None else dk
-        dv = torch.empty_like(v) if dv is None else dv
-    check_token_stride(dout=dout, dq=dq, dk=dk, dv=dv)
+    dq, dk, dv = gradient_buffers(dout, q, k, v, dq, dk, dv, accumulate, compute_dkdv, compute_dq)
     if lse.stride() != delta.stride():
         raise ValueError(f"lse and delta must share strides, got {lse.stride()} and {delta.stride()}")
     if compute_dq and compute_dkdv and lse.stride(-1) == 1 and uses_fused_backward(problem, q, k, v):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta
+from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta, gradient_buffers
 from .configs import block_d, forward_config, sparse_dq_config, sparse_kv_config
 from .forward import _fwd_tiles, dot_precision
 from .launcher import launch
@@ -320,20 +320,17 @@ def sparse_gradients(
     final LSE of these queries over all their keys, delta from ``attention_delta``; dq/dk/dv
     buffers written (added to with ``accumulate``) or, missing, allocated like q/k/v; one of the
     two kernels alone with ``compute_dkdv``/``compute_dq`` (a ring step ships dK/dV early)."""
-    if accumulate and ((compute_dq and dq is None) or (compute_dkdv and (dk is None or dv is None))):
-        raise ValueError("accumulate=True needs the buffers to add into: dq with compute_dq, dk and dv "
-                         "with compute_dkdv")  # fmt: skip
+    dq, dk, dv = gradient_buffers(dout, q, k, v, dq, dk, dv, accumulate, compute_dkdv, compute_dq)
     fp32, scales = q.dtype == torch.float32, score_scales(problem)
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
         MASK_Q=mask.block_q, MASK_K=mask.block_k, **score_constexprs(problem),
-        DOT_PRECISION=dot_precision(q.dtype), WIDE=_wide(problem, q, k, v, dout), ACCUMULATE=accumulate,
+        DOT_PRECISION=dot_precision(q.dtype), ACCUMULATE=accumulate,
+        WIDE=_wide(problem, q, k, v, dout) or _wide(problem, dq, dk, dv, None),  # the buffers' strides too
     )  # fmt: skip
     tail = (problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, *scales,
             problem.q_positions.start)  # fmt: skip
     if compute_dkdv:
-        dk = torch.empty_like(k) if dk is None else dk
-        dv = torch.empty_like(v) if dv is None else dv
         cfg = sparse_kv_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "q")
         launch(
@@ -345,7 +342,6 @@ def sparse_gradients(
             BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if compute_dq:
-        dq = torch.empty_like(q) if dq is None else dq
         cfg = sparse_dq_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "kv")
         launch(

@@ -127,7 +127,6 @@ class TileMask:
         grid = grid[:, :, :, k_blocks.to(self.device)]
         partial = grid >= 0
         used = grid[partial].long()
-        grid = grid.clone()
         grid[partial] = torch.arange(used.numel(), dtype=torch.int32, device=self.device)
         bits = self.bits[used] if used.numel() else torch.zeros_like(self.bits[:1])
         return _from_lists(grid, bits, len(q_blocks) * self.block_q, len(k_blocks) * self.block_k,

@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .block_masks import MaskedCall, check_block_mask, gathered_keys_mask
+from .block_masks import MaskedCall, check_block_mask, converted_block_mask, gathered_keys_mask
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
 from .consistency import join_rank_check
 from .kernels import (
@@ -39,7 +39,7 @@ from .kernels import (
     build_problem,
     check_sinks,
 )
-from .kernels.tile_mask import TileMask, as_tile_mask
+from .kernels.tile_mask import TileMask
 from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
 from .ring import check_shards
 from .setup_cache import SetupCache
@@ -371,11 +371,7 @@ def layout_setup(
     heads gathered at a time; None: all of them, ``default_heads_k_stride``). ``error``: an
     argument error the caller found, raised after the ranks' check, which this rank still joins.
     ``block_mask``: a TileMask or BlockMask over the full sequence (``block_masks.py``)."""
-    if block_mask is not None and error is None:
-        try:
-            block_mask = as_tile_mask(block_mask)  # a BlockMask converted once, then by identity
-        except (ValueError, TypeError) as e:
-            error = e
+    block_mask, error = converted_block_mask(block_mask, error)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip

@@ -49,6 +49,18 @@ class MaskedCall:
             sparse_gradients(dout, q, k, v, lse, delta, self.mask, self.problem, **buffers)
 
 
+def converted_block_mask(block_mask: object, error: Exception | None) -> tuple[object, Exception | None]:
+    """(``block_mask`` as a TileMask, ``error``): a BlockMask converted once (``as_tile_mask``),
+    so that a setup cache keys the same TileMask by identity on every call; an object that is no
+    mask comes back as it is, with the conversion's error where there was none before."""
+    if block_mask is None or error is not None:
+        return block_mask, error
+    try:
+        return as_tile_mask(block_mask), None
+    except (ValueError, TypeError) as e:
+        return block_mask, e
+
+
 def check_block_mask(
     block_mask: object,
     *,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .block_masks import MaskedCall, check_block_mask, ring_step_masks
+from .block_masks import MaskedCall, check_block_mask, converted_block_mask, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
 from .consistency import join_rank_check
 from .kernels import (
@@ -33,7 +33,6 @@ from .kernels import (
     check_sinks,
     uses_fused_backward,
 )
-from .kernels.tile_mask import as_tile_mask
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
 from .merge import apply_sinks, merge_unchecked
 from .schedule import BlockTask, ring_schedule
@@ -349,11 +348,7 @@ def ring_setup(
     """Validate a ring call and plan it: (base problem, plan, comm, checked sinks); arguments as
     in ``ring_attention``. Built once per call signature (``SETUPS``; a block mask by identity);
     the ranks' check runs on every call."""
-    if block_mask is not None and error is None:
-        try:
-            block_mask = as_tile_mask(block_mask)  # a BlockMask converted once, then by identity
-        except (ValueError, TypeError) as e:
-            error = e
+    block_mask, error = converted_block_mask(block_mask, error)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, deterministic=deterministic, layout=layout,
                    cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip

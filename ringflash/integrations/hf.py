@@ -248,6 +248,18 @@ def _check_key_alignment(
         )
 
 
+def _query_span(
+    q_length: int | None, q_offset: object, cache_position: torch.Tensor | None, what: str
+) -> tuple[int, int]:
+    """(first position, count) of the queries a mask function is called for: transformers 5.x
+    passes q_length/q_offset, 4.5x cache_position; neither: ValueError naming ``what``."""
+    if q_length is not None:
+        return int(q_offset), int(q_length)
+    if cache_position is not None:
+        return int(cache_position[0]), len(cache_position)
+    raise ValueError(f"ringflash attention cannot place the queries of {what}")
+
+
 def pattern_tile_mask(
     mask_function: object, batch_size: int, q_length: int | None, q_offset: object, kv_length: int,
     kv_offset: object, cache_position: torch.Tensor | None, device: object,
@@ -257,12 +269,7 @@ def pattern_tile_mask(
     queries and keys, evaluated once per forward (as transformers' SDPA path builds its mask) for
     every layer of the pattern: any pattern on one device (Gemma-3's bidirectional image blocks,
     prefix-LM overlays...)."""
-    if q_length is not None:
-        query_start, queries = int(q_offset), int(q_length)
-    elif cache_position is not None:
-        query_start, queries = int(cache_position[0]), len(cache_position)
-    else:
-        raise ValueError("ringflash attention cannot place the queries of the model's attention pattern")
+    query_start, queries = _query_span(q_length, q_offset, cache_position, "the model's attention pattern")
     key_start = int(kv_offset)
 
     def mask_mod(b, h, q, kv):
@@ -326,12 +333,7 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
         chunks = None
         if chunk is not None:  # one device: chunks that split these keys go to the attention
-            if q_length is not None:
-                query_start, queries = int(q_offset), int(q_length)
-            elif cache_position is not None:
-                query_start, queries = int(cache_position[0]), len(cache_position)
-            else:
-                raise ValueError("ringflash attention cannot place the queries of chunked attention")
+            query_start, queries = _query_span(q_length, q_offset, cache_position, "chunked attention")
             if int(kv_offset) // chunk != (query_start + queries - 1) // chunk:
                 chunks = AttentionChunks(chunk, query_start, int(kv_offset))
         if attention_mask is None:
