@@ -438,21 +438,45 @@ def test_llama4_chunks_are_refused_sequence_parallel(rank_pool):
     assert all(e and "chunked_overlay" in e for e in errors), errors
 
 
-def test_llama4_chunked_layers_are_refused_under_compile(monkeypatch, device):
-    """Compiled, the mask function cannot read the chunks: a chunked layer's attention raises
-    instead of running plain causal attention; the model's full-attention layer still runs."""
+def test_compiled_patterns_equal_eager(device):
+    """Under torch.compile the pattern is still read from the mask function (a graph break), not
+    skipped: Gemma-3's image blocks (the mask built inside the compiled function, as
+    transformers' model forward does) and Llama-4's chunks give eager's outputs, not plain causal
+    attention's; ``fullgraph=True`` refuses the break instead of running the wrong mask."""
     from transformers import AttentionInterface
+    from transformers import masking_utils as mu
 
     import ringflash.integrations.hf as rf_hf
 
-    model = _llama4(rf_hf.enable()).to(device)
-    attention = AttentionInterface()[rf_hf.NAME]
-    q = torch.randn(1, 2, 8, 16, device=device)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    chunked, full = (layer.self_attn for layer in model.model.layers)
-    with pytest.raises(ValueError, match="under torch.compile"):
-        attention(chunked, q, q[:, :1], q[:, :1], None)
-    assert attention(full, q, q[:, :1], q[:, :1], None)[0].shape == (1, 8, 2, 16)
+    name = rf_hf.enable()
+    mask_fn, attention = mu.ALL_MASK_ATTENTION_FUNCTIONS[name], AttentionInterface()[name]
+    s = 40
+    groups = torch.full((1, s), -1, device=device)
+    groups[0, 5:30] = 0  # one image: bidirectional inside
+
+    def image_blocks(q, k, v, groups):
+        fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups))
+        tiles = mask_fn(batch_size=1, q_length=s, kv_length=s, mask_function=fn, device=q.device)
+        return attention(torch.nn.Module(), q, k, v, tiles)[0]
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, s, 16, generator=g).to(device) for _ in range(3))
+    eager = image_blocks(q, k, v, groups)
+    causal = attention(torch.nn.Module(), q, k, v, None)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(image_blocks, backend="aot_eager")(q, k, v, groups)
+    assert rel_err(compiled, eager) < 1e-6 and rel_err(eager, causal) > 1e-2
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="attention pattern"):
+        torch.compile(image_blocks, backend="aot_eager", fullgraph=True)(q, k, v, groups)
+
+    torch._dynamo.reset()
+    ids = _ids(1)[:, :14].to(device)
+    model = _llama4(name).to(device)
+    eager_logits = model(input_ids=ids, use_cache=False).logits
+    compiled_logits = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
+    assert rel_err(compiled_logits, eager_logits) < 1e-5
+    torch._dynamo.reset()
 
 
 def test_llama4_chunked_attention_step_and_generate_equal_eager(device):

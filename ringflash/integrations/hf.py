@@ -196,14 +196,6 @@ def chunked_attention(
     return torch.cat(outs, dim=1)
 
 
-def _chunked_layer(module: torch.nn.Module) -> bool:
-    """Whether a transformers attention module is one of its model's chunked-attention layers
-    (``config.layer_types[layer_idx] == "chunked_attention"``, Llama-4)."""
-    types = getattr(getattr(module, "config", None), "layer_types", None)
-    index = getattr(module, "layer_idx", None)
-    return types is not None and index is not None and types[index] == "chunked_attention"
-
-
 def _closure(fn) -> dict[str, object]:
     """The variables a nested function closes over, by name."""
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
@@ -279,6 +271,29 @@ def pattern_tile_mask(
     return TileMask.from_mask_mod(mask_mod, batch_size, 1, queries, kv_length, device=device)
 
 
+# The pattern is read from the mask function's closures, which torch.compile cannot trace. It
+# decides which attention runs, so it is never skipped: compiled, reading it (and building a
+# pattern's block mask, which reads the mask back) is a graph break (fullgraph=True refuses it).
+_PATTERN_REASON = "ringflash reads the attention pattern from transformers' mask function"
+
+
+@torch.compiler.disable(reason=_PATTERN_REASON)
+def _read_pattern(mask_function: object, total_keys: int, one_device: bool) -> tuple[list[str], int | None]:
+    """(``unhonoured_mask_patterns``, ``chunk_size_of`` on one device) of a mask function."""
+    unhonoured = unhonoured_mask_patterns(mask_function, total_keys, chunks=one_device)
+    return unhonoured, chunk_size_of(mask_function) if one_device else None
+
+
+@torch.compiler.disable(reason=_PATTERN_REASON)
+def _pattern_block_mask(attention_mask: torch.Tensor | None, hint: str, *args: object) -> TileMask:
+    """``pattern_tile_mask(*args)`` for a pad-free ``attention_mask`` (ValueError with ``hint``
+    otherwise), built eagerly."""
+    kv_length = args[4]
+    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
+        raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+    return pattern_tile_mask(*args)
+
+
 def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
     """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
     what the attention function cannot apply. Without one, transformers drops the model's 2D
@@ -293,7 +308,8 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     (``group`` given, or torch.distributed initialized), a 2D mask's check joins every rank of the
     group in a 16-byte host all-reduce, so padding in one rank's shard fails every rank instead of
     leaving the others waiting in the ring; under torch.compile a device-side assert stops the
-    step instead, and the pattern is not checked (torch.compile cannot read closures).
+    step instead. Compiled, reading the pattern (and building a block mask) is a graph break:
+    it decides which attention runs, so it is never skipped (``fullgraph=True`` refuses it).
     """
 
     # Keyword-only with defaults: transformers 4.53-4.5x pass cache_position where 5.x passes
@@ -311,19 +327,12 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         device: torch.device | str | None = None,
         **kw,
     ) -> AttentionChunks | TileMask | None:
-        # The pattern is read from the mask function's closures, which torch.compile cannot trace:
-        # compiled, it is not checked (run one step eagerly to check a new model family).
-        unhonoured, chunk = [], None
         one_device = not is_sequence_parallel(group)
-        if not torch.compiler.is_compiling():
-            world = 1 if one_device else dist.get_world_size(resolve_group(group))
-            unhonoured = unhonoured_mask_patterns(mask_function, kv_length * world, chunks=one_device)
-            chunk = chunk_size_of(mask_function) if one_device else None
+        world = 1 if one_device else dist.get_world_size(resolve_group(group))
+        unhonoured, chunk = _read_pattern(mask_function, kv_length * world, one_device)
         if unhonoured and one_device and mask_function is not None:  # any other pattern: block-sparse
-            if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
-                raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
-            return pattern_tile_mask(mask_function, batch_size, q_length, q_offset, kv_length, kv_offset,
-                                     cache_position, device)  # fmt: skip
+            return _pattern_block_mask(attention_mask, hint, mask_function, batch_size, q_length, q_offset,
+                                       kv_length, kv_offset, cache_position, device)  # fmt: skip
         if unhonoured:
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} sequence "
@@ -452,12 +461,6 @@ def enable(
                                      s_aux, cu_seq_lens_q, kw), None  # fmt: skip
         if chunks is not None:  # Llama-4's chunked attention, from the mask function (one device)
             attention_mask = None
-        elif torch.compiler.is_compiling() and _chunked_layer(module):
-            # Compiled, the mask function cannot read the chunks from the pattern's closures.
-            raise ValueError(
-                "ringflash attention cannot apply chunked attention (Llama-4's chunked layers) under "
-                "torch.compile: run the model eagerly"
-            )
         causal, window = _attention_options(module, dropout, attention_mask, sliding_window, is_causal, kw)
         if cu_seq_lens_k is not None and (
             cu_seq_lens_q is None
