@@ -28,7 +28,7 @@ import triton.language as tl
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
 from .hopper.dispatch import hopper_module, uses_fused_backward
-from .launcher import launch
+from .launcher import bound_launch, launch, launch_or_bind
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
 from .tiling import (
@@ -353,19 +353,24 @@ def attention_delta(
     backward only through delta)."""
     vl = problem.varlen
     delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
-    o4, do4 = as_4d(out, vl), as_4d(dout, vl)
-    block_m = 64
-    grid, packed_docs = tile_grid(
-        problem.max_seqlen_q, problem.heads_q, problem.batch, block_m, out.shape[0] if vl else None
-    )
-    if grid[0] > 0:
-        launch(
-            _delta_kernel, grid,
-            o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
-            do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
-            packed_docs, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m,
-            IS_VARLEN=vl,
-        )  # fmt: skip
+    key = ("bound_delta", out.shape, out.stride(), out.dtype, dout.stride(), dout.dtype)
+    bound = bound_launch(problem.derived, key)
+    if bound is None or not bound(out, dout, delta):
+        o4, do4 = as_4d(out, vl), as_4d(dout, vl)
+        block_m = 64
+        grid, packed_docs = tile_grid(
+            problem.max_seqlen_q, problem.heads_q, problem.batch, block_m, out.shape[0] if vl else None
+        )
+        if grid[0] > 0:
+            args = (
+                o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
+                do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
+                packed_docs,
+            )  # fmt: skip
+            kwargs = dict(
+                HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m, IS_VARLEN=vl
+            )
+            launch_or_bind(problem.derived, key, _delta_kernel, grid, args, kwargs, (o4, do4, delta))
     if dlse is not None:
         delta.sub_(dlse)
     return delta

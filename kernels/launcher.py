@@ -21,6 +21,10 @@ the compiled kernel's C launcher itself, with its TMA descriptors encoded here, 
 Python wrappers around it (scratch allocation, which these kernels do not use, and a loop
 over every argument that looks for descriptors). Kernels that need scratch memory, and every
 other release, go through the compiled kernel's ``run``.
+
+A plan's steady state goes further still (``BoundLaunch``, ``launch_or_bind``): at a launch
+key's second call its argument list is laid out once, and later calls only put their tensors'
+addresses (and their TMA descriptors' encodings, kept by address) into it.
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ def _expand(args: tuple, descriptors: tuple) -> list:
 
 
 try:
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as _TMA_HOST_TYPES
     from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 except ImportError:  # no NVIDIA backend: no direct launches
     DIRECT_RELEASES = ()
@@ -256,6 +261,154 @@ def _hook(hook: object) -> object:
     return None if hook is None or (type(calls) is list and not calls) else hook
 
 
+def _hooked() -> bool:
+    """Whether a Triton launch hook would run (a bound launch then steps aside for ``launch``)."""
+    runtime = knobs.runtime
+    return _hook(runtime.launch_enter_hook) is not None or _hook(runtime.launch_exit_hook) is not None
+
+
 def compiled_launches() -> int:
     """How many distinct launch keys have been compiled or found (tests count them)."""
     return len(_COMPILED)
+
+
+# What a plan stores under a launch's key after its first call: problems built per call (never
+# seen twice) then pay no binding, and a layout's second call binds its launch.
+SEEN_ONCE = "seen once"
+
+
+class BoundLaunch:
+    """One launch recorded with every argument laid out for the compiled kernel's C launcher
+    (``DIRECT_RELEASES``), to repeat with new tensors in a few positions (its slots): a plan's
+    steady-state launch. A call checks what the launch key would (the current device, each
+    tensor's 16-byte alignment, and for a TMA descriptor an aligned base), encodes the slots'
+    descriptors (kept by address: the same buffers recur call after call) and calls the C
+    launcher with addresses for pointers (a tensor there costs a ``data_ptr`` call and a driver
+    query per pointer); it returns False, launching nothing, where the caller must take the
+    general path.
+
+    ``BoundLaunch.record(kernel, grid, args, kwargs, slots)`` launches ``kernel[grid](*args,
+    **kwargs)`` through ``launch`` and returns the binding, or None where it cannot bind (the
+    interpreter, ``RINGFLASH_TRITON_BINDING``, other releases, launch hooks). ``slots``: objects
+    among ``args`` (tensors, or TMA descriptors over a tensor), matched by identity wherever they
+    occur; a call passes one tensor per slot (for a descriptor, a tensor of the recorded one's
+    geometry, of which only the address is read). Every argument that may change between calls
+    must be a slot (every descriptor is): the others are kept as recorded (a plan's sizes, its
+    cu_seqlens and ALiBi slopes)."""
+
+    __slots__ = ("_fn", "_template", "_tensor_slots", "_desc_slots", "_device", "_keep")
+
+    @staticmethod
+    def record(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, slots: tuple) -> BoundLaunch | None:
+        launch(kernel, grid, *args, **kwargs)
+        if _binding() != "0" or _hooked():
+            return None
+        try:
+            device = _current_device()
+            hit = _COMPILED.get((kernel, device, _args_key(args), tuple(kwargs.items())))
+        except TypeError:
+            return None
+        if hit is None or hit[2] is None:
+            return None
+        compiled, tail, (fn, cooperative, pdl, descriptors) = hit
+        bound = object.__new__(BoundLaunch)
+        grid = (*grid, 1, 1)
+        head = [grid[0], grid[1], grid[2], None, compiled.function, cooperative, pdl, None, None,
+                compiled.packed_metadata, None, None, None]  # fmt: skip
+        meta_at = dict(descriptors)
+        slot_of = {id(o): j for j, o in reversed(tuple(enumerate(slots)))}  # the first slot of an object
+        template, tensor_slots, desc_slots, keep = head, [], [], []
+        for i, a in enumerate(args):
+            slot = slot_of.get(id(a))
+            if i in meta_at:
+                encoder = _descriptor_encoder(a, meta_at[i])
+                if encoder is None:
+                    return None
+                if slot is None:  # its address would be kept: every descriptor must be a slot
+                    return None
+                encode, geometry = encoder
+                desc_slots.append((len(template), slot, encode))
+                template.extend((None, *geometry))
+                continue
+            if slot is not None:
+                if not isinstance(a, torch.Tensor):
+                    return None
+                tensor_slots.append((len(template), slot, a.data_ptr() % 16 == 0))
+                a = None
+            elif isinstance(a, torch.Tensor):  # kept alive by the binding, passed by address
+                keep.append(a)
+                a = a.data_ptr()
+            template.append(a)
+        template.extend(tail)
+        bound._fn, bound._template, bound._device, bound._keep = fn, template, device, keep
+        bound._tensor_slots, bound._desc_slots = tuple(tensor_slots), tuple(desc_slots)
+        return bound
+
+    def __call__(self, *values: torch.Tensor) -> bool:
+        if _binding() != "0" or _current_device() != self._device or _hooked():
+            return False
+        args = self._template.copy()
+        for at, slot, aligned in self._tensor_slots:
+            ptr = values[slot].data_ptr()  # an address: the C launcher then asks the driver nothing
+            if (ptr % 16 == 0) != aligned:
+                return False
+            args[at] = ptr
+        for at, slot, encode in self._desc_slots:
+            ptr = values[slot].data_ptr()
+            if ptr % 16:
+                return False
+            args[at] = encode(ptr)
+        device = self._device
+        args[3] = _current_stream(device) if _current_stream else driver.active.get_current_stream(device)
+        self._fn(*args)
+        return True
+
+
+# Encoded TMA descriptors per geometry by address: a training step's buffers recur at the same
+# addresses step after step (PyTorch's caching allocator), so most calls encode nothing.
+_MAX_ENCODED = 256
+
+
+def _descriptor_encoder(desc: object, meta: dict | None) -> tuple | None:
+    """(f(address) -> the tensor map of a descriptor of ``desc``'s geometry at that address,
+    (*shape, *strides) after it): Triton's ``make_tensordesc_arg`` in two parts, or None for what
+    this does not encode (host-side decomposition, fp4 padding)."""
+    if not isinstance(meta, dict) or meta.get("fp4_padded") or list(desc.strides)[-1] != 1:
+        return None
+    fill = driver.active.utils.fill_tma_descriptor
+    swizzle, elem_size, block = meta["swizzle"], meta["elem_size"], meta["block_size"]
+    host_type = _TMA_HOST_TYPES[meta["elem_type"]]
+    shape, strides, padding = list(desc.shape), list(desc.strides), 1 if desc.padding == "nan" else 0
+    encoded: dict[int, object] = {}
+
+    def encode(ptr: int) -> object:
+        found = encoded.get(ptr)
+        if found is None:
+            if len(encoded) >= _MAX_ENCODED:
+                encoded.clear()
+            found = encoded[ptr] = fill(ptr, swizzle, elem_size, host_type, block, shape, strides, padding)
+        return found
+
+    return encode, (*shape, *strides)
+
+
+def launch_or_bind(
+    plans: dict, key: tuple, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, slots: tuple
+) -> None:
+    """``launch(kernel, grid, *args, **kwargs)``, remembering in ``plans`` under ``key`` (which
+    names everything the arguments depend on) that it ran: the second call of the key binds the
+    launch (``BoundLaunch.record``) for ``run_bound``. Problems built per call, never seen twice,
+    pay no binding."""
+    state = plans.get(key)
+    if state is SEEN_ONCE and _binding() == "0" and not _hooked():  # else bind at a later call
+        plans[key] = BoundLaunch.record(kernel, grid, args, kwargs, slots) or False
+        return
+    if state is None:
+        plans[key] = SEEN_ONCE
+    launch(kernel, grid, *args, **kwargs)
+
+
+def bound_launch(plans: dict, key: tuple) -> BoundLaunch | None:
+    """The launch bound under ``key`` by ``launch_or_bind``, or None."""
+    bound = plans.get(key)
+    return bound if type(bound) is BoundLaunch else None

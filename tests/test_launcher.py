@@ -80,6 +80,93 @@ def test_direct_launcher_reads_tritons_descriptor_wrapper(monkeypatch):
     assert launcher._direct_launcher(compiled, 4) is None
 
 
+class _Desc:
+    """A stand-in TMA descriptor: what ``_arg_key`` and ``BoundLaunch.record`` read of one."""
+
+    def __init__(self, base):
+        self.base, self.block_shape, self.layout, self.padding = base, [8, 8], "layout", "zero"
+        self.shape, self.strides = [4, 8], [8, 1]
+
+
+def _bind(monkeypatch, args, slots, descriptors=()):
+    """A BoundLaunch of a fake kernel over ``args`` whose C launcher records its arguments
+    (calls of it append to the returned list), its descriptors encoded as ("map", address)."""
+    calls = []
+    monkeypatch.setattr(launcher, "_binding", lambda: "0")
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: "stream")
+    monkeypatch.setattr(launcher, "launch", lambda *a, **kw: None)
+    encoder = (lambda ptr: ("map", ptr), (4, 8, 8, 1))
+    monkeypatch.setattr(launcher, "_descriptor_encoder", lambda d, meta: encoder)
+    kernel, compiled = object(), SimpleNamespace(function="fn", packed_metadata="meta")
+    key = (kernel, 0, launcher._args_key(args), (("X", 1),))
+    direct = (lambda *a: calls.append(a), False, False, descriptors)
+    monkeypatch.setitem(launcher._COMPILED, key, (compiled, ("tail",), direct))
+    return launcher.BoundLaunch.record(kernel, (3,), args, {"X": 1}, slots), calls
+
+
+def test_a_bound_launch_fills_its_slots_and_keeps_the_rest(monkeypatch):
+    """Slots are found by identity wherever they occur (a stand-in passed twice fills both
+    places); descriptors are encoded from the new tensor's address; the rest stays as recorded."""
+    buf = torch.zeros(256)
+    q, out, fixed = buf[:16], buf[32:48], buf[64:80]
+    qd = _Desc(q)
+    args = (qd, out, 7, fixed, out, qd, 2.5)
+    bound, calls = _bind(monkeypatch, args, (qd, out), descriptors=((0, {}), (5, {})))
+    q2, out2 = buf[128:144], buf[160:176]
+    assert bound(q2, out2)
+    (sent,) = calls
+    assert sent[:7] == (3, 1, 1, "stream", "fn", False, False) and sent[9] == "meta"
+    body = sent[13:]
+    assert body[0] == ("map", q2.data_ptr()) and body[1:5] == (4, 8, 8, 1)
+    assert body[5] == body[8] == out2.data_ptr() and body[6] == 7 and body[7] == fixed.data_ptr()
+    assert body[9] == ("map", q2.data_ptr()) and body[14] == 2.5 and body[15] == "tail"
+
+
+def test_a_bound_launch_steps_aside_where_a_key_would_differ(monkeypatch):
+    """An alignment that Triton would compile differently, an unaligned descriptor base, another
+    current device, or RINGFLASH_TRITON_BINDING: False, nothing launched."""
+    buf = torch.zeros(256)
+    t, qd = buf[:16], _Desc(buf[32:48])
+    bound, calls = _bind(monkeypatch, (qd, t), (qd, t), descriptors=((0, {}),))
+    assert not bound(buf[32:48], buf[1:17])  # the tensor slot 4 bytes off 16-byte alignment
+    assert not bound(buf[33:49], buf[:16])  # a descriptor base 4 bytes off
+    monkeypatch.setattr(launcher, "_current_device", lambda: 1)
+    assert not bound(buf[32:48], buf[:16])
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_binding", lambda: "run")
+    assert not bound(buf[32:48], buf[:16])
+    assert calls == []
+
+
+def test_a_descriptor_outside_the_slots_is_not_bound(monkeypatch):
+    """Its encoding would keep a recorded address that a later call may have freed."""
+    buf = torch.zeros(64)
+    bound, _ = _bind(monkeypatch, (_Desc(buf[:16]), buf[16:32]), (buf[16:32],), descriptors=((0, {}),))
+    assert bound is None
+
+
+def test_launch_or_bind_binds_at_a_keys_second_call(monkeypatch):
+    """A key's first call launches and remembers it; the second binds (when binding is on and no
+    hook listens); plans built per call never bind."""
+    launched, recorded = [], []
+    monkeypatch.setattr(launcher, "launch", lambda kernel, grid, *a, **kw: launched.append(a))
+    monkeypatch.setattr(launcher.BoundLaunch, "record", lambda *a: recorded.append(a) or "bound")
+    monkeypatch.setattr(launcher, "_binding", lambda: "0")
+    plans: dict = {}
+    launcher.launch_or_bind(plans, "key", "kernel", (1,), (1,), {}, ())
+    assert plans == {"key": launcher.SEEN_ONCE} and len(launched) == 1 and not recorded
+    monkeypatch.setattr(launcher, "_binding", lambda: "1")  # binding off: launch, bind later
+    launcher.launch_or_bind(plans, "key", "kernel", (1,), (1,), {}, ())
+    assert plans["key"] is launcher.SEEN_ONCE and len(launched) == 2
+    monkeypatch.setattr(launcher, "_binding", lambda: "0")
+    launcher.launch_or_bind(plans, "key", "kernel", (1,), (1,), {}, ())
+    assert plans["key"] == "bound" and len(recorded) == 1 and len(launched) == 2
+    for _ in range(3):  # a problem built per call: a fresh plans dict each time
+        launcher.launch_or_bind({}, "key", "kernel", (1,), (1,), {}, ())
+    assert len(recorded) == 1
+
+
 def _qkv(dtype, offset=0, s=200, h=2, d=64, seed=0):
     """q, k, v on the GPU starting ``offset`` elements into their storage (offset 1 in float32:
     4 bytes past 16-byte alignment)."""
@@ -162,3 +249,92 @@ def test_registered_launch_hooks_see_every_launch():
     seen = len(names)
     ringflash.flash_attn_func(q, k, v, causal=True)
     assert len(names) == seen
+
+
+def _count_bound(monkeypatch) -> list:
+    """The bound launches that ran (BoundLaunch calls that returned True)."""
+    ran, call = [], launcher.BoundLaunch.__call__
+
+    def counted(self, *values):
+        done = call(self, *values)
+        ran.extend([self] if done else [])
+        return done
+
+    monkeypatch.setattr(launcher.BoundLaunch, "__call__", counted)
+    return ran
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("varlen", [False, True])
+def test_steady_state_runs_bound_launches_equal_to_the_general_path(varlen, monkeypatch):
+    """From a layout's third call on, the Hopper forward, the delta and the Hopper backward run
+    bound launches (three per fwd+bwd) on new tensors at new addresses; their results equal the
+    general path's (RINGFLASH_TRITON_BINDING=run) and float64's."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bound launches are the Hopper kernels' (and the delta's)")
+    s, h, d = 300, 4, 64
+    cu = torch.tensor([0, 120, 300], device="cuda", dtype=torch.int32)
+
+    def call(seed, binding):
+        monkeypatch.setenv("RINGFLASH_TRITON_BINDING", binding)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        shape = (s, h, d) if varlen else (1, s, h, d)
+        q, k, v, dout = (torch.randn(shape, device="cuda", generator=g).bfloat16() for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        if varlen:
+            out = ringflash.flash_attn_varlen_func(*leaves, cu, cu, 180, 180, causal=True)
+        else:
+            out = ringflash.flash_attn_func(*leaves, causal=True)
+        return leaves, dout, out, torch.autograd.grad(out, leaves, dout)
+
+    for seed in (0, 1):
+        call(seed, "0")
+    ran = _count_bound(monkeypatch)
+    leaves, dout, out, grads = call(2, "0")
+    assert len(ran) == 3
+    _, _, out_general, grads_general = call(2, "run")
+    assert len(ran) == 3  # the general path binds nothing
+    assert torch.equal(out, out_general)
+    assert torch.equal(grads[1], grads_general[1]) and torch.equal(grads[2], grads_general[2])
+    assert rel_err(grads[0], grads_general[0]) < 1e-3  # dQ tiles are added in a varying order
+    for rows in [slice(0, 120), slice(120, 300)] if varlen else [None]:
+
+        def piece(t, rows=rows):  # a sequence of the packed batch as (1, seqlen, heads, head_dim)
+            return t if rows is None else t[rows][None]
+
+        ref_in = [piece(t.detach()).double().cpu().requires_grad_() for t in leaves]
+        ref, _ = reference_attention(*ref_in, causal=True)
+        ref_grads = torch.autograd.grad(ref, ref_in, piece(dout).double().cpu())
+        assert rel_err(piece(out), ref) < 2e-2
+        for got, r in zip(grads, ref_grads):
+            assert rel_err(piece(got), r) < 2e-2
+
+
+@pytest.mark.gpu
+@GPU
+def test_bound_launches_step_aside_for_misaligned_tensors_and_follow_the_stream(monkeypatch):
+    """After the bound launches of a layout: q/k/v 8 bytes off 16-byte alignment run the
+    general path (the Triton kernels: TMA needs aligned rows) exactly; a call on another stream
+    uses that stream (and its own tile counter)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bound launches are the Hopper kernels'")
+    for seed in (0, 1, 2):
+        q, k, v = _qkv(torch.bfloat16, seed=seed)
+        ringflash.flash_attn_func(q, k, v, causal=True)
+    ran = _count_bound(monkeypatch)
+    q, k, v = _qkv(torch.bfloat16, offset=4, seed=3)
+    assert q.data_ptr() % 16 == 8
+    out = ringflash.flash_attn_func(q, k, v, causal=True)
+    assert not ran
+    ref, _ = reference_attention(*(t.double().cpu() for t in (q, k, v)), causal=True)
+    assert rel_err(out, ref) < 2e-2
+    q, k, v = _qkv(torch.bfloat16, seed=4)
+    expected = ringflash.flash_attn_func(q, k, v, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            got = ringflash.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(ran) == 4 and torch.equal(got, expected)

@@ -88,7 +88,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from ..launcher import launch
+from ..launcher import bound_launch, launch, launch_or_bind
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
@@ -901,6 +901,14 @@ def fused_backward(
     rule also (S = dA + dA^T in gdM's shape and dtype, z before each segment in gdz's): their
     backward (``infini.memory.memory_updates_backward``, with ``gram_grad`` = (S, z)) is added
     into dK/dV (the MEMORY epilogue)."""
+    key = None
+    if updates_grads is None:  # the steady state: the launch a call of these layouts bound
+        key = ("bound_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), dout.stride(),
+               None if dq is None else (dq.dtype, dq.stride()), dk.dtype, dk.stride(), dv.stride(),
+               lse.stride(), delta.stride(), accumulate)  # fmt: skip
+        bound = bound_launch(problem.derived, key)
+        if bound is not None and bound(q, k, v, dout, q if dq is None else dq, dk, dv, lse, delta):
+            return
     if (dq is None) == computes_dq(problem):
         wanted = "a float32 buffer" if computes_dq(problem) else "None (dq.fused_dq computes dQ)"
         raise ValueError(f"fused_backward at head_dim {problem.head_dim} takes dq={wanted}")
@@ -959,12 +967,13 @@ def fused_backward(
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
-    launch(
-        _fused_bwd_kernel, grid,
+    args = (
         qd, kd, vd, dod, dqd, gdm_desc, s_desc, dkd, dvd, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
         z_before, problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
         v_rows, *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
+    )  # fmt: skip
+    kwargs = dict(
         GROUP=problem.group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=problem.head_dim, VARLEN=varlen,
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
@@ -972,3 +981,8 @@ def fused_backward(
         MEMORY=updates_grads is not None, GRAM=updates_grads is not None and len(updates_grads) == 4,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
+    if key is None:
+        launch(_fused_bwd_kernel, grid, *args, **kwargs)
+    else:
+        slots = (qd, kd, vd, dod, dqd, dk, dv, lse, delta)
+        launch_or_bind(problem.derived, key, _fused_bwd_kernel, grid, args, kwargs, slots)

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.runtime import driver
 
+from ..launcher import bound_launch, launch_or_bind
 from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
 from .dispatch import run_head_dim
@@ -458,14 +459,34 @@ def fused_forward(
         _check_retrieval(problem, q, out, gated, m, z, gate)
         rows = [rows_descriptor(t.unsqueeze(0), HALF_ROWS, 128)[0] for t in (out, gated)]
         descs, memory = (matrix_descriptor(m), *rows), (gated, z, gate)
-    launch_kernel(
-        _fused_fwd_kernel, (programs,),
+    counter = _tile_counter(q.device)
+    args = (
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
-        launch.slopes, *problem.position_args(), *launch.window, *launch.grid,
-        _tile_counter(q.device), *descs, *memory, Q_STAGES=Q_STAGES[build],
-        MEMORY=retrieval is not None, **launch.constexprs,
+        launch.slopes, *problem.position_args(), *launch.window, *launch.grid, counter, *descs, *memory,
     )  # fmt: skip
+    kwargs = dict(Q_STAGES=Q_STAGES[build], MEMORY=retrieval is not None, **launch.constexprs)
+    if retrieval is not None:
+        launch_kernel(_fused_fwd_kernel, (programs,), *args, **kwargs)
+        return
+    slots = (*launch.descriptors, out, lse, counter)
+    key = _bound_key(q, k, v, out, lse)
+    launch_or_bind(problem.derived, key, _fused_fwd_kernel, (programs,), args, kwargs, slots)
+
+
+def _bound_key(q, k, v, out, lse) -> tuple:
+    """What a bound forward launch depends on besides its problem: every tensor's layout."""
+    return ("bound_forward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), out.stride(),
+            out.dtype, lse.stride())  # fmt: skip
+
+
+def bound_forward(problem: AttentionProblem, q, k, v, out, lse) -> bool:
+    """``fused_forward(q, k, v, problem, out, lse)`` through the launch that a call with these
+    layouts bound (``launcher.launch_or_bind``): nothing checked or built again but what a
+    launch key checks (alignment, device). False, having run nothing, where there is none or it
+    does not fit: the caller then takes the general path."""
+    bound = bound_launch(problem.derived, _bound_key(q, k, v, out, lse))
+    return bound is not None and bound(q, k, v, out, lse, _tile_counter(q.device))
 
 
 # The persistent forward's tile counters, one per (device, stream), each zero between launches
