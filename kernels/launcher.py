@@ -317,7 +317,7 @@ class BoundLaunch:
                 compiled.packed_metadata, None, None, None]  # fmt: skip
         meta_at = dict(descriptors)
         slot_of = {id(o): j for j, o in reversed(tuple(enumerate(slots)))}  # the first slot of an object
-        template, tensor_slots, desc_slots, keep = head, [], [], []
+        template, tensor_slots, desc_slots, keep = head, [], [], [compiled]  # its function handle is used
         for i, a in enumerate(args):
             slot = slot_of.get(id(a))
             if i in meta_at:

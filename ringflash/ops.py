@@ -30,6 +30,7 @@ from .comm import group_from_name, group_name
 from .consistency import call_signature, check_ranks_agree
 from .kernels import attention_forward, build_problem
 from .kernels.ops import _backward_impl, check_scalar_args
+from .kernels.plans import cached_problem
 from .layouts import cumulative_lengths, document_lengths, layout_name
 from .mesh import check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_backward, ring_forward, ring_setup
@@ -237,8 +238,10 @@ def _whole_problem(q_h, k_h, v_h, layout, cu, scale, causal, window, softcap, de
     """The problem of attention over whole sequences q_h (B, S, H, D) held by one rank, and
     whether it is varlen over row 0 (packed documents, batch 1)."""
     kw = dict(softcap=softcap, deterministic=deterministic)
-    if cu is None:
-        return build_problem(q_h, k_h, v_h, scale, causal, window, **kw), False
+    if cu is None:  # built once per layout (with its bound launches), as flash_attn_func's
+        left, right = window
+        return cached_problem(q_h, k_h, v_h, None, None, 0, 0, scale, causal, left, right, softcap, None,
+                              deterministic), False  # fmt: skip
     doc_lens = document_lengths(cu, q_h.shape[1], layout, 1)
     cu_h, n = cumulative_lengths(doc_lens, q_h.device), max(doc_lens)
     return build_problem(

@@ -39,6 +39,32 @@ def test_same_signature_builds_one_setup(rank_pool):
         assert repeat_equal and not other_equal
 
 
+def _ulysses_op_builds():
+    """Problems built by a second and third Ulysses fwd+bwd of one signature through its custom
+    op (the path torch.compile takes): its whole-sequence problem comes from kernels/plans.py's
+    cache, as the eager path's does, so its launches get bound too."""
+    from ringflash import ops, sp_functions
+    from ringflash.kernels.plans import problem_builds
+
+    shape = dict(heads=4, head_dim=24)  # a signature no other test of the pool's ranks uses
+    built, direct = [], [0]  # problems from the cache's builds, and built outside it
+    build, use_ops = ops.build_problem, sp_functions.use_ops
+    ops.build_problem = lambda *a, **kw: direct.__setitem__(0, direct[0] + 1) or build(*a, **kw)
+    sp_functions.use_ops = lambda x: True
+    try:
+        for seed in range(3):
+            q, k, v = (t.requires_grad_() for t in _qkv(8, seed, **shape))
+            ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses").sum().backward()
+            built.append(problem_builds() + direct[0])
+    finally:
+        ops.build_problem, sp_functions.use_ops = build, use_ops
+    return built[2] - built[0]
+
+
+def test_ulysses_op_builds_its_problem_once(rank_pool):
+    assert rank_pool(2).run(_ulysses_op_builds) == [0, 0]
+
+
 def _caches_differ():
     """Both ranks cache signatures A and B; then rank 0 calls A while rank 1 calls B, both
     found in their caches: a cache that skipped the check would hang here."""
