@@ -397,8 +397,8 @@ def launch_or_bind(
 ) -> None:
     """``launch(kernel, grid, *args, **kwargs)``, remembering in ``plans`` under ``key`` (which
     names everything the arguments depend on) that it ran: the second call of the key binds the
-    launch (``BoundLaunch.record``) for ``run_bound``. Problems built per call, never seen twice,
-    pay no binding."""
+    launch (``BoundLaunch.record``), which later calls find with ``bound_launch``. Problems built
+    per call, never seen twice, pay no binding."""
     state = plans.get(key)
     if state is SEEN_ONCE and _binding() == "0" and not _hooked():  # else bind at a later call
         plans[key] = BoundLaunch.record(kernel, grid, args, kwargs, slots) or False
