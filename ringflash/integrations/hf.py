@@ -285,13 +285,18 @@ def _read_pattern(mask_function: object, total_keys: int, one_device: bool) -> t
 
 
 @torch.compiler.disable(reason=_PATTERN_REASON)
-def _pattern_block_mask(attention_mask: torch.Tensor | None, hint: str, *args: object) -> TileMask:
-    """``pattern_tile_mask(*args)`` for a pad-free ``attention_mask`` (ValueError with ``hint``
-    otherwise), built eagerly."""
-    kv_length = args[4]
+def _pattern_block_mask(
+    mask_function: object, batch_size: int, q_length: int | None, q_offset: object, kv_length: int,
+    kv_offset: object, cache_position: torch.Tensor | None, device: object,
+    attention_mask: torch.Tensor | None, hint: str,
+) -> TileMask:  # fmt: skip
+    """``pattern_tile_mask`` of these arguments, built eagerly, for a pad-free ``attention_mask``
+    (ValueError naming ``hint`` otherwise)."""
     if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
         raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
-    return pattern_tile_mask(*args)
+    return pattern_tile_mask(
+        mask_function, batch_size, q_length, q_offset, kv_length, kv_offset, cache_position, device
+    )
 
 
 def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
@@ -331,8 +336,8 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         world = 1 if one_device else dist.get_world_size(resolve_group(group))
         unhonoured, chunk = _read_pattern(mask_function, kv_length * world, one_device)
         if unhonoured and one_device and mask_function is not None:  # any other pattern: block-sparse
-            return _pattern_block_mask(attention_mask, hint, mask_function, batch_size, q_length, q_offset,
-                                       kv_length, kv_offset, cache_position, device)  # fmt: skip
+            return _pattern_block_mask(mask_function, batch_size, q_length, q_offset, kv_length, kv_offset,
+                                       cache_position, device, attention_mask, hint)  # fmt: skip
         if unhonoured:
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} sequence "
