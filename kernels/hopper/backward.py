@@ -904,8 +904,8 @@ def fused_backward(
     key = None
     if updates_grads is None:  # the steady state: the launch a call of these layouts bound
         key = ("bound_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), dout.stride(),
-               None if dq is None else (dq.dtype, dq.stride()), dk.dtype, dk.stride(), dv.stride(),
-               lse.stride(), delta.stride(), accumulate)  # fmt: skip
+               dout.dtype, None if dq is None else (dq.dtype, dq.stride()), dk.dtype, dk.stride(), dv.dtype,
+               dv.stride(), lse.stride(), delta.stride(), accumulate)  # fmt: skip
         bound = bound_launch(problem.derived, key)
         if bound is not None and bound(q, k, v, dout, q if dq is None else dq, dk, dv, lse, delta):
             return
