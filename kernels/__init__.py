@@ -10,7 +10,7 @@ head dims that are not multiples of 8; ``TileMask`` is a block-sparse mask (any 
 FlexAttention ``mask_mod``/``BlockMask`` or ranges) for ``flash_attn_func(..., block_mask=)``.
 """
 
-from .backward import attention_backward, attention_delta
+from .backward import attention_backward, attention_delta, attention_gradients
 from .forward import attention_forward
 from .functional import (
     flash_attn_func,
@@ -38,6 +38,7 @@ __all__ = [
     "Visibility",
     "attention_backward",
     "attention_delta",
+    "attention_gradients",
     "attention_forward",
     "attention_probs",
     "block_visibility",

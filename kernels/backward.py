@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .configs import backward_kv_config, backward_q_config, block_d
 from .forward import as_4d, dot_precision, lse_strides
-from .hopper.dispatch import hopper_module, uses_fused_backward
+from .hopper.dispatch import enabled, hopper_module, uses_fused_backward
 from .launcher import bound_launch, launch, launch_or_bind
 from .problem import AttentionProblem, check_token_stride, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, log2_scores, score_constexprs, score_scales, softcap_grad
@@ -47,9 +47,13 @@ from .tiling import (
 @triton.jit(do_not_specialize=["packed_docs"])
 def _delta_kernel(
     O, DO, DELTA, CU_Q, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-    stride_lb, stride_lh, seqlen_q, packed_docs,
+    stride_lb, stride_lh, seqlen_q, packed_docs, DQ, stride_zb, stride_zs, stride_zh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
 ):  # fmt: skip
+    """delta = rowsum(dO * O) per row; under ZERO_DQ the same rows of DQ (a float32 buffer like O,
+    which the fused backward adds dQ into) set to zero, as FlashAttention-3's preprocessing
+    kernel clears its dQ accumulator: a fill launch less per backward."""
     pid_m, h, b = program_tile(CU_Q, packed_docs, BLOCK_M, IS_VARLEN)
     q0, len_q, _, _, pb = seq_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,6 +74,9 @@ def _delta_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + pb * stride_lb + h64 * stride_lh + rows, delta, mask=row_ok)
+    if ZERO_DQ:
+        dq_ptrs = DQ + pb * stride_zb + h64 * stride_zh + rows[:, None] * stride_zs + offs_d[None, :]
+        tl.store(dq_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask)
 
 
 @triton.jit
@@ -346,17 +353,28 @@ def _dq_kernel(
 
 
 def attention_delta(
-    out: torch.Tensor, dout: torch.Tensor, problem: AttentionProblem, dlse: torch.Tensor | None = None
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    problem: AttentionProblem,
+    dlse: torch.Tensor | None = None,
+    *,
+    zero_dq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """delta = rowsum(dout * out) in float32, shaped like the LSE (``problem.lse_shape``); minus
     ``dlse``, a gradient on the LSE, where given (d lse_i / d s_ij = p_ij, so it enters the
-    backward only through delta)."""
+    backward only through delta). ``zero_dq``: a float32 tensor of out's shape (last stride 1)
+    that the same launch fills with zeros, the fused backward's dQ accumulator."""
     vl = problem.varlen
     delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
-    key = ("bound_delta", out.shape, out.stride(), out.dtype, dout.stride(), dout.dtype)
+    zero = zero_dq is not None
+    if zero and (zero_dq.shape != out.shape or zero_dq.dtype != torch.float32 or zero_dq.stride(-1) != 1):
+        raise ValueError(f"zero_dq must be float32 of out's shape {tuple(out.shape)} with a last stride of 1")
+    key = ("bound_delta", out.shape, out.stride(), out.dtype, dout.stride(), dout.dtype,
+           zero_dq.stride() if zero else None)  # fmt: skip
     bound = bound_launch(problem.derived, key)
-    if bound is None or not bound(out, dout, delta):
+    if bound is None or not bound(out, dout, delta, *((zero_dq,) if zero else ())):
         o4, do4 = as_4d(out, vl), as_4d(dout, vl)
+        z4 = as_4d(zero_dq, vl) if zero else o4  # never written without ZERO_DQ
         block_m = 64
         grid, packed_docs = tile_grid(
             problem.max_seqlen_q, problem.heads_q, problem.batch, block_m, out.shape[0] if vl else None
@@ -365,15 +383,69 @@ def attention_delta(
             args = (
                 o4, do4, delta, problem.cu_seqlens_q, o4.stride(0), o4.stride(1), o4.stride(2),
                 do4.stride(0), do4.stride(1), do4.stride(2), *lse_strides(delta, vl), problem.max_seqlen_q,
-                packed_docs,
+                packed_docs, z4, z4.stride(0), z4.stride(1), z4.stride(2),
             )  # fmt: skip
             kwargs = dict(
-                HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m, IS_VARLEN=vl
+                HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim), BLOCK_M=block_m, IS_VARLEN=vl,
+                ZERO_DQ=zero,
             )
-            launch_or_bind(problem.derived, key, _delta_kernel, grid, args, kwargs, (o4, do4, delta))
+            slots = (o4, do4, delta, z4) if zero else (o4, do4, delta)
+            launch_or_bind(problem.derived, key, _delta_kernel, grid, args, kwargs, slots)
     if dlse is not None:
         delta.sub_(dlse)
     return delta
+
+
+def attention_gradients(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    problem: AttentionProblem,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), new tensors like q, k, v: the whole backward of one attention call, what
+    autograd asks for. dout: like q; out and lse (float32, ``problem.lse_shape``): the
+    forward's; dlse: a gradient on the LSE, or None.
+
+    The steady state of a layout that runs the fused Hopper backward with a float32 dQ
+    accumulator takes a short path: the launch bound at its second call (``launch_or_bind``,
+    under a key of the inputs' layouts, which fix every buffer's), the accumulator zeroed by the
+    delta launch. What ``uses_fused_backward`` decided is fixed by that key, the problem and
+    the device (the bound launch checks the device and the alignments), except two switches read
+    on every call: ``RINGFLASH_FUSED_BACKWARD`` and deterministic algorithms."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    fused = hopper_module("backward")
+    if fused is not None:
+        key = ("plain_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
+               dout.stride(), dout.dtype, lse.stride())  # fmt: skip
+        bound = bound_launch(problem.derived, key)
+        if bound is not None:  # the key and the problem fix all else the general path checks
+            plain = enabled("RINGFLASH_FUSED_BACKWARD") and not torch.are_deterministic_algorithms_enabled()
+        else:
+            plain = (
+                uses_fused_backward(problem, q, k, v)
+                and fused.computes_dq(problem)
+                and hopper_module("tma").tma_layout_ok(dout)
+            )
+        if plain:
+            dq32 = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            delta = attention_delta(out, dout, problem, dlse, zero_dq=dq32)
+            if bound is not None and bound(q, k, v, dout, dq32, dk, dv, lse, delta):
+                return dq32.to(q.dtype), dk, dv
+            if bound is None and lse.stride() == delta.stride():
+                check_token_stride(dout=dout, dq=dq32, dk=dk, dv=dv)
+                fused.fused_backward(dout, q, k, v, lse, delta, problem, dq32, dk, dv, False, bind_key=key)
+                return dq32.to(q.dtype), dk, dv
+            # A bound launch that stepped aside (alignment, device, Triton's binding asked for),
+            # or an LSE that attention_backward refuses.
+            return attention_backward(dout, q, k, v, lse, delta, problem, dk=dk, dv=dv)
+    delta = attention_delta(out, dout, problem, dlse)
+    return attention_backward(dout, q, k, v, lse, delta, problem)
 
 
 def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backward import attention_backward, attention_delta
+from .backward import attention_gradients
 from .forward import attention_forward
 from .plans import cached_problem
 from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
@@ -82,14 +82,7 @@ def _backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     problem = cached_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                        causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
-    return _backward_impl(dout, q, k, v, out, lse, dlse, problem)
-
-
-def _backward_impl(dout, q, k, v, out, lse, dlse, problem: AttentionProblem):
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    delta = attention_delta(out, dout, problem, dlse)
-    return attention_backward(dout, q, k, v, lse, delta, problem)
+    return attention_gradients(dout, q, k, v, out, lse, problem, dlse)
 
 
 @_backward_op.register_fake
@@ -139,7 +132,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        return (*_backward_impl(dout, q, k, v, out, lse, dlse, ctx.problem), None)
+        return (*attention_gradients(dout, q, k, v, out, lse, ctx.problem, dlse), None)
 
 
 def check_scalar_args(

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from .comm import group_from_name, group_name
 from .consistency import call_signature, check_ranks_agree
-from .kernels import attention_forward, build_problem
-from .kernels.ops import _backward_impl, check_scalar_args
+from .kernels import attention_forward, attention_gradients, build_problem
+from .kernels.ops import check_scalar_args
 from .kernels.plans import cached_problem
 from .layouts import cumulative_lengths, document_lengths, layout_name
 from .mesh import check_ulysses_size, ulysses_ring_mesh
@@ -420,9 +420,9 @@ def _ulysses_backward_op(
             )
             if varlen:
                 row0 = [None if t is None else t[0] for t in (dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h)]
-                grads = [g[None] for g in _backward_impl(*row0, problem)]
+                grads = [g[None] for g in attention_gradients(*row0[:6], problem, row0[6])]
             else:
-                grads = _backward_impl(dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, problem)
+                grads = attention_gradients(dout_h, q_h, k_h, v_h, out_h, lse_h, problem, dlse_h)
         dq, dk, dv = heads_to_seq_many(list(grads), mesh.ulysses_group)
     if dk.shape[2] != heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
         b, n, _, d = dk.shape

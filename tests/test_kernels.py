@@ -629,6 +629,41 @@ def test_varlen_low_level_accumulate(device):
     assert (bufs[1][12:16] == 1).all(), "keys of an empty query sequence must get nothing added"
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_delta_zeroes_the_dq_accumulator(device, varlen):
+    """``zero_dq``: the delta launch also fills a float32 buffer like out with zeros (every row,
+    every head, columns up to head_dim 40 of a 64-wide block), delta unchanged; a buffer it cannot
+    fill is refused."""
+    g = torch.Generator().manual_seed(40)
+    lens = [9, 0, 20]
+    shape = (sum(lens), 3, 40) if varlen else (2, 29, 3, 40)
+    q, k, v, dout = (_randn(g, shape, torch.float32, device) for _ in range(4))
+    cu = dict(cu_seqlens_q=_cu(lens, device), cu_seqlens_k=_cu(lens, device), max_seqlen_q=20,
+              max_seqlen_k=20) if varlen else {}  # fmt: skip
+    prob = build_problem(q, k, v, None, True, FULL, **cu)
+    out, _ = attention_forward(q, k, v, prob)
+    plain = attention_delta(out, dout, prob)
+    dq32 = torch.full(shape, float("nan"), device=device)
+    assert torch.equal(attention_delta(out, dout, prob, zero_dq=dq32), plain)
+    assert (dq32 == 0).all()
+    for bad in (dq32.double(), dq32[..., :-1], dq32.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        with pytest.raises(ValueError, match="zero_dq"):
+            attention_delta(out, dout, prob, zero_dq=bad)
+
+
+def test_attention_gradients_equal_the_low_level_calls(device):
+    """``attention_gradients`` (autograd's backward) equals delta then ``attention_backward``, with
+    a gradient on the LSE too, and returns new buffers in q's, k's and v's dtype and shape."""
+    q, k, v, dout = _inputs(2, 33, 20, 4, 2, 16, torch.float16, device, seed=41)
+    prob = build_problem(q, k, v, None, True, FULL)
+    out, lse = attention_forward(q, k, v, prob)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(42)).to(device)
+    got = ringflash.kernels.attention_gradients(dout, q, k, v, out, lse, prob, dlse)
+    expected = attention_backward(dout, q, k, v, lse, attention_delta(out, dout, prob, dlse), prob)
+    for g, e, t in zip(got, expected, (q, k, v)):
+        assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, e)
+
+
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=str)
 def test_ring_style_merge_of_stripes(device, dtype):
     """Split the keys into 3 stripes (stride 3, as ranks of a stripe ring hold them), run each

@@ -338,3 +338,44 @@ def test_bound_launches_step_aside_for_misaligned_tensors_and_follow_the_stream(
             got = ringflash.flash_attn_func(q, k, v, causal=True)
     torch.cuda.current_stream().wait_stream(side)
     assert len(ran) == 4 and torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@GPU
+def test_bound_varlen_launches_follow_new_document_boundaries(monkeypatch):
+    """After a packed layout's launches are bound: boundaries in a new cu_seqlens tensor, and the
+    same tensor written in place, are what the next calls attend by (each a new problem, so a new
+    binding), forward and backward, against float64 per document."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bound launches are the Hopper kernels' (and the delta's)")
+    s, h, d = 300, 4, 64
+
+    def call(cu, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v, dout = (torch.randn(s, h, d, device="cuda", generator=g).bfloat16() for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        longest = int((cu[1:] - cu[:-1]).max())
+        out = ringflash.flash_attn_varlen_func(*leaves, cu, cu, longest, longest, causal=True)
+        return leaves, dout, out, torch.autograd.grad(out, leaves, dout)
+
+    def check(cu, seed):
+        leaves, dout, out, grads = call(cu, seed)
+        bounds = cu.tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            ref_in = [t.detach()[lo:hi][None].double().cpu().requires_grad_() for t in leaves]
+            ref, _ = reference_attention(*ref_in, causal=True)
+            ref_grads = torch.autograd.grad(ref, ref_in, dout[lo:hi][None].double().cpu())
+            assert rel_err(out[lo:hi][None], ref) < 2e-2
+            for got, r in zip(grads, ref_grads):
+                assert rel_err(got[lo:hi][None], r) < 2e-2
+
+    cu = torch.tensor([0, 120, 300], device="cuda", dtype=torch.int32)
+    for seed in range(3):
+        call(cu, seed)
+    ran = _count_bound(monkeypatch)
+    check(cu, 3)
+    assert len(ran) == 3  # the bound forward, delta and backward ran
+    check(torch.tensor([0, 200, 250, 300], device="cuda", dtype=torch.int32), 4)
+    cu.copy_(torch.tensor([0, 40, 300], dtype=torch.int32))  # written in place
+    check(cu, 5)
+    assert len(ran) == 3  # new boundaries, new problems: general launches

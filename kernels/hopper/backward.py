@@ -882,6 +882,7 @@ def fused_backward(
     dv: torch.Tensor,
     accumulate: bool,
     updates_grads: tuple[torch.Tensor, ...] | None = None,
+    bind_key: tuple | None = None,
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
     where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel
@@ -900,9 +901,13 @@ def fused_backward(
     float32), contiguous, the gradients of the memory's per-segment updates, and for the delta
     rule also (S = dA + dA^T in gdM's shape and dtype, z before each segment in gdz's): their
     backward (``infini.memory.memory_updates_backward``, with ``gram_grad`` = (S, z)) is added
-    into dK/dV (the MEMORY epilogue)."""
-    key = None
-    if updates_grads is None:  # the steady state: the launch a call of these layouts bound
+    into dK/dV (the MEMORY epilogue).
+
+    ``bind_key``: the launch key to bind under instead of this function's own, for a caller
+    whose key fixes every argument's layout and finds the binding itself
+    (``backward.attention_gradients``)."""
+    key = bind_key
+    if key is None and updates_grads is None:  # the steady state: the launch a call of these layouts bound
         key = ("bound_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), dout.stride(),
                dout.dtype, None if dq is None else (dq.dtype, dq.stride()), dk.dtype, dk.stride(), dv.dtype,
                dv.stride(), lse.stride(), delta.stride(), accumulate)  # fmt: skip
