@@ -18,8 +18,8 @@ from .block_sparse_ops import block_sparse_op
 from .merge import check_sinks, merge_sinks
 from .ops import check_scalar_args, flash_attention, flash_attention_probs, use_ops
 from .plans import cached_problem
-from .problem import MAX_HEAD_DIM
-from .tile_mask import TileMask, as_tile_mask
+from .problem import MAX_HEAD_DIM, cu_seqlens_host
+from .tile_mask import TileMask, as_tile_mask, documents_view
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -84,9 +84,11 @@ def _attention(
     if block_mask is not None:
         if return_attn_probs:
             raise ValueError("return_attn_probs cannot be combined with block_mask")
-        out, lse = block_sparse_attention(
-            qp, kp, vp, block_mask, softmax_scale, causal, window_size, **kw, deterministic=deterministic
-        )
+        sparse = packed_block_sparse_attention if varlen else block_sparse_attention
+        out, lse = sparse(
+            qp, kp, vp, block_mask, softmax_scale, causal, window_size, **kw, deterministic=deterministic,
+            **varlen,
+        )  # fmt: skip
     else:
         out, lse = flash_attention(
             qp, kp, vp, softmax_scale, causal, window_size, **varlen, **kw, deterministic=deterministic
@@ -224,6 +226,67 @@ def block_sparse_attention(
     return BlockSparseAttention.apply(q, k, v, check_tile_mask(mask, problem, q.device), problem)
 
 
+@torch.compiler.disable  # reads the documents' bounds on the host: a graph break under torch.compile
+def _packed_mask(block_mask, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, softcap,
+                 deterministic) -> TileMask:  # fmt: skip
+    """The TileMask that ``packed_block_sparse_attention`` runs on (1, total_q, total_k): the
+    checked call's ``block_mask`` cut by its documents, once per mask and bounds."""
+    problem = cached_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, False,
+                             -1, -1, softcap, None, deterministic)  # fmt: skip
+    mask = as_tile_mask(block_mask)
+    if mask.batch != 1:
+        raise ValueError(
+            f"block_mask with cu_seqlens describes the packed tokens (batch 1), got batch {mask.batch}"
+        )
+    check_mask_fits(mask, 1, q.shape[1], q.shape[0], k.shape[0], q.device)
+    bounds = (cu_seqlens_host(problem.cu_seqlens_q), cu_seqlens_host(problem.cu_seqlens_k))
+    return documents_view(mask, *bounds)
+
+
+def packed_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: object,
+    softmax_scale: float | None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ``flash_attn_varlen_func``'s arguments under ``block_mask``, a TileMask or
+    BlockMask over the packed tokens ((1, heads_q or 1, total_q, total_k) in packed positions,
+    as FlexAttention and MagiAttention describe packed batches) that is cut by the documents:
+    a query sees the keys its mask allows within its own document only
+    (``TileMask.within_documents``, once per mask and cu_seqlens). q: (total_q, heads_q,
+    head_dim), lse float32 (heads_q, total_q). ALiBi is refused (its distances would run across
+    the packed tokens); under torch.compile the mask's cut runs in a graph break."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise TypeError(f"{name} must be a (total, heads, head_dim) torch.Tensor with cu_seqlens")
+    if alibi_slopes is not None:
+        raise ValueError(
+            "alibi_slopes cannot be combined with block_mask and cu_seqlens: ALiBi's distances would run "
+            "across the packed tokens; pass alibi_slopes=None"
+        )
+    scale, _, _, softcap, deterministic = check_scalar_args(
+        softmax_scale, False, (-1, -1), softcap, deterministic
+    )
+    mask = _packed_mask(block_mask, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        softcap, deterministic)  # fmt: skip
+    out, lse = block_sparse_attention(
+        q[None], k[None], v[None], mask, softmax_scale, causal, window_size, softcap=softcap,
+        deterministic=deterministic,
+    )  # fmt: skip
+    return out[0], lse[0]
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -244,6 +307,7 @@ def flash_attn_varlen_func(
     *,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    block_mask: TileMask | object | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Attention over packed variable-length sequences, never across a sequence boundary;
     flash-attn 2.x's ``flash_attn_varlen_func`` with the same arguments in the same order.
@@ -254,6 +318,12 @@ def flash_attn_varlen_func(
             q's device.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence on each side.
         block_table: must be None (a paged KV cache is not supported).
+        block_mask: ringflash's: any mask (``TileMask``, or FlexAttention's ``BlockMask``) over
+            the packed tokens, (1, heads_q or 1, total_q, total_k) in packed positions, as
+            FlexAttention and MagiAttention describe a packed batch; each query sees what the
+            mask allows within its own sequence only (the cut by cu_seqlens is made once per
+            mask and cu_seqlens). It replaces causal/window_size and cannot be combined with
+            ALiBi.
         Other arguments as in ``flash_attn_func``; masks and ALiBi distances align each
         sequence's queries to the end of its keys.
 
@@ -269,7 +339,7 @@ def flash_attn_varlen_func(
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, sinks, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table, block_mask=block_mask,
     )  # fmt: skip
 
 

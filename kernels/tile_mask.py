@@ -144,6 +144,44 @@ class TileMask:
         lists = [pick(getattr(self, n)) for n in names]
         return TileMask(self.seqlen_q, self.seqlen_k, self.block_q, self.block_k, *lists, self.bits)
 
+    def within_documents(self, bounds_q: Sequence[int], bounds_k: Sequence[int]) -> TileMask:
+        """The mask with only the pairs of one document left: a packed batch's mask over its
+        tokens in packed positions (FlexAttention's and MagiAttention's convention), cut by its
+        documents. ``bounds_q``/``bounds_k``: the cumulative lengths (0, ..., <= seqlen) on the
+        host, document d being queries [bounds_q[d], bounds_q[d + 1]) and keys [bounds_k[d],
+        bounds_k[d + 1]); positions past the last bound see nothing. Only the blocks that mix
+        documents (or cross the last bound) are evaluated again; the rest keep their kind."""
+        nq, nk = self.kv_index.shape[2:]
+        doc_q = _document_ids(bounds_q, nq * self.block_q, -1, self.device)
+        doc_k = _document_ids(bounds_k, nk * self.block_k, -2, self.device)
+        q_lo, q_hi, q_one = _block_documents(doc_q, self.block_q)
+        k_lo, k_hi, k_one = _block_documents(doc_k, self.block_k)
+        overlap = (q_lo[:, None] <= k_hi[None, :]) & (k_lo[None, :] <= q_hi[:, None])
+        same = q_one[:, None] & k_one[None, :] & (q_lo[:, None] == k_lo[None, :])
+        grid = self.grid()
+        visible = grid != _INVISIBLE
+        mixed = visible & overlap & ~same
+        grid = torch.where(visible & ~overlap, _INVISIBLE, grid).to(torch.int32)
+        b, h, m, n = mixed.nonzero().unbind(1)
+        old = grid[b, h, m, n]
+        parts = torch.ones(old.numel(), self.block_q, self.block_k, dtype=torch.bool, device=self.device)
+        was_partial = old >= 0
+        parts[was_partial] = _unpack_bits(self.bits[old[was_partial].long()])
+        rows = m[:, None] * self.block_q + torch.arange(self.block_q, device=self.device)
+        cols = n[:, None] * self.block_k + torch.arange(self.block_k, device=self.device)
+        parts &= doc_q[rows][:, :, None] == doc_k[cols][:, None, :]
+        seen = parts.flatten(1).any(1)
+        # Kept partial blocks first (their bits as they were), then the re-evaluated ones.
+        kept = (grid >= 0) & ~mixed
+        kept_old = grid[kept].long()
+        grid[kept] = torch.arange(kept_old.numel(), dtype=torch.int32, device=self.device)
+        grid[b, h, m, n] = torch.where(
+            seen, kept_old.numel() + torch.cumsum(seen, 0, dtype=torch.int32) - 1, _INVISIBLE
+        ).to(torch.int32)
+        bits = torch.cat([self.bits[kept_old], _pack_bits(parts[seen])[: int(seen.sum())]])
+        return _from_lists(grid, bits if bits.shape[0] else self.bits[:1], self.seqlen_q, self.seqlen_k,
+                           self.block_q, self.block_k)  # fmt: skip
+
     def digest(self) -> str:
         """A hash of the whole mask (reads it back to the host once per mask: a device sync),
         so that ranks can check they were given the same mask."""
@@ -369,6 +407,32 @@ def _block_lists(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return count, order.to(torch.int32).contiguous(), kind
 
 
+def _document_ids(bounds: Sequence[int], length: int, outside: int, device: torch.device) -> torch.Tensor:
+    """The document of each of ``length`` positions under cumulative lengths ``bounds`` (empty
+    documents hold none), ``outside`` past the last bound."""
+    ends = torch.tensor(list(bounds[1:]), dtype=torch.int64, device=device)
+    pos = torch.arange(length, device=device)
+    doc = torch.searchsorted(ends, pos, right=True)
+    return torch.where(pos < bounds[-1], doc, outside)
+
+
+def _block_documents(doc: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block of positions: the lowest and highest document among its positions inside a
+    document (lo > hi where none is), and whether all its positions lie in one document."""
+    doc = doc.view(-1, block)
+    inside = doc >= 0
+    big = torch.iinfo(doc.dtype).max
+    lo = torch.where(inside, doc, big).amin(1)
+    hi = torch.where(inside, doc, -1).amax(1)
+    return lo, hi, inside.all(1) & (lo == hi)
+
+
+def _unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """``_pack_bits``'s inverse: (P, rows, cols // 32) int32 words -> (P, rows, cols) bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words[..., None] >> shifts) & 1).bool().flatten(-2)
+
+
 def _pack_bits(parts: torch.Tensor) -> torch.Tensor:
     """(P, rows, cols) bool -> (P, rows, cols // 32) int32 words, col c at bit c % 32 of word c // 32."""
     p, rows, cols = parts.shape
@@ -381,6 +445,22 @@ def _pack_bits(parts: torch.Tensor) -> torch.Tensor:
 
 
 _CONVERTED: dict[int, tuple[weakref.ref, TileMask]] = {}
+# TileMask.within_documents' results per mask and document bounds: a packed batch's layers share
+# one mask and one cu_seqlens; the last few batches' views are kept while the mask lives.
+_DOCUMENT_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_DOCUMENT_VIEWS = 8
+
+
+def documents_view(mask: TileMask, bounds_q: Sequence[int], bounds_k: Sequence[int]) -> TileMask:
+    """``mask.within_documents(bounds_q, bounds_k)``, built once per mask and bounds."""
+    views = _DOCUMENT_VIEWS.setdefault(mask, {})
+    key = (tuple(bounds_q), tuple(bounds_k))
+    hit = views.get(key)
+    if hit is None:
+        if len(views) >= _MAX_DOCUMENT_VIEWS:
+            views.clear()
+        hit = views[key] = mask.within_documents(bounds_q, bounds_k)
+    return hit
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TileMask.digest's, per mask
 
 

@@ -16,6 +16,8 @@ on (B, H, S, D) views; under torchrun SDPA runs on the local shard, the work of 
 The entries take turns, one timing each per round (``--rounds``, medians over rounds).
 ``--ab-binding`` adds the single-device entries under ``RINGFLASH_TRITON_BINDING=1`` (Triton's
 per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``run``), same run.
+``--ab-backward`` adds them with autograd's backward as it was before ``attention_gradients``
+(``attention_delta`` then ``attention_backward``: the general path, a dQ fill of its own).
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
@@ -27,6 +29,7 @@ kernel adds to the device time. For realistic shapes, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -43,6 +46,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
+from ringflash.kernels import attention_backward, attention_delta
+from ringflash.kernels import ops as kernel_ops
 
 
 def _sdpa(q, k, v, causal):
@@ -91,6 +96,13 @@ def _cu_seqlens(batch: int, seqlen: int, device) -> torch.Tensor:
     if key not in _CU:
         _CU[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
     return _CU[key]
+
+
+def _composed(dout, q, k, v, out, lse, problem, dlse=None):
+    """Autograd's backward as it was before ``attention_gradients`` (``--ab-backward``)."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return attention_backward(dout, q, k, v, lse, attention_delta(out, dout, problem, dlse), problem)
 
 
 def _step(f, q, k, v, dout, backward: bool):
@@ -224,6 +236,10 @@ def main() -> None:
         "--ab-binding", action="store_true",
         help="also run the single-device entries with RINGFLASH_TRITON_BINDING=1 and =run",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-backward", action="store_true",
+        help="also run the single-device entries with the backward as attention_delta + attention_backward",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
@@ -256,19 +272,22 @@ def main() -> None:
         )
     if lead and args.event_pairs:
         print(f"# one call between two CUDA events, device idle before it: median µs of {args.event_pairs}")
-    found = entries(args, group)
-    if args.ab_binding:  # the single-device entries again under Triton's binding and compiled.run
-        for name in ("flash_attn_func", "flash_attn_varlen_func"):
-            if name in found:
-                for mode in ("1", "run"):
-                    found[f"{name}[binding={mode}]"] = (found[name], {"RINGFLASH_TRITON_BINDING": mode})
-    found = {n: f if isinstance(f, tuple) else (f, {}) for n, f in found.items()}
+    found = {name: (f, contextlib.nullcontext) for name, f in entries(args, group).items()}
+    composed = lambda: mock.patch.object(kernel_ops, "attention_gradients", _composed)  # noqa: E731
+    for name in [n for n in ("flash_attn_func", "flash_attn_varlen_func") if n in found]:
+        f = found[name][0]
+        if args.ab_binding:  # again under Triton's binding and compiled.run
+            for mode in ("1", "run"):
+                env = {"RINGFLASH_TRITON_BINDING": mode}
+                found[f"{name}[binding={mode}]"] = (f, lambda env=env: mock.patch.dict(os.environ, env))
+        if args.ab_backward:
+            found[f"{name}[delta+backward]"] = (f, composed)
     # Rounds interleave the entries (each entry one timing per round, medians over rounds): a
     # slow stretch of the machine then touches every entry alike.
     samples = {name: [] for name in found}
     for _ in range(1 if args.event_pairs else args.rounds):
-        for name, (f, env) in found.items():
-            with mock.patch.dict(os.environ, env):
+        for name, (f, context) in found.items():
+            with context():
                 if args.event_pairs:
                     with torch.no_grad():
                         fwd = event_pair_us(f, q, k, v, None, False, args.event_pairs)
@@ -279,13 +298,13 @@ def main() -> None:
                     both = host_us(f, qg, kg, vg, dout, True, args.calls, 1)
             samples[name].append((fwd, both))
     base = None
-    for name, (f, env) in found.items():
+    for name, (f, context) in found.items():
         fwd = statistics.median(t[0] for t in samples[name])
         both = statistics.median(t[1] for t in samples[name])
         line = f"{name:40s} {fwd:8.1f} {both:11.1f}"
         base = base or (name, fwd, both)  # SDPA cuDNN comes first unless --entries leaves it out
         line += f"   {fwd / base[1]:5.2f}x / {both / base[2]:5.2f}x of {base[0]}"
-        with mock.patch.dict(os.environ, env):
+        with context():
             extras(args, name, f, (q, k, v), (qg, kg, vg, dout), line, lead)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -291,6 +291,113 @@ def test_refusals(device):
         dataclasses.replace(m, kv_index=m.kv_index.long())
 
 
+def _documents(lens: list[int], total: int) -> torch.Tensor:
+    """The document of each of ``total`` packed positions (-1 past the last)."""
+    doc = torch.full((total,), -1)
+    start = 0
+    for i, n in enumerate(lens):
+        doc[start : start + n] = i
+        start += n
+    return doc
+
+
+def _cu(lens: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "heads", "flex"),
+    [
+        ([60, 0, 150, 90], None, 2, False),  # an empty document, a block across three documents
+        ([200, 56], [100, 200], 1, False),  # own key lengths; query and key blocks cut differently
+        ([128, 100], None, 1, True),  # a FlexAttention BlockMask; a boundary on a block edge
+    ],
+)
+def test_varlen_mask_is_cut_by_the_documents(device, lens_q, lens_k, heads, flex):
+    """``flash_attn_varlen_func(block_mask=)``: a mask over the packed tokens, each query seeing
+    what it allows within its own document only; float64 over the packed tokens with the mask
+    and the documents as one dense mask (out, LSE, dq, dk, dv); per-head masks under GQA; the
+    cut made once per mask and cu_seqlens."""
+    lens_k = lens_k or lens_q
+    tq, tk, h, d = sum(lens_q), sum(lens_k), 2, 16
+    q, k, v, dout = (t[0] for t in _inputs(1, tq, tk, h, 1, d, torch.float32, device, seed=7))
+    cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+
+    def mod(b, hh, qi, kv):  # a band, heads offset; key positions % 5 == 0 hidden in head 1
+        return (kv <= qi + 60 + 20 * hh) & (kv >= qi - 250) & ~((hh % 2 == 1) & (kv % 5 == 0))
+
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        block_mask = create_block_mask(mod, 1, heads, tq, tk, device=device)
+    else:
+        block_mask = TileMask.from_mask_mod(mod, 1, heads, tq, tk, device=device)
+    same = _documents(lens_q, tq)[:, None] == _documents(lens_k, tk)[None, :]
+    mask = dense_mask(mod, 1, heads, tq, tk) & same & (_documents(lens_q, tq) >= 0)[:, None]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringflash.flash_attn_varlen_func(
+        *leaves, cu_q, cu_k, max(lens_q), max(lens_k), block_mask=block_mask, return_lse=True
+    )
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_out, ref_lse, ref_grads = _reference(*(t[None] for t in (q, k, v, dout)), mask)
+    assert out.shape == q.shape and lse.shape == (h, tq)
+    expected = (ref_out, ref_lse, *ref_grads)
+    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
+        assert not torch.isnan(a).any(), name
+        assert_close(name, a, e[0], TOLERANCE[torch.float32])
+    tile_mask = ringflash.kernels.tile_mask.as_tile_mask(block_mask)
+    views = ringflash.kernels.tile_mask._DOCUMENT_VIEWS[tile_mask]
+    ringflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), block_mask=block_mask)
+    assert len(views) == 1  # the second call found its cut
+    (view,) = views.values()
+    assert view.density() < tile_mask.density()  # blocks across documents only were dropped
+
+
+def _dense_of(m: TileMask) -> torch.Tensor:
+    """The (Bm, Hm, seqlen_q, seqlen_k) bool that a TileMask's grid and bits describe."""
+    from ringflash.kernels.tile_mask import _unpack_bits
+
+    grid = m.grid().cpu()
+    bits = _unpack_bits(m.bits.cpu())[grid.clamp(min=0).long()]  # (Bm, Hm, nq, nk, bq, bk)
+    blocks = torch.where((grid >= 0)[..., None, None], bits, (grid == -1)[..., None, None])
+    dense = blocks.permute(0, 1, 2, 4, 3, 5).flatten(4, 5).flatten(2, 3)
+    return dense[:, :, : m.seqlen_q, : m.seqlen_k]
+
+
+def test_within_documents_is_the_mask_and_the_documents():
+    """Pairs of one document only, positions past the last bound seeing nothing; blocks inside
+    one document keep their kind (a full block stays full)."""
+    mod = lambda b, h, q, kv: (kv <= q + 130) | (kv < 20)  # noqa: E731
+    m = TileMask.from_mask_mod(mod, 1, 2, 400, 300)
+    bounds_q, bounds_k = [0, 130, 130, 390], [0, 140, 200, 300]
+    view = m.within_documents(bounds_q, bounds_k)
+    same = _documents([130, 0, 260], 400)[:, None] == _documents([140, 60, 100], 300)[None, :]
+    expected = dense_mask(mod, 1, 1, 400, 300) & same & (_documents([130, 0, 260], 400) >= 0)[:, None]
+    assert torch.equal(_dense_of(view), expected.expand(1, 2, 400, 300))
+    assert view.grid()[0, 0, 0, 0] == -1  # queries and keys 0-127: one document, all visible
+    assert view.visible_pairs() == int(expected.sum()) * 2
+
+
+def test_varlen_mask_refusals(device):
+    lens, h, d = [100, 156], 2, 16
+    q, k, v, _ = (t[0] for t in _inputs(1, 256, 256, h, h, d, torch.float32, device))
+    cu = _cu(lens, device)
+    m = TileMask.from_mask_mod(lambda b, hh, qi, kv: qi >= kv, 1, 1, 256, 256, device=device)
+    with pytest.raises(ValueError, match="batch 1"):
+        two = TileMask.from_mask_mod(lambda b, hh, qi, kv: qi >= kv, 2, 1, 256, 256, device=device)
+        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 156, 156, block_mask=two)
+    with pytest.raises(ValueError, match="alibi_slopes cannot be combined"):
+        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 156, 156, block_mask=m, alibi_slopes=torch.ones(h))
+    with pytest.raises(ValueError, match="replaces causal"):
+        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 156, 156, causal=True, block_mask=m)
+    with pytest.raises(ValueError, match="seqlen_q, seqlen_k = 256, 256"):
+        ringflash.flash_attn_varlen_func(q[:200], k, v, _cu([100, 100], device), cu, 156, 156, block_mask=m)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int >= the longest"):
+        ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 100, 156, block_mask=m)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0"):
+        ringflash.flash_attn_varlen_func(q, k, v, cu, _cu([100, 100], device), 156, 156, block_mask=m)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("s", "h", "hk", "d"), [(2048, 4, 2, 128), (1536, 2, 1, 64), (1100, 2, 2, 256)])
