@@ -9,7 +9,10 @@ microseconds: ``--calls`` calls run back to back with no synchronization, then o
 synchronize; wall microseconds per call is then the host's cost per call (the GPU keeps up).
 fwd: inputs without gradients; fwd+bwd: ``torch.autograd.backward(out, dout)`` per call.
 Every entry runs beside SDPA's cuDNN backend on the same shapes (``F.scaled_dot_product_attention``
-on (B, H, S, D) views; under torchrun SDPA runs on the local shard, the work of one rank's step).
+on (B, H, S, D) tensors; under torchrun SDPA runs on the local shard, the work of one rank's step).
+Each entry takes the same values in its own layout, made once outside the timed calls (SDPA's
+(B, H, S, D), the varlen entry's (B*S, H, D)): until 2026-11-29 SDPA and the varlen entry paid
+four views per call (and four more autograd nodes per fwd+bwd) that ``flash_attn_func`` did not.
 ``--sync-check`` also counts the host synchronizations of one steady-state call of each entry
 (``torch.cuda.set_sync_debug_mode``).
 
@@ -52,37 +55,37 @@ from ringflash.kernels import ops as kernel_ops
 
 def _sdpa(q, k, v, causal):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
-        )
-    return out.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def entries(args, group) -> dict[str, Callable]:
-    """name -> f(q, k, v) -> out, every entry on the same (B, S, H, D) inputs."""
+def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
+    """name -> (f(q, k, v) -> out, the layout f takes its tensors in: a map from (B, S, H, D),
+    or None for (B, S, H, D) itself). Each entry gets the same values in its own layout, made
+    once outside the timed calls, as a model hands SDPA (B, H, S, D) and a packed batch's
+    attention (total, H, D) without a view per call."""
     c = args.causal
-    found: dict[str, Callable] = {
-        "sdpa_cudnn": lambda q, k, v: _sdpa(q, k, v, c),
-        "flash_attn_func": lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=c),
+    b, s = args.batch, args.seqlen
+    found: dict[str, tuple[Callable, Callable | None]] = {
+        "sdpa_cudnn": (lambda q, k, v: _sdpa(q, k, v, c), lambda t: t.transpose(1, 2)),
+        "flash_attn_func": (lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=c), None),
     }
 
     def varlen(q, k, v):
-        b, s = q.shape[:2]
         cu = _cu_seqlens(b, s, q.device)
-        flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
-        return ringflash.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=c).view(q.shape)
+        return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=c)
 
-    found["flash_attn_varlen_func"] = varlen
+    found["flash_attn_varlen_func"] = (varlen, lambda t: t.reshape(b * s, *t.shape[2:]))
     if group is not None:
-        found["ring_flash_attn_func"] = lambda q, k, v: ringflash.ring_flash_attn_func(
-            q, k, v, causal=c, group=group
+        found["ring_flash_attn_func"] = (
+            lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=c, group=group), None
         )
-        found["zigzag_ring_flash_attn_func"] = lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(
-            q, k, v, causal=c, group=group
+        found["zigzag_ring_flash_attn_func"] = (
+            lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=c, group=group), None
         )
         for mode in ("ulysses", "allgather"):
-            found[f"sp_attn_func[{mode}]"] = lambda q, k, v, m=mode: ringflash.sp_attn_func(
-                q, k, v, causal=c, group=group, sp_mode=m
+            found[f"sp_attn_func[{mode}]"] = (
+                lambda q, k, v, m=mode: ringflash.sp_attn_func(q, k, v, causal=c, group=group, sp_mode=m),
+                None,
             )
     return {n: f for n, f in found.items() if not args.entries or n in args.entries}
 
@@ -259,7 +262,6 @@ def main() -> None:
         hk = h  # Ulysses needs the k/v heads to split too
     kw = dict(device="cuda", dtype=torch.bfloat16)
     q, k, v = (torch.randn(b, s, n, d, **kw) for n in (h, hk, hk))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     if lead:
         world = dist.get_world_size() if group is not None else 1
@@ -272,40 +274,49 @@ def main() -> None:
         )
     if lead and args.event_pairs:
         print(f"# one call between two CUDA events, device idle before it: median µs of {args.event_pairs}")
-    found = {name: (f, contextlib.nullcontext) for name, f in entries(args, group).items()}
+    found = {name: (f, contextlib.nullcontext, layout) for name, (f, layout) in entries(args, group).items()}
     composed = lambda: mock.patch.object(kernel_ops, "attention_gradients", _composed)  # noqa: E731
     for name in [n for n in ("flash_attn_func", "flash_attn_varlen_func") if n in found]:
-        f = found[name][0]
+        f, _, layout = found[name]
         if args.ab_binding:  # again under Triton's binding and compiled.run
             for mode in ("1", "run"):
                 env = {"RINGFLASH_TRITON_BINDING": mode}
-                found[f"{name}[binding={mode}]"] = (f, lambda env=env: mock.patch.dict(os.environ, env))
+                context = lambda env=env: mock.patch.dict(os.environ, env)  # noqa: E731
+                found[f"{name}[binding={mode}]"] = (f, context, layout)
         if args.ab_backward:
-            found[f"{name}[delta+backward]"] = (f, composed)
+            found[f"{name}[delta+backward]"] = (f, composed, layout)
+    inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
+    for name, (_, _, layout) in found.items():
+        native = (lambda t: t) if layout is None else (lambda t, f=layout: f(t).contiguous())
+        inputs[name] = (
+            tuple(native(t) for t in (q, k, v)),
+            (*(native(t).detach().requires_grad_() for t in (q, k, v)), native(dout)),
+        )
     # Rounds interleave the entries (each entry one timing per round, medians over rounds): a
     # slow stretch of the machine then touches every entry alike.
     samples = {name: [] for name in found}
     for _ in range(1 if args.event_pairs else args.rounds):
-        for name, (f, context) in found.items():
+        for name, (f, context, _) in found.items():
+            (pq, pk, pv), (gq, gk, gv, gdout) = inputs[name]
             with context():
                 if args.event_pairs:
                     with torch.no_grad():
-                        fwd = event_pair_us(f, q, k, v, None, False, args.event_pairs)
-                    both = event_pair_us(f, qg, kg, vg, dout, True, args.event_pairs)
+                        fwd = event_pair_us(f, pq, pk, pv, None, False, args.event_pairs)
+                    both = event_pair_us(f, gq, gk, gv, gdout, True, args.event_pairs)
                 else:
                     with torch.no_grad():
-                        fwd = host_us(f, q, k, v, None, False, args.calls, 1)
-                    both = host_us(f, qg, kg, vg, dout, True, args.calls, 1)
+                        fwd = host_us(f, pq, pk, pv, None, False, args.calls, 1)
+                    both = host_us(f, gq, gk, gv, gdout, True, args.calls, 1)
             samples[name].append((fwd, both))
     base = None
-    for name, (f, context) in found.items():
+    for name, (f, context, _) in found.items():
         fwd = statistics.median(t[0] for t in samples[name])
         both = statistics.median(t[1] for t in samples[name])
         line = f"{name:40s} {fwd:8.1f} {both:11.1f}"
         base = base or (name, fwd, both)  # SDPA cuDNN comes first unless --entries leaves it out
         line += f"   {fwd / base[1]:5.2f}x / {both / base[2]:5.2f}x of {base[0]}"
         with context():
-            extras(args, name, f, (q, k, v), (qg, kg, vg, dout), line, lead)
+            extras(args, name, f, *inputs[name], line, lead)
     if dist.is_initialized():
         dist.destroy_process_group()
 
