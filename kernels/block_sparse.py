@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta, gradient_buffers
-from .configs import block_d, forward_config, sparse_dq_config, sparse_kv_config
+from .configs import block_d, sparse_dq_config, sparse_forward_config, sparse_kv_config
 from .forward import _fwd_tiles, dot_precision
 from .launcher import launch
 from .problem import AttentionProblem, wide_offsets
@@ -267,7 +267,7 @@ def sparse_forward(
     out = torch.empty_like(q) if out is None else out
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
-    cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
+    cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32)
     tensors, strides = _mask_args(mask, "kv")
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
     launch(

@@ -111,6 +111,17 @@ def backward_q_config(head_dim: int, fp32: bool = False) -> TileConfig:
 # The block-sparse dQ and dK/dV kernels (block_sparse.py) walk listed blocks, where the dense picks
 # above ran 13-26% slower than these (H200, bf16, 65536 tokens, 16 heads, BigBird and full masks,
 # 2026-11-28: docs/experiments.md §61); float32 and the interpreter take the dense ones.
+def sparse_forward_config(head_dim: int, fp32: bool = False) -> TileConfig:
+    """The block-sparse forward's tiles. At head_dim <= 64 smaller tiles and deeper pipelines win
+    (H200, 65536 tokens, 16 heads, 2026-11-29: (64, 64, 4, 5) against the dense pick (128, 64, 8,
+    3), 5.10 / 12.57 / 26.54 ms against 6.16 / 16.89 / 35.24 on BigBird / 25% random blocks /
+    prefix-LM): the listed walk's block-number load takes one of the pipeline's stages
+    (docs/experiments.md §63). At 128 no candidate gained more than 3%."""
+    if INTERPRET or fp32 or head_dim > 64:
+        return forward_config(head_dim, fp32)
+    return TileConfig(64, 64, 4, 5)
+
+
 def sparse_dq_config(head_dim: int, fp32: bool = False) -> TileConfig:
     if INTERPRET or fp32:
         return backward_q_config(head_dim, fp32)
@@ -120,4 +131,6 @@ def sparse_dq_config(head_dim: int, fp32: bool = False) -> TileConfig:
 def sparse_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
     if INTERPRET or fp32:
         return backward_kv_config(head_dim, fp32)
+    if head_dim <= 64:  # 5 stages: 11.97 / 32.31 / 66.99 ms backward against 3's 12.54 / 34.45 / 73.33 (§63)
+        return TileConfig(64, 64, 4, 5)
     return TileConfig(64, 64, 4, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 3)
