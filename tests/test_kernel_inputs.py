@@ -273,7 +273,9 @@ def test_token_strides_past_the_tile_limit_are_rejected():
 def test_no_tile_exceeds_max_tile_rows(monkeypatch):
     """check_token_stride's bound holds only if no GPU tile config has more rows than this."""
     monkeypatch.setattr(configs, "INTERPRET", False)  # the GPU table, not the interpreter's tile
-    for fn in (configs.forward_config, configs.backward_kv_config, configs.backward_q_config):
+    tables = (configs.forward_config, configs.backward_kv_config, configs.backward_q_config,
+              configs.sparse_forward_config, configs.sparse_dq_config, configs.sparse_kv_config)  # fmt: skip
+    for fn in tables:
         for head_dim in (8, 64, 65, 128, 129, 256):
             for fp32 in (False, True):
                 cfg = fn(head_dim, fp32)
