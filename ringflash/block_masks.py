@@ -87,8 +87,9 @@ def check_block_mask(
         raise ValueError("block_mask with alibi_slopes is not supported in sequence-parallel attention")
     if cu_seqlens is not None:
         raise ValueError(
-            "block_mask describes dense sequences: it cannot take cu_seqlens (express the documents "
-            "in the mask, e.g. a mask_mod comparing document ids)"
+            "block_mask describes dense sequences: it cannot take cu_seqlens (put the documents in "
+            "the mask: TileMask.within_documents(bounds, bounds) cuts it by them, or a mask_mod "
+            "comparing document ids; shard the sequence without cu_seqlens)"
         )
     mask = as_tile_mask(block_mask)
     if (mask.seqlen_q, mask.seqlen_k) != (total, total):
