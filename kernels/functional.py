@@ -188,6 +188,23 @@ def flash_attn_func(
 _converted = torch.compiler.disable(as_tile_mask)
 
 
+def _mask_scalars(
+    softmax_scale: object, causal: object, window_size: object, softcap: object, deterministic: object
+) -> tuple[float | None, float]:
+    """(scale, softcap) of a block-sparse call, checked; causal and window_size must stay at
+    their defaults (the mask replaces them)."""
+    scale, causal, (left, right), softcap, _ = check_scalar_args(
+        softmax_scale, causal, window_size, softcap, deterministic
+    )
+    if causal or (left, right) != (-1, -1):
+        raise ValueError(
+            "block_mask replaces causal and window_size: fold them into the mask (e.g. a mask_mod "
+            f"q_idx >= kv_idx) and pass causal=False, window_size=(-1, -1); got causal={causal}, "
+            f"window_size={(left, right)}"
+        )
+    return scale, softcap
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,15 +223,7 @@ def block_sparse_attention(
     backward is deterministic whatever ``deterministic`` says (no atomics: block_sparse.py).
     Traced by torch.compile, the custom op ``ringflash::block_sparse_forward`` (a TileMask
     needs no graph break; a BlockMask is converted in one)."""
-    scale, causal, (left, right), softcap, _ = check_scalar_args(
-        softmax_scale, causal, window_size, softcap, deterministic
-    )
-    if causal or (left, right) != (-1, -1):
-        raise ValueError(
-            "block_mask replaces causal and window_size: fold them into the mask (e.g. a mask_mod "
-            f"q_idx >= kv_idx) and pass causal=False, window_size=(-1, -1); got causal={causal}, "
-            f"window_size={(left, right)}"
-        )
+    scale, softcap = _mask_scalars(softmax_scale, causal, window_size, softcap, deterministic)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -275,9 +284,7 @@ def packed_block_sparse_attention(
             "alibi_slopes cannot be combined with block_mask and cu_seqlens: ALiBi's distances would run "
             "across the packed tokens; pass alibi_slopes=None"
         )
-    scale, _, _, softcap, deterministic = check_scalar_args(
-        softmax_scale, False, (-1, -1), softcap, deterministic
-    )
+    scale, softcap = _mask_scalars(softmax_scale, causal, window_size, softcap, deterministic)
     mask = _packed_mask(block_mask, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         softcap, deterministic)  # fmt: skip
     out, lse = block_sparse_attention(
