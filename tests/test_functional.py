@@ -93,7 +93,7 @@ def test_signature_is_flash_attns(name):
         expected.append(("block_table", None))
     assert [(p.name, p.default) for p in positional] == expected
     extras = [("sinks", None), ("return_lse", False)]
-    if name == "flash_attn_func":
+    if name in ("flash_attn_func", "flash_attn_varlen_func"):
         extras.append(("block_mask", None))
     assert [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY] == extras
 
