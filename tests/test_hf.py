@@ -300,7 +300,7 @@ def test_hf_mask_patterns(device):
     and chunks that hold the whole sequence need no mask; shorter chunks (Llama-4) become
     ``AttentionChunks``; on one device any other pattern (Gemma-3's bidirectional image blocks,
     bidirectional windows) becomes a TileMask of exactly the pattern (sequence parallel they
-    raise: test_llama4_chunks_are_refused_sequence_parallel)."""
+    raise; chunks run there: test_llama4_chunks_sequence_parallel_step_equals_eager)."""
     from test_block_masks import decoded
     from transformers import masking_utils as mu
 
@@ -405,13 +405,13 @@ def test_image_blocks_and_prefix_lm_through_the_attention_function(device):
         assert rel_err(a.transpose(1, 2), e) < 1e-4
 
 
-def _llama4(attn_implementation: str) -> torch.nn.Module:
-    """A tiny Llama-4 text model: chunks of 4 positions on its first layer (rope, chunked), full
-    causal attention on its second (no rope)."""
+def _llama4(attn_implementation: str, chunk: int = 4, positions: int = 64) -> torch.nn.Module:
+    """A tiny Llama-4 text model: chunks of ``chunk`` positions on its first layer (rope,
+    chunked), full causal attention on its second (no rope)."""
     config = transformers.Llama4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=1,
-        attention_chunk_size=4, max_position_embeddings=64, no_rope_layers=[1, 0],
+        attention_chunk_size=chunk, max_position_embeddings=positions, no_rope_layers=[1, 0],
         interleave_moe_layer_step=2, initializer_range=0.2,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -419,23 +419,49 @@ def _llama4(attn_implementation: str) -> torch.nn.Module:
     return model.float()
 
 
-def _llama4_sharded_forward():
-    from distributed import errors_of
+LLAMA4_TOKENS, LLAMA4_CHUNK = 512, 192  # zigzag on 2 ranks: halves of 128 tokens, whole mask blocks
 
+
+def _llama4_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, LLAMA4_TOKENS), generator=torch.Generator().manual_seed(8))
+
+
+def _llama4_sharded_step():
     import ringflash.integrations.hf as rf_hf
 
-    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
-    model = _llama4(rf_hf.enable(group=group)).to(worker_device())
-    shard = shard_batch({"input_ids": _ids(1)[:, :16].to(worker_device())}, group)
-    forward = lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False)  # noqa: E731
-    return errors_of({"forward": forward})["forward"]
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    model = _llama4(rf_hf.enable(group=groups.sp_group), LLAMA4_CHUNK, LLAMA4_TOKENS).to(worker_device())
+    shard = shard_batch({"input_ids": _llama4_ids().to(worker_device())}, groups.sp_group)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False).logits
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_llama4_chunks_are_refused_sequence_parallel(rank_pool):
-    """Sequence parallel, chunks shorter than the sequence are refused on every rank (not run
-    as plain causal attention)."""
-    errors = rank_pool(2).run(_llama4_sharded_forward, timeout=180)
-    assert all(e and "chunked_overlay" in e for e in errors), errors
+def test_llama4_chunks_sequence_parallel_step_equals_eager(rank_pool):
+    """Sequence parallel (2 ranks, zigzag), Llama-4's chunks (192 positions, not a multiple of the
+    mask's 128-blocks) run as a block mask over the whole sequence: the loss and every gradient
+    equal eager attention's on one process; the chunks matter (chunks past the sequence, plain
+    causal attention, give another loss)."""
+    results = rank_pool(2).run(_llama4_sharded_step, timeout=600)
+    losses = []
+    for chunk in (LLAMA4_CHUNK, 4 * LLAMA4_TOKENS):
+        model = _llama4("eager", chunk, LLAMA4_TOKENS)
+        ids = _llama4_ids()
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        losses.append(loss)
+        if chunk == LLAMA4_CHUNK:
+            loss.backward()
+            eager = model
+    assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
+    for rank, (sp_loss, grads) in enumerate(results):
+        assert abs(sp_loss - losses[0].item()) < 1e-5 * losses[0].item(), (rank, sp_loss, losses[0].item())
+        for n, p in eager.named_parameters():
+            if p.grad is not None:
+                err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
+                assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
 def test_compiled_patterns_equal_eager(device):

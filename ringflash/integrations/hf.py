@@ -19,8 +19,9 @@ compiled model with packed documents passes ``cu_seq_lens_q`` on one device too.
 
 The model sees only this rank's tokens; rotary embeddings follow ``position_ids``. The mask
 function registered with it (``padding_mask_refusal``) builds no S x S mask for the patterns the
-kernels apply themselves (causal, bidirectional, causal windows, packed documents; Llama-4's chunks
-on one device): an all-ones 2D ``attention_mask`` is dropped, one with padding raises ValueError (on
+kernels apply themselves (causal, bidirectional, causal windows, packed documents; Llama-4's chunks,
+sequence parallel as the block mask ``chunk_block_mask`` over the whole sequence): an all-ones 2D
+``attention_mask`` is dropped, one with padding raises ValueError (on
 every rank of the group). On one device any other pattern (Gemma-3's bidirectional image blocks,
 prefix-LM overlays, bidirectional windows) becomes a block-sparse ``TileMask`` evaluated from the
 model's mask function once per forward (``pattern_tile_mask``); sequence parallel such a pattern
@@ -72,6 +73,7 @@ from ..layouts import host_bounds
 from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
+from ..sp_functions import sp_attn_func
 from ..sp_kvcache import sp_flash_attn_with_kvcache
 
 NAME = "sequence_parallel"
@@ -278,10 +280,33 @@ _PATTERN_REASON = "ringflash reads the attention pattern from transformers' mask
 
 
 @torch.compiler.disable(reason=_PATTERN_REASON)
-def _read_pattern(mask_function: object, total_keys: int, one_device: bool) -> tuple[list[str], int | None]:
-    """(``unhonoured_mask_patterns``, ``chunk_size_of`` on one device) of a mask function."""
-    unhonoured = unhonoured_mask_patterns(mask_function, total_keys, chunks=one_device)
-    return unhonoured, chunk_size_of(mask_function) if one_device else None
+def _read_pattern(mask_function: object, total_keys: int) -> tuple[list[str], int | None]:
+    """(``unhonoured_mask_patterns`` with attention chunks honoured, ``chunk_size_of``) of a mask
+    function."""
+    return unhonoured_mask_patterns(mask_function, total_keys, chunks=True), chunk_size_of(mask_function)
+
+
+# Llama-4's chunks over a whole sequence, as a block mask (sequence parallel), per (chunk size,
+# tokens, device): every layer and step of a run asks for the same one.
+_CHUNK_MASKS: dict[tuple, TileMask] = {}
+_MAX_CHUNK_MASKS = 8
+
+
+@torch.compiler.disable(reason="ringflash builds the block mask of the attention chunks")
+def chunk_block_mask(size: int, tokens: int, device: torch.device) -> TileMask:
+    """Causal attention within chunks of ``size`` positions counted from 0 (Llama-4's chunked
+    attention) over a whole sequence of ``tokens``, as the ``TileMask`` every rank passes to
+    ``sp_attn_func``: made once per (size, tokens, device), from its ``mask_mod`` (seqlen^2
+    evaluations, like FlexAttention's ``create_block_mask``)."""
+    key = (size, tokens, torch.device(device))
+    mask = _CHUNK_MASKS.get(key)
+    if mask is None:
+        if len(_CHUNK_MASKS) >= _MAX_CHUNK_MASKS:
+            _CHUNK_MASKS.clear()
+        mask = _CHUNK_MASKS[key] = TileMask.from_mask_mod(
+            lambda b, h, q, kv: (q // size == kv // size) & (kv <= q), 1, 1, tokens, tokens, device=device
+        )
+    return mask
 
 
 @torch.compiler.disable(reason=_PATTERN_REASON)
@@ -334,7 +359,7 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     ) -> AttentionChunks | TileMask | None:
         one_device = not is_sequence_parallel(group)
         world = 1 if one_device else dist.get_world_size(resolve_group(group))
-        unhonoured, chunk = _read_pattern(mask_function, kv_length * world, one_device)
+        unhonoured, chunk = _read_pattern(mask_function, kv_length * world)
         if unhonoured and one_device and mask_function is not None:  # any other pattern: block-sparse
             return _pattern_block_mask(mask_function, batch_size, q_length, q_offset, kv_length, kv_offset,
                                        cache_position, device, attention_mask, hint)  # fmt: skip
@@ -342,13 +367,14 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} sequence "
                 "parallel (it applies causal or bidirectional attention, causal sliding windows, packed "
-                "documents and attention chunks longer than the sequence there; on one device any pattern)"
+                "documents and attention chunks there; on one device any pattern)"
             )
         _check_key_alignment(mask_function, q_length, q_offset, kv_length, kv_offset, cache_position)
         chunks = None
-        if chunk is not None:  # one device: chunks that split these keys go to the attention
+        if chunk is not None:  # chunks that split the keys go to the attention
             query_start, queries = _query_span(q_length, q_offset, cache_position, "chunked attention")
-            if int(kv_offset) // chunk != (query_start + queries - 1) // chunk:
+            last = query_start + (queries - 1 if one_device else queries * world - 1)
+            if int(kv_offset) // chunk != last // chunk:
                 chunks = AttentionChunks(chunk, query_start, int(kv_offset))
         if attention_mask is None:
             return chunks
@@ -485,6 +511,9 @@ def enable(
                 check_bounds=not layer.ranges_known,  # checked by the layer on the host, no device read
             )  # fmt: skip
             return out, None
+        if chunks is not None and is_sequence_parallel(group):
+            return _sharded_chunked_attention(q, k, v, chunks, position_ids, cu_seq_lens_q, scaling, window,
+                                              softcap, s_aux), None  # fmt: skip
         if chunks is not None:
             packed = None if position_ids is None else documents_from_position_ids(position_ids, *q.shape[:2])
             if cu_seq_lens_q is not None or packed is not None:
@@ -522,6 +551,32 @@ def enable(
             sinks=s_aux,
         )  # fmt: skip
         return out.reshape(batch, seqlen, *out.shape[2:]), None
+
+    def _sharded_chunked_attention(
+        q, k, v, chunks, position_ids, cu_seq_lens_q, scaling, window, softcap, sinks
+    ):  # fmt: skip
+        """Llama-4's chunks sequence parallel: each rank's shard of a whole sequence (from
+        position 0, no cache) under the chunks' block mask over the full sequence."""
+        batch, seqlen = q.shape[:2]
+        if chunks.q_offset or chunks.kv_offset or k.shape[1] != seqlen:
+            raise ValueError(
+                "sequence-parallel chunked attention runs on whole sequences from position 0 (training, "
+                f"no cache); got queries from {chunks.q_offset}, keys from {chunks.kv_offset}"
+            )
+        if cu_seq_lens_q is not None:
+            raise ValueError(
+                "ringflash attention cannot apply attention chunks and packed documents together"
+            )
+        if position_ids is not None and not torch.compiler.is_compiling():
+            u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
+            check_shard_position_ids(position_ids, batch, seqlen, group=group, layout=layout, ulysses_size=u,
+                                     packed_hint=PACKED_HINT)  # fmt: skip
+        tokens = seqlen * dist.get_world_size(resolve_group(group))
+        mask = chunk_block_mask(chunks.size, tokens, q.device)
+        return sp_attn_func(
+            q, k, v, softmax_scale=scaling, window_size=window, group=group, layout=layout, sp_mode=sp_mode,
+            ulysses_size=ulysses_size, softcap=_softcap(softcap), sinks=sinks, block_mask=mask,
+        )  # fmt: skip
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, padding_mask_refusal(group))
