@@ -655,6 +655,35 @@ def test_generate_with_tokens_dealt_past_the_prompt_gives_eagers_tokens(rank_poo
     assert rank_pool(2).run(_sharded_generate, 10, 8, timeout=180) == [True, True]
 
 
+def _llama4_sharded_generate():
+    from distributed import errors_of
+
+    import ringflash.integrations.hf as rf_hf
+    from ringflash.integrations.hf_sharded_cache import ShardedKVCache
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    model = _llama4(rf_hf.enable(group=group)).to(worker_device()).eval()
+    prompt = _ids(1)[:, :12].to(worker_device())
+
+    def generate():
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                           pad_token_id=0, past_key_values=ShardedKVCache(2, 16, group))  # fmt: skip
+
+    return errors_of({"generate": generate})["generate"]
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "cache_utils") or not hasattr(transformers.cache_utils, "CacheLayerMixin"),
+    reason="ShardedKVCache needs transformers' CacheLayerMixin (5.x)",
+)
+def test_llama4_chunks_over_a_sharded_cache_are_refused(rank_pool):
+    """Sequence-parallel decoding does not apply Llama-4's chunks: refused on every rank, not run
+    as attention over the whole cache."""
+    errors = rank_pool(2).run(_llama4_sharded_generate, timeout=180)
+    assert all(e and "attention chunks (Llama-4) over a ShardedKVCache" in e for e in errors), errors
+
+
 def _too_small_a_sharded_cache(spread_from: int | None):
     from distributed import errors_of
 

@@ -503,6 +503,11 @@ def enable(
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         pending = _sharded_cache_step(key)
         if pending is not None:  # generate() over a ShardedKVCache: the new tokens, every rank alike
+            if chunks is not None:
+                raise ValueError(
+                    "ringflash attention cannot apply attention chunks (Llama-4) over a ShardedKVCache; "
+                    "generate on one device, where the chunks run with a cache"
+                )
             layer, k_new, v_new, before = pending
             out = sp_flash_attn_with_kvcache(
                 q, layer.keys, layer.values, k_new, v_new, cache_seqlens=before, softmax_scale=scaling,
