@@ -535,12 +535,8 @@ def enable(
         # under transformers' own keyword, or (one device) found from restarting position_ids.
         batch, seqlen = q.shape[:2]
         if cu_seq_lens_q is None and position_ids is not None:
-            u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
-            shard = dict(group=group, layout=layout, ulysses_size=u, packed_hint=PACKED_HINT)
-            if torch.compiler.is_compiling():  # no host sync in a graph: device-side asserts
-                assert_unpacked_in_graph(position_ids, batch, seqlen, **shard)
-            elif is_sequence_parallel(group):
-                check_shard_position_ids(position_ids, batch, seqlen, **shard)
+            if torch.compiler.is_compiling() or is_sequence_parallel(group):
+                check_unpacked(position_ids, batch, seqlen)
             else:
                 cu_seq_lens_q = documents_from_position_ids(position_ids, batch, seqlen)
                 if cu_seq_lens_q is not None:
@@ -557,6 +553,16 @@ def enable(
         )  # fmt: skip
         return out.reshape(batch, seqlen, *out.shape[2:]), None
 
+    def check_unpacked(position_ids: torch.Tensor, batch: int, seqlen: int) -> None:
+        """ValueError where position_ids restart inside this rank's tokens (packed documents the
+        call was not told of); under torch.compile a device-side assert (no host sync in a graph)."""
+        u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
+        shard = dict(group=group, layout=layout, ulysses_size=u, packed_hint=PACKED_HINT)
+        if torch.compiler.is_compiling():
+            assert_unpacked_in_graph(position_ids, batch, seqlen, **shard)
+        else:
+            check_shard_position_ids(position_ids, batch, seqlen, **shard)
+
     def _sharded_chunked_attention(
         q, k, v, chunks, position_ids, cu_seq_lens_q, scaling, window, softcap, sinks
     ):  # fmt: skip
@@ -572,10 +578,8 @@ def enable(
             raise ValueError(
                 "ringflash attention cannot apply attention chunks and packed documents together"
             )
-        if position_ids is not None and not torch.compiler.is_compiling():
-            u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
-            check_shard_position_ids(position_ids, batch, seqlen, group=group, layout=layout, ulysses_size=u,
-                                     packed_hint=PACKED_HINT)  # fmt: skip
+        if position_ids is not None:
+            check_unpacked(position_ids, batch, seqlen)
         tokens = seqlen * dist.get_world_size(resolve_group(group))
         mask = chunk_block_mask(chunks.size, tokens, q.device)
         return sp_attn_func(
