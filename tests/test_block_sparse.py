@@ -378,6 +378,26 @@ def test_within_documents_is_the_mask_and_the_documents():
     assert view.visible_pairs() == int(expected.sum()) * 2
 
 
+def test_varlen_mask_follows_new_boundaries(device):
+    """The cut is kept per mask and bounds: a call with a new cu_seqlens tensor, then the first
+    tensor written in place, each attend by their own documents (float64 over the packed tokens),
+    and the views of every bounds seen are kept apart."""
+    h, d, total = 1, 16, 256
+    q, k, v, dout = (t[0] for t in _inputs(1, total, total, h, h, d, torch.float32, device, seed=9))
+    mod = lambda b, hh, qi, kv: kv <= qi  # noqa: E731
+    mask = TileMask.from_mask_mod(mod, 1, 1, total, total, device=device)
+    cu = _cu([100, 156], device)
+    for lens, cu_now in (([100, 156], cu), ([30, 200, 26], _cu([30, 200, 26], device)), ([180, 76], cu)):
+        if cu_now is cu and lens != [100, 156]:
+            cu.copy_(_cu(lens, device))  # written in place: its version changes
+        out = ringflash.flash_attn_varlen_func(q, k, v, cu_now, cu_now, max(lens), max(lens), block_mask=mask)
+        same = _documents(lens, total)[:, None] == _documents(lens, total)[None, :]
+        visible = dense_mask(mod, 1, 1, total, total) & same
+        ref_out, _, _ = _reference(*(t[None] for t in (q, k, v, dout)), visible)
+        assert_close("out", out, ref_out[0], TOLERANCE[torch.float32])
+    assert len(ringflash.kernels.tile_mask._DOCUMENT_VIEWS[mask]) == 3
+
+
 def test_varlen_mask_refusals(device):
     lens, h, d = [100, 156], 2, 16
     q, k, v, _ = (t[0] for t in _inputs(1, 256, 256, h, h, d, torch.float32, device))

@@ -439,6 +439,21 @@ def _llama4_sharded_step():
     return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_chunk_block_mask_is_kept_per_size_and_length():
+    """hf.chunk_block_mask: causal within chunks counted from 0, one mask per (size, length)."""
+    from test_block_masks import decoded
+
+    import ringflash.integrations.hf as rf_hf
+
+    seen = {}
+    for size, tokens in ((192, 512), (192, 384), (100, 384), (192, 512)):
+        mask = rf_hf.chunk_block_mask(size, tokens, "cpu")
+        q, kv = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+        assert torch.equal(decoded(mask)[0, 0], (q // size == kv // size) & (kv <= q)), (size, tokens)
+        assert seen.setdefault((size, tokens), mask) is mask  # the same length again: the kept mask
+    assert len({id(m) for m in seen.values()}) == 3
+
+
 def test_llama4_chunks_sequence_parallel_step_equals_eager(rank_pool):
     """Sequence parallel (2 ranks, zigzag), Llama-4's chunks (192 positions, not a multiple of the
     mask's 128-blocks) run as a block mask over the whole sequence: the loss and every gradient
