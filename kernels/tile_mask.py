@@ -92,6 +92,14 @@ class TileMask:
     def device(self) -> torch.device:
         return self.kv_count.device
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(batch or 1, heads or 1, seqlen_q, seqlen_k), as FlexAttention's ``BlockMask.shape``."""
+        return (self.batch, self.heads, self.seqlen_q, self.seqlen_k)
+
+    # With ``shape``: code that takes 4-D masks (transformers' mask preparation) sees one.
+    ndim = 4
+
     def density(self) -> float:
         """The fraction of blocks that are visible (full or partial)."""
         return float(self.kv_count.sum()) / max(1, self.kv_index.numel())
@@ -461,6 +469,8 @@ def documents_view(mask: TileMask, bounds_q: Sequence[int], bounds_k: Sequence[i
             views.clear()
         hit = views[key] = mask.within_documents(bounds_q, bounds_k)
     return hit
+
+
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TileMask.digest's, per mask
 
 

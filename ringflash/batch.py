@@ -11,6 +11,8 @@ from .mesh import check_ulysses_size
 from .position_ids import position_restarts
 from .sharding import shard_sequence
 
+_PER_TOKEN = ("input_ids", "labels", "position_ids", "attention_mask", "token_type_ids")
+
 
 def shard_batch(
     batch: dict[str, torch.Tensor],
@@ -23,9 +25,12 @@ def shard_batch(
     """This rank's shard of a causal-LM batch.
 
     batch: ``input_ids`` (batch, seqlen) and optionally ``labels`` (batch, seqlen; default: the
-    input ids), ``position_ids`` (default: 0..seqlen-1) and ``attention_mask`` (only all-ones is
-    accepted: pad-free batches). Labels are shifted *before* sharding, so the target of the last
-    token of one shard (the first token of the next) is not lost.
+    input ids), ``position_ids`` (default: 0..seqlen-1), ``attention_mask`` (only all-ones is
+    accepted: pad-free batches) and ``token_type_ids`` (batch, seqlen: Gemma-3's image tokens,
+    PaliGemma's prefix; not with packed documents). Any other entry raises ValueError: shard
+    other per-token tensors with ``shard_sequence`` (same layout), and pass what is not per token
+    (e.g. ``pixel_values``) to the model as it is. Labels are shifted *before* sharding, so the
+    target of the last token of one shard (the first token of the next) is not lost.
 
     Packed sequences: where ``position_ids`` restart inside a row (e.g. transformers'
     DataCollatorWithFlattening), each run of increasing positions is a document. All documents
@@ -35,14 +40,22 @@ def shard_batch(
     to ``sp_attn_func`` / ``SequenceParallelAttention`` / the Hugging Face integration
     (``cu_seq_lens_q=``), which keep attention inside each document.
 
-    Returns ``input_ids``, ``position_ids`` (rotary positions follow their tokens) and
-    ``target_ids`` (already shifted; ``ignore_index`` after each sequence's last token), each
+    Returns ``input_ids``, ``position_ids`` (rotary positions follow their tokens),
+    ``target_ids`` (already shifted; ``ignore_index`` after each sequence's last token) and
+    ``token_type_ids`` if given, each
     (batch, seqlen / W) in the layout ``sp_attn_func`` expects ((1, padded total / W) when
     packed), plus ``cu_seqlens`` when packed. Pass ``target_ids`` to
     ``sequence_parallel_cross_entropy``, not to a model that shifts labels itself.
     """
     if "input_ids" not in batch:
         raise ValueError("batch needs 'input_ids' of shape (batch, seqlen)")
+    unknown = sorted(set(batch) - set(_PER_TOKEN))
+    if unknown:
+        raise ValueError(
+            f"shard_batch shards {', '.join(_PER_TOKEN)}; got also {', '.join(map(str, unknown))}: shard "
+            "other per-token tensors with shard_sequence (the same layout), and pass entries that are not "
+            "per token (e.g. pixel_values) to the model as they are"
+        )
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(ids.shape)}")
@@ -53,8 +66,9 @@ def shard_batch(
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    if labels.shape != ids.shape or positions.shape != ids.shape:
-        raise ValueError("labels and position_ids must have the shape of input_ids")
+    types = batch.get("token_type_ids")
+    if any(t.shape != ids.shape for t in (labels, positions) + (() if types is None else (types,))):
+        raise ValueError("labels, position_ids and token_type_ids must have the shape of input_ids")
 
     def shard(t: torch.Tensor, cu=None) -> torch.Tensor:
         return shard_sequence(t, group, 1, layout=layout, ulysses_size=ulysses_size, cu_seqlens=cu)
@@ -63,7 +77,13 @@ def shard_batch(
     if not bool(restarts.any()):
         targets = torch.full_like(labels, ignore_index)
         targets[:, :-1] = labels[:, 1:]
-        return {"input_ids": shard(ids), "position_ids": shard(positions), "target_ids": shard(targets)}
+        shards = {"input_ids": shard(ids), "position_ids": shard(positions), "target_ids": shard(targets)}
+        return shards if types is None else shards | {"token_type_ids": shard(types)}
+    if types is not None:
+        raise ValueError(
+            "token_type_ids with packed documents (position_ids that restart) are not supported: the "
+            "sequence-parallel attention cannot apply image blocks or a prefix beside documents"
+        )
     world = RingComm(group).world_size
     ulysses_size = check_ulysses_size(ulysses_size, world)
     multiple = shard_multiple(layout, world // ulysses_size) * ulysses_size

@@ -299,8 +299,8 @@ def test_hf_mask_patterns(device):
     sliding windows (the window reaches the attention as ``sliding_window``), packed documents
     and chunks that hold the whole sequence need no mask; shorter chunks (Llama-4) become
     ``AttentionChunks``; on one device any other pattern (Gemma-3's bidirectional image blocks,
-    bidirectional windows) becomes a TileMask of exactly the pattern (sequence parallel they
-    raise; chunks run there: test_llama4_chunks_sequence_parallel_step_equals_eager)."""
+    bidirectional windows) becomes a TileMask of exactly the pattern (sequence parallel:
+    test_hf_blockwise.py; chunks: test_llama4_chunks_sequence_parallel_step_equals_eager)."""
     from test_block_masks import decoded
     from transformers import masking_utils as mu
 

@@ -212,15 +212,19 @@ def test_shard_batch_packs_documents(rank_pool):
 
 
 def _shard_one():
-    return shard_batch({"input_ids": torch.arange(16).view(1, 16)}, layout="zigzag")
+    types = (torch.arange(16).view(1, 16) // 3) % 2
+    return shard_batch({"input_ids": torch.arange(16).view(1, 16), "token_type_ids": types}, layout="zigzag")
 
 
 def test_shard_batch_shifts_labels_before_sharding(rank_pool):
-    shards = [s["target_ids"] for s in rank_pool(2).run(_shard_one)]
+    shards = rank_pool(2).run(_shard_one)
     # zigzag over 2 ranks: rank 0 holds tokens 0-3 and 12-15, rank 1 tokens 4-11; each token's
     # target is the next token, including across shard boundaries (3 -> 4, 11 -> 12).
-    assert shards[0].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
-    assert shards[1].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert shards[0]["target_ids"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
+    assert shards[1]["target_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    # token types (Gemma-3's images, PaliGemma's prefix) follow their tokens
+    assert shards[0]["token_type_ids"].tolist() == [[0, 0, 0, 1, 0, 0, 0, 1]]
+    assert shards[1]["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 1, 1, 1]]
 
 
 def _bad_batches():
@@ -233,6 +237,11 @@ def _bad_batches():
             ),
             "rank": lambda: shard_batch({"input_ids": torch.ones(8, dtype=torch.long)}),
             "odd": lambda: shard_batch({"input_ids": torch.ones(1, 6, dtype=torch.long)}),
+            "unknown": lambda: shard_batch({"input_ids": ones, "pixel_values": torch.ones(1, 3, 4, 4)}),
+            "types_shape": lambda: shard_batch({"input_ids": ones, "token_type_ids": ones[:, :4]}),
+            "packed_types": lambda: shard_batch(
+                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]), "token_type_ids": ones}
+            ),
             "groups": lambda: sequence_parallel_groups(3),
         }
     )
@@ -244,4 +253,7 @@ def test_bad_batches_and_groups(rank_pool):
     assert "ulysses_size 3 must divide the sequence-parallel group size 2" in errors["packed_ulysses"]
     assert "(batch, seqlen)" in errors["rank"]
     assert "multiple of 4" in errors["odd"]
+    assert "got also pixel_values" in errors["unknown"]  # never dropped silently
+    assert "token_type_ids must have the shape of input_ids" in errors["types_shape"]
+    assert "token_type_ids with packed documents" in errors["packed_types"]
     assert "sp_size must be a positive int dividing the world size 2" in errors["groups"]

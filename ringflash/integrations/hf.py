@@ -24,10 +24,13 @@ sequence parallel as the block mask ``chunk_block_mask`` over the whole sequence
 ``attention_mask`` is dropped, one with padding raises ValueError (on
 every rank of the group). On one device any other pattern (Gemma-3's bidirectional image blocks,
 prefix-LM overlays, bidirectional windows) becomes a block-sparse ``TileMask`` evaluated from the
-model's mask function once per forward (``pattern_tile_mask``); sequence parallel such a pattern
-raises ValueError (``unhonoured_mask_patterns``), as do keys that do not end at the last query
-(a StaticCache, whose unfilled slots the attention would see). Without it transformers would drop
-both before the attention function sees them.
+model's mask function once per forward (``pattern_tile_mask``); sequence parallel, a pattern of
+positions and blockwise overlays (Gemma-3's image blocks, PaliGemma's prefix) becomes a block mask
+over the whole sequence (``hf_blockwise``: pass ``token_type_ids=shard["token_type_ids"]``), and
+any other raises ValueError naming it, as do keys that do not end at the last query (a
+StaticCache, whose unfilled slots the attention would see). A ``TileMask`` handed in as the
+``attention_mask`` (PaliGemma gives its text model the mask it made) is taken as made. Without
+the mask function transformers would drop both before the attention function sees them.
 The name avoids "flash": transformers treats any implementation whose name contains it as
 FlashAttention and tries to load a hub kernel for it.
 
@@ -61,7 +64,9 @@ GPU); while substituted, its check lets the name through for models that support
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -75,6 +80,7 @@ from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
 from ..sp_functions import sp_attn_func
 from ..sp_kvcache import sp_flash_attn_with_kvcache
+from .hf_blockwise import closure_of, sharded_pattern_mask
 
 NAME = "sequence_parallel"
 
@@ -141,13 +147,13 @@ def unhonoured_mask_patterns(mask_function: object, total_keys: int, chunks: boo
     if name in _HONOURED_PATTERNS:
         return []
     if name == "chunked_overlay.<locals>.inner_mask":  # Llama-4: one chunk holding every key is causal
-        return [] if chunks or _closure(mask_function)["chunk_size"] >= total_keys else [name]
+        return [] if chunks or closure_of(mask_function)["chunk_size"] >= total_keys else [name]
     if name in _COMBINED_PATTERNS:
-        inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
+        inner = closure_of(mask_function)[_COMBINED_PATTERNS[name]]
         parts = inner if isinstance(inner, tuple) else (inner,)
         return [p for f in parts for p in unhonoured_mask_patterns(f, total_keys, chunks)]
     if name == "or_masks.<locals>.or_mask":  # a union widens what is seen: name what it joins
-        joined = _closure(mask_function)["mask_functions"]
+        joined = closure_of(mask_function)["mask_functions"]
         return [name, *(getattr(f, "__qualname__", repr(f)) for f in joined)]
     return [name]
 
@@ -159,9 +165,9 @@ def chunk_size_of(mask_function: object) -> int | None:
     if getattr(mask_function, "__module__", None) != "transformers.masking_utils":
         return None
     if name == "chunked_overlay.<locals>.inner_mask":
-        return int(_closure(mask_function)["chunk_size"])
+        return int(closure_of(mask_function)["chunk_size"])
     if name in _COMBINED_PATTERNS:
-        inner = _closure(mask_function)[_COMBINED_PATTERNS[name]]
+        inner = closure_of(mask_function)[_COMBINED_PATTERNS[name]]
         for f in inner if isinstance(inner, tuple) else (inner,):
             if (size := chunk_size_of(f)) is not None:
                 return size
@@ -196,11 +202,6 @@ def chunked_attention(
         outs.append(sequence_parallel_attention(q[:, t:end], k[:, keys], v[:, keys], causal=True, **options))
         t = end
     return torch.cat(outs, dim=1)
-
-
-def _closure(fn) -> dict[str, object]:
-    """The variables a nested function closes over, by name."""
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
 KEY_ALIGNMENT_HINT = (
@@ -324,7 +325,42 @@ def _pattern_block_mask(
     )
 
 
-def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HINT):
+@torch.compiler.disable(reason=_PATTERN_REASON)
+def _sharded_pattern_block_mask(
+    mask_function: object, batch_size: int, q_length: int | None, q_offset: object, kv_length: int,
+    kv_offset: object, cache_position: torch.Tensor | None, device: object,
+    attention_mask: torch.Tensor | None, hint: str, group: dist.ProcessGroup | None, layout: object,
+    ulysses_size: int | None,
+) -> TileMask:  # fmt: skip
+    """Sequence parallel, the whole sequence's block mask of a pattern made of positions and
+    blockwise overlays (``hf_blockwise.sharded_pattern_mask``); every rank joins, and what one
+    rank finds wrong (a cache, padding) is raised on all of them."""
+    error = None
+    try:
+        start, queries = _query_span(q_length, q_offset, cache_position, "the model's attention pattern")
+        if start or int(kv_offset) or queries != kv_length:
+            raise ValueError(
+                "sequence parallel, ringflash applies the model's attention pattern to whole sequences from "
+                f"position 0 (training, no cache); got {queries} queries from {start} over {kv_length} keys "
+                f"from {int(kv_offset)}"
+            )
+        if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
+            raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+    except ValueError as e:
+        error = e
+    return sharded_pattern_mask(
+        mask_function, batch_size, kv_length, error, group=resolve_group(group), layout=layout,
+        ulysses_size=ulysses_size, device=device,
+    )  # fmt: skip
+
+
+def padding_mask_refusal(
+    group: dist.ProcessGroup | None,
+    hint: str = PADDING_HINT,
+    *,
+    layout: object = None,
+    ulysses_size: int | None = 1,
+):
     """A transformers mask function (``AttentionMaskInterface``) that builds no mask and refuses
     what the attention function cannot apply. Without one, transformers drops the model's 2D
     ``attention_mask`` and its mask pattern before the attention function is called, so padded
@@ -333,8 +369,13 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
     It returns None (no mask: the attention function applies causality, windows and packed
     documents itself) when the pattern is one of those (``unhonoured_mask_patterns``) and the 2D
     mask, if any, is all ones and covers every key, and the last query sits at the last key (the
-    attention aligns them bottom-right: a StaticCache's unfilled slots are refused); otherwise
-    ValueError. Sequence parallel
+    attention aligns them bottom-right: a StaticCache's unfilled slots are refused). Any other
+    pattern becomes a ``TileMask``: on one device of exactly the pattern (``pattern_tile_mask``);
+    sequence parallel, given the shards' ``layout`` (and ``ulysses_size`` as in
+    ``layouts.layout_indices``), of the whole sequence when the pattern is made of positions and
+    blockwise overlays (``hf_blockwise``: Gemma-3's image blocks, PaliGemma's prefix); otherwise
+    ValueError. A ``TileMask`` as the ``attention_mask`` was made here before and is returned as
+    it is. Sequence parallel
     (``group`` given, or torch.distributed initialized), a 2D mask's check joins every rank of the
     group in a 16-byte host all-reduce, so padding in one rank's shard fails every rank instead of
     leaving the others waiting in the ring; under torch.compile a device-side assert stops the
@@ -357,12 +398,19 @@ def padding_mask_refusal(group: dist.ProcessGroup | None, hint: str = PADDING_HI
         device: torch.device | str | None = None,
         **kw,
     ) -> AttentionChunks | TileMask | None:
+        if isinstance(attention_mask, TileMask):  # made here before (PaliGemma hands it to its text model)
+            return attention_mask
         one_device = not is_sequence_parallel(group)
         world = 1 if one_device else dist.get_world_size(resolve_group(group))
         unhonoured, chunk = _read_pattern(mask_function, kv_length * world)
         if unhonoured and one_device and mask_function is not None:  # any other pattern: block-sparse
             return _pattern_block_mask(mask_function, batch_size, q_length, q_offset, kv_length, kv_offset,
                                        cache_position, device, attention_mask, hint)  # fmt: skip
+        if unhonoured and layout is not None and mask_function is not None:  # blockwise overlays...
+            return _sharded_pattern_block_mask(
+                mask_function, batch_size, q_length, q_offset, kv_length, kv_offset, cache_position, device,
+                attention_mask, hint, group, layout, ulysses_size,
+            )  # fmt: skip
         if unhonoured:
             raise ValueError(
                 f"ringflash attention cannot honour the model's attention pattern {unhonoured} sequence "
@@ -420,11 +468,13 @@ def _attention_options(
 def pattern_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: TileMask,
     scaling: float | None, dropout: float, softcap: float | None, s_aux: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None, kw: dict,
+    cu_seq_lens_q: torch.Tensor | None, kw: dict, attend: Callable = flash_attn_func,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of q/k/v (batch, heads, seqlen, head_dim) under the block-sparse mask the mask
-    function built from the model's pattern (``pattern_tile_mask``), which holds all of it:
-    causality, a sliding window, packed documents, overlays. Returns (batch, seqlen_q, heads,
+    function built from the model's pattern (``pattern_tile_mask``; sequence parallel, over the
+    whole sequence), which holds all of it: causality, a sliding window, packed documents,
+    overlays. ``attend`` runs it (flash-attn's layout and keywords, ``block_mask=``): one
+    device's ``flash_attn_func`` or a sequence-parallel call. Returns (batch, seqlen_q, heads,
     head_dim)."""
     _check_keywords(kw)
     if dropout:
@@ -435,9 +485,7 @@ def pattern_attention(
             "pass position_ids instead (the pattern then holds the documents)"
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return flash_attn_func(
-        q, k, v, softmax_scale=scaling, softcap=_softcap(softcap), sinks=s_aux, block_mask=mask
-    )
+    return attend(q, k, v, softmax_scale=scaling, softcap=_softcap(softcap), sinks=s_aux, block_mask=mask)
 
 
 def _sharded_cache_step(key: torch.Tensor) -> tuple | None:
@@ -487,9 +535,12 @@ def enable(
         head_dim) and no weights. s_aux: (heads_q,) sink logits; softcap: Gemma-2's logit cap;
         position_ids: int (batch or 1, seqlen), restarting where a packed document starts."""
         chunks = attention_mask if isinstance(attention_mask, AttentionChunks) else None
-        if isinstance(attention_mask, TileMask):  # any other pattern, from the mask function (one device)
+        if isinstance(attention_mask, TileMask):  # any other pattern, from the mask function
+            attend = flash_attn_func
+            if is_sequence_parallel(group):  # the whole sequence's mask
+                attend = functools.partial(sharded_block_mask_attention, position_ids=position_ids)
             return pattern_attention(query, key, value, attention_mask, scaling, dropout, softcap,
-                                     s_aux, cu_seq_lens_q, kw), None  # fmt: skip
+                                     s_aux, cu_seq_lens_q, kw, attend), None  # fmt: skip
         if chunks is not None:  # Llama-4's chunked attention, from the mask function (one device)
             attention_mask = None
         causal, window = _attention_options(module, dropout, attention_mask, sliding_window, is_causal, kw)
@@ -553,11 +604,13 @@ def enable(
         )  # fmt: skip
         return out.reshape(batch, seqlen, *out.shape[2:]), None
 
+    # The shards' Ulysses size, as layouts.layout_indices takes it (None: the whole group).
+    shard_ulysses_size = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
+
     def check_unpacked(position_ids: torch.Tensor, batch: int, seqlen: int) -> None:
         """ValueError where position_ids restart inside this rank's tokens (packed documents the
         call was not told of); under torch.compile a device-side assert (no host sync in a graph)."""
-        u = None if sp_mode == "ulysses" else ulysses_size if sp_mode == "hybrid" else 1
-        shard = dict(group=group, layout=layout, ulysses_size=u, packed_hint=PACKED_HINT)
+        shard = dict(group=group, layout=layout, ulysses_size=shard_ulysses_size, packed_hint=PACKED_HINT)
         if torch.compiler.is_compiling():
             assert_unpacked_in_graph(position_ids, batch, seqlen, **shard)
         else:
@@ -578,17 +631,26 @@ def enable(
             raise ValueError(
                 "ringflash attention cannot apply attention chunks and packed documents together"
             )
-        if position_ids is not None:
-            check_unpacked(position_ids, batch, seqlen)
         tokens = seqlen * dist.get_world_size(resolve_group(group))
         mask = chunk_block_mask(chunks.size, tokens, q.device)
-        return sp_attn_func(
-            q, k, v, softmax_scale=scaling, window_size=window, group=group, layout=layout, sp_mode=sp_mode,
-            ulysses_size=ulysses_size, softcap=_softcap(softcap), sinks=sinks, block_mask=mask,
+        return sharded_block_mask_attention(
+            q, k, v, position_ids=position_ids, softmax_scale=scaling, window_size=window,
+            softcap=_softcap(softcap), sinks=sinks, block_mask=mask,
         )  # fmt: skip
 
+    def sharded_block_mask_attention(q, k, v, *, position_ids, **options) -> torch.Tensor:
+        """``sp_attn_func`` of this rank's shards (batch, seqlen, heads, head_dim) under a block
+        mask over the whole sequence (``options``), the shard's position_ids checked unpacked."""
+        if position_ids is not None:
+            check_unpacked(position_ids, *q.shape[:2])
+        return sp_attn_func(
+            q, k, v, group=group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size, **options
+        )
+
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, padding_mask_refusal(group))
+    AttentionMaskInterface.register(
+        NAME, padding_mask_refusal(group, layout=layout, ulysses_size=shard_ulysses_size)
+    )
     return NAME
 
 

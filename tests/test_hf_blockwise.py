@@ -1,0 +1,218 @@
+"""transformers' blockwise overlays sequence parallel (integrations/hf_blockwise.py): the blocks
+numbered again over the whole sequence from each rank's shard, and Gemma-3's image blocks and
+PaliGemma's prefix in a sequence-parallel training step, equal to eager attention on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import errors_of, worker_device
+
+from ringflash import reduce_gradients, sequence_parallel_cross_entropy, sequence_parallel_groups, shard_batch
+from ringflash.layouts import layout_indices
+
+transformers = pytest.importorskip("transformers")
+from ringflash.integrations.hf_blockwise import global_block_ids  # noqa: E402 (after the skip)
+
+
+def _gemma3_ids(token_types: torch.Tensor) -> torch.Tensor:
+    """Gemma-3's block ids of token types (1: image): each run of image tokens one block."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    return get_block_sequence_ids_for_mask(token_types)
+
+
+def _prefix_ids(token_types: torch.Tensor) -> torch.Tensor:
+    """PaliGemma's block ids (0: the prefix, one block; 1: the suffix, causal)."""
+    return torch.where(token_types == 0, 0, -1)
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "ulysses"),
+    [("zigzag", 2, 1), ("contiguous", 3, 1), ("zigzag", 4, 2), ("stripe", 2, 1)],
+)
+def test_global_block_ids_are_the_whole_sequences(layout, world, ulysses):
+    """Each rank's ids computed by the model on its shard alone, numbered again over the whole
+    sequence, equal the model's ids of the whole sequence: Gemma-3's images (random runs,
+    some across shards and across zigzag's two chunks of a rank) and PaliGemma's prefix."""
+    total = 96 * world
+    g = torch.Generator().manual_seed(world)
+    where = [layout_indices(layout, r, world, total, ulysses) for r in range(world)]
+    for trial in range(20):
+        # runs of image tokens and text of random lengths: many boundaries fall on shard edges
+        lengths = torch.randint(1, 12, (2, total), generator=g)
+        kinds = torch.stack([torch.arange(total) % 2 for _ in range(2)])  # alternate text / image runs
+        types = torch.stack([kinds[b].repeat_interleave(lengths[b])[:total] for b in range(2)])
+        types[:, 0] = trial % 2  # sequences that start with an image, or with text
+        for model_ids in (_gemma3_ids, _prefix_ids):
+            prefix = types.clone()
+            if model_ids is _prefix_ids:  # a prefix of random length, then the suffix
+                cut = torch.randint(1, total, (2,), generator=g)
+                prefix = (torch.arange(total)[None] >= cut[:, None]).long()
+            parts = [model_ids(prefix[:, w]) for w in where]
+            assert torch.equal(global_block_ids(parts, where), model_ids(prefix)), (trial, model_ids)
+
+
+def test_global_block_ids_refuse_blocks_shards_cannot_recover():
+    """One id on two runs of a rank's tokens (a prefix-LM of packed examples), or two ids that
+    touch inside a run of consecutive positions: ValueError naming the rank."""
+    where = [torch.arange(8), torch.arange(8, 16)]
+    two_runs = torch.tensor([[0, 0, -1, 0, -1, -1, -1, -1]])
+    touching = torch.tensor([[0, 0, 1, 1, -1, -1, -1, -1]])
+    fine = torch.full((1, 8), -1)
+    with pytest.raises(ValueError, match="rank 0's sequence 0 has a block id on two runs"):
+        global_block_ids([two_runs, fine], where)
+    with pytest.raises(ValueError, match="rank 1's ids 0 and 1 touch at position 10"):
+        global_block_ids([fine, touching], where)
+    # the same ids across a rank's two chunks (zigzag: not neighbours in the sequence) are two blocks
+    zigzag = [torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])]
+    ids = global_block_ids([torch.tensor([[-1, 0, 0, -1]]), torch.full((1, 4), -1)], zigzag)
+    assert ids.tolist() == [[-1, 0, -1, -1, -1, -1, 1, -1]]
+
+
+VOCAB, TOKENS = 64, 512  # zigzag on 2 ranks: halves of 128 tokens, whole mask blocks
+
+
+def _multimodal(family: str, attn_implementation: str) -> torch.nn.Module:
+    """A tiny Gemma-3 (a sliding layer of 100 keys, a full one) or PaliGemma (Gemma-1) model with
+    a vision tower the tests leave unused: the token types alone make the blocks."""
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1, image_size=16,
+        patch_size=4,
+    )  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+    )  # fmt: skip
+    if family == "gemma3":
+        text = transformers.Gemma3TextConfig(
+            sliding_window=100, layer_types=["sliding_attention", "full_attention"], **common
+        )
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        cls = transformers.Gemma3ForConditionalGeneration
+    else:
+        text = transformers.GemmaConfig(**common)
+        config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, projection_dim=32)
+        cls = transformers.PaliGemmaForConditionalGeneration
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attn_implementation).float()
+
+
+def _batch(family: str) -> dict[str, torch.Tensor]:
+    """Two sequences: Gemma-3, images of 150 tokens across the shards' edges (sequence 0: 100..249,
+    over position 128; sequence 1: 200..349 and 380..511, over 256 and 384) and of 3 tokens
+    (inside one mask block); PaliGemma, prefixes of 300 and 60 tokens."""
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=g)
+    if family == "gemma3":
+        types = torch.zeros(2, TOKENS, dtype=torch.long)
+        types[0, 100:250] = types[0, 20:23] = types[1, 200:350] = types[1, 380:] = 1
+    else:
+        types = torch.ones(2, TOKENS, dtype=torch.long)
+        types[0, :300] = types[1, :60] = 0
+    return {"input_ids": ids, "token_type_ids": types}
+
+
+def _sharded_step(family: str, sp_mode: str):
+    import ringflash.integrations.hf as rf_hf
+
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    name = rf_hf.enable(group=groups.sp_group, sp_mode=sp_mode)
+    model = _multimodal(family, name).to(worker_device())
+    batch = {k: v.to(worker_device()) for k, v in _batch(family).items()}
+    shard = shard_batch(batch, groups.sp_group, ulysses_size=groups.sp_size if sp_mode == "ulysses" else 1)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "token_type_ids")}
+    logits = model(**inputs, use_cache=False).logits
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("family", "sp_mode"), [("gemma3", "auto"), ("paligemma", "ulysses")])
+def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family, sp_mode):
+    """Sequence parallel (2 ranks, zigzag): a training step of Gemma-3 with image blocks and of
+    PaliGemma with prefixes has eager attention's loss and gradients on one process; the blocks
+    matter (the same step without token types gives another loss)."""
+    results = rank_pool(2).run(_sharded_step, family, sp_mode, timeout=600)
+    losses = []
+    for types in (True, False):
+        model = _multimodal(family, "eager")
+        batch = _batch(family)
+        ids = batch["input_ids"]
+        extra = {"token_type_ids": batch["token_type_ids"]} if types else {}
+        logits = model(input_ids=ids, use_cache=False, **extra).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        losses.append(loss)
+        if types:
+            loss.backward()
+            eager = model
+    assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
+    for rank, (sp_loss, grads) in enumerate(results):
+        assert abs(sp_loss - losses[0].item()) < 1e-5 * losses[0].item(), (rank, sp_loss, losses[0].item())
+        expected = {n for n, p in eager.named_parameters() if p.grad is not None}
+        assert grads.keys() == expected
+        for n, p in eager.named_parameters():
+            if p.grad is not None:
+                err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
+                assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+def test_multimodal_blocks_one_device_step_equals_eager(device, family):
+    """One device, the same models: the pattern as one block mask (PaliGemma hands the mask it
+    made to its text model, which takes it as made) gives eager attention's loss and gradients."""
+    import ringflash.integrations.hf as rf_hf
+
+    batch = {k: v[:1, :256].to(device) for k, v in _batch(family).items()}
+    results = []
+    for implementation in (rf_hf.enable(), "eager"):
+        model = _multimodal(family, implementation).to(device)
+        logits = model(**batch, use_cache=False).logits
+        ids = batch["input_ids"]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (ours, ours_grads), (eager, eager_grads) = results
+    assert abs(ours - eager) < 1e-5 * eager
+    assert ours_grads.keys() == eager_grads.keys()
+    for n, g in eager_grads.items():
+        assert ((ours_grads[n] - g).norm() / g.norm()).item() < 1e-4, n
+
+
+def _refused_patterns():
+    """Every rank raises, none waits: a model's own pattern part beside an overlay, padding on
+    one rank only, block ids that are not runs on one rank only."""
+    import transformers.masking_utils as mu
+
+    import ringflash.integrations.hf as rf_hf
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    rank = torch.distributed.get_rank()
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.enable(group=group)]
+    ids = torch.full((1, 8), -1)
+    own = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids), lambda b, h, q, kv: q == kv)
+    runs = ids.clone()
+    if rank == 1:
+        runs[0, :2] = runs[0, 4:6] = 0  # one id, two runs
+    padded = torch.ones(1, 8)
+    padded[0, 0] = 1 - rank
+    call = dict(batch_size=1, q_length=8, kv_length=8)
+    overlay, not_runs = (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(t)) for t in (ids, runs))
+    return errors_of({
+        "own": lambda: mask(**call, mask_function=own),
+        "padded": lambda: mask(**call, mask_function=overlay, attention_mask=padded),
+        "runs": lambda: mask(**call, mask_function=not_runs),
+        "cached": lambda: mask(**call | {"q_offset": 8, "kv_length": 16}, mask_function=overlay),
+    })  # fmt: skip
+
+
+def test_refusals_reach_every_rank(rank_pool):
+    for rank, errors in enumerate(rank_pool(2).run(_refused_patterns)):
+        assert "cannot honour the model's attention pattern" in errors["own"], (rank, errors)
+        assert "lambda" in errors["own"], (rank, errors)
+        # the rank that found padding names it; the other names the disagreement
+        assert ("padding" if rank == 0 else "different arguments") in errors["padded"], (rank, errors)
+        assert "rank 1's sequence 0 has a block id on two runs" in errors["runs"], (rank, errors)
+        assert "whole sequences from position 0" in errors["cached"], (rank, errors)
