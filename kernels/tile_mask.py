@@ -36,6 +36,10 @@ import torch
 
 MASK_BLOCK = 128  # block sizes must be multiples of this: every kernel tile (<= 128 rows) divides them
 _CHUNK_PAIRS = 1 << 26  # query/key pairs evaluated at once by ``from_mask_mod``
+# On a GPU each chunk costs about 1 ms beyond its pairs (vmap's calls, two host reads): 2^28 pairs
+# (256 MiB per bool temporary, about 1 GiB at the peak) built a 65536-token mask in 80 ms against
+# 127 at 2^26 (H200, docs/experiments.md §64).
+_CHUNK_PAIRS_GPU = 1 << 28
 _INVISIBLE, _FULL = -2, -1  # kinds in the (Bm, Hm, NQ, NK) grid; partials are numbered from 0
 
 
@@ -246,7 +250,9 @@ class TileMask:
         b_idx, h_idx = (torch.arange(n, device=device) for n in (batch, heads))
         kv_idx = torch.arange(nk * block_k, device=device).clamp_(max=seqlen_k - 1)
         kv_in = torch.arange(nk * block_k, device=device) < seqlen_k
-        rows = max(1, _CHUNK_PAIRS // (batch * heads * block_q * nk * block_k)) * block_q
+        ragged = bool(seqlen_q % block_q or seqlen_k % block_k)
+        pairs = _CHUNK_PAIRS if device.type == "cpu" else _CHUNK_PAIRS_GPU
+        rows = max(1, pairs // (batch * heads * block_q * nk * block_k)) * block_q
         grid = torch.empty(batch, heads, nq, nk, dtype=torch.int32, device=device)
         partials = []
         for r0 in range(0, nq * block_q, rows):
@@ -254,8 +260,12 @@ class TileMask:
             visible = evaluate(b_idx, h_idx, q_pos.clamp(max=seqlen_q - 1), kv_idx)
             if visible.dtype != torch.bool:
                 raise TypeError(f"mask_mod must return a bool tensor, got {visible.dtype}")
-            visible = visible & (q_pos < seqlen_q)[:, None] & kv_in[None, :]  # vmap may broadcast
-            blocks = visible.view(batch, heads, -1, block_q, nk, block_k).transpose(3, 4)
+            if ragged:  # pairs past the ends hidden
+                visible = visible & (q_pos < seqlen_q)[:, None] & kv_in[None, :]
+            shape = (batch, heads, q_pos.shape[0], nk * block_k)
+            if visible.shape != shape or not visible.is_contiguous():  # vmap may broadcast
+                visible = visible.expand(shape).contiguous()
+            blocks = visible.view(batch, heads, -1, block_q, nk, block_k)
             kinds, parts = _classify(blocks, seqlen_q, seqlen_k, r0 // block_q, block_q, block_k)
             grid[:, :, r0 // block_q : r0 // block_q + kinds.shape[2]] = kinds + torch.where(
                 kinds >= 0, sum(p.shape[0] for p in partials), 0
@@ -386,12 +396,13 @@ def _block_sizes(block_size: object) -> tuple[int, int]:
 def _classify(
     blocks: torch.Tensor, seqlen_q: int, seqlen_k: int, first_q: int, block_q: int, block_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks: (B, H, nq, nk, block_q, block_k) bool of query blocks first_q.. -> (kinds (B, H,
-    nq, nk) int32 with partials numbered from 0 in order, their (P, block_q, block_k) masks).
-    A block cut by the sequences' ends is partial even when every pair in it is visible."""
-    flat = blocks.flatten(-2)
-    anything, everything = flat.any(-1), flat.all(-1)
-    nq, nk = blocks.shape[2:4]
+    """blocks: (B, H, nq, block_q, nk, block_k) bool of query blocks first_q.. (a view of the
+    pairs' rows) -> (kinds (B, H, nq, nk) int32 with partials numbered from 0 in order, their
+    (P, block_q, block_k) masks). A block cut by the sequences' ends is partial even when every
+    pair in it is visible."""
+    seen = blocks.sum(-1, dtype=torch.int32).sum(3)  # one pass over the pairs, no copy
+    anything, everything = seen > 0, seen == block_q * block_k
+    nq, nk = blocks.shape[2], blocks.shape[4]
     inside = torch.ones(nq, nk, dtype=torch.bool, device=blocks.device)
     if seqlen_q % block_q:
         inside[(first_q + torch.arange(nq, device=blocks.device)) * block_q + block_q > seqlen_q] = False
@@ -402,7 +413,7 @@ def _classify(
     kinds = torch.full(anything.shape, _INVISIBLE, dtype=torch.int32, device=blocks.device)
     kinds[full] = _FULL
     kinds[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=blocks.device)
-    return kinds, blocks[partial]
+    return kinds, blocks.transpose(3, 4)[partial]
 
 
 def _block_lists(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -234,6 +234,33 @@ def test_lists_follow_the_grid(device):
     assert m.visible_pairs() == s * (s + 1) // 2
 
 
+def test_mask_mod_in_chunks_of_query_blocks(device, monkeypatch):
+    """from_mask_mod evaluated a query block at a time (partials numbered on across chunks, a
+    ragged end, per-sequence masks, a mask_mod that ignores the batch) equals one evaluation,
+    and both the dense mask."""
+    from test_block_masks import decoded
+
+    import ringflash.kernels.tile_mask as tile_mask
+
+    fields = ("kv_count", "kv_index", "kv_kind", "q_count", "q_index", "q_kind", "bits")
+    lists = ("kv_count", "kv_index", "q_count", "q_index")  # partials may be numbered otherwise
+    ids = torch.randint(0, 3, (2, 300), generator=torch.Generator().manual_seed(3))
+
+    def make(ids):
+        return [lambda b, h, q, kv: (ids[b, q] == ids[b, kv]) | (kv <= q - 50), lambda b, h, q, kv: kv <= q]
+
+    for mod, cpu_mod, batch in zip(make(ids.to(device)), make(ids), (2, 1)):
+        whole = TileMask.from_mask_mod(mod, batch, 1, 300, 260, device=device)
+        for name in ("_CHUNK_PAIRS", "_CHUNK_PAIRS_GPU"):
+            monkeypatch.setattr(tile_mask, name, 1)  # one query block per chunk
+        chunked = TileMask.from_mask_mod(mod, batch, 1, 300, 260, device=device)
+        monkeypatch.undo()
+        assert all(torch.equal(getattr(chunked, f), getattr(whole, f)) for f in lists)
+        for m in (whole, chunked):
+            on_cpu = dataclasses.replace(m, **{f: getattr(m, f).cpu() for f in fields})
+            assert torch.equal(decoded(on_cpu)[..., :300, :260], dense_mask(cpu_mod, batch, 1, 300, 260))
+
+
 def test_under_torch_compile_without_a_graph_break(device):
     """Traced by torch.compile with fullgraph=True (a graph break would raise) through the custom
     ops ``ringflash::block_sparse_forward/backward``: out, LSE (used through a loss) and every
