@@ -12,7 +12,10 @@ each query head of its GQA group in turn (heads may have different masks).
 
 Softcap, ALiBi (flash-attn's bottom-right distances, as ``flash_attn_func``) and GQA are those
 of the other kernels; the mask replaces causal/window bounds and packed documents. On Hopper
-these Triton kernels run too (the Gluon kernels know no block lists yet).
+the forward of 128-position blocks at head_dim up to 128 runs the warp-specialized kernel
+(hopper/forward.py, walking the lists as hopper/block_lists.py says), where
+``uses_fused_forward`` allows it (``RINGFLASH_FUSED_FORWARD=0`` keeps these kernels); the
+backward runs these Triton kernels everywhere.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import triton.language as tl
 from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta, gradient_buffers
 from .configs import block_d, sparse_dq_config, sparse_forward_config, sparse_kv_config
 from .forward import _fwd_tiles, dot_precision
+from .hopper.dispatch import hopper_module, uses_fused_forward
 from .launcher import launch
 from .problem import AttentionProblem, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, score_constexprs, score_scales
@@ -267,8 +271,12 @@ def sparse_forward(
     out = torch.empty_like(q) if out is None else out
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
-    cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32)
     tensors, strides = _mask_args(mask, "kv")
+    fused = hopper_module("forward") if uses_fused_forward(problem, q, k, v) else None
+    if fused is not None and fused.sparse_supports(problem, mask):
+        fused.fused_forward(q, k, v, problem, out, lse, mask_lists=(tensors, strides))
+        return out, lse
+    cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32)
     grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
     launch(
         _sparse_fwd_kernel, grid, q, k, v, out, lse, alibi_tensor(problem), *tensors,

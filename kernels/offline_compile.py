@@ -248,13 +248,14 @@ def compile_fused_backward(
 def compile_fused_forward(
     causal: bool, group: int = 1, out_dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
     head_dim: int = 128, window: bool = False, varlen: bool = False, target: GPUTarget = HOPPER,
-    tensor_dim: int | None = None, memory: bool = False,
+    tensor_dim: int | None = None, memory: bool = False, sparse: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/forward.py's Gluon kernel for ``target`` as a bf16 launch makes it, writing its
     output in ``out_dtype`` ("fp32": the ring's block buffers), with or without a softcap, ALiBi,
     a left window bound (``window``) and packed documents (``varlen``); with ``tensor_dim`` below
     head_dim, on tensors of a head_dim between two builds. ``memory``: the MEMORY epilogue
-    (Infini-attention's retrieval; packed segments at head_dim 128)."""
+    (Infini-attention's retrieval; packed segments at head_dim 128). ``sparse``: the walk over a
+    block mask's lists (SPARSE, block_lists.py)."""
     import torch
 
     from .hopper import forward as hf
@@ -269,13 +270,16 @@ def compile_fused_forward(
     consts = dict(
         GROUP=group, BLOCK_M=qt.BLOCK_M, BLOCK_N=block_n, HEAD_DIM=head_dim,
         TENSOR_DIM=tensor_dim or head_dim, VARLEN=varlen, HAS_LEFT=window, HAS_RIGHT=causal,
-        SOFTCAP=softcap, HAS_ALIBI=alibi, Q_STAGES=hf.Q_STAGES[head_dim], MEMORY=memory, **_UNIT_STRIDES,
+        SOFTCAP=softcap, HAS_ALIBI=alibi, Q_STAGES=hf.Q_STAGES[head_dim], MEMORY=memory, SPARSE=sparse,
+        **_UNIT_STRIDES,
     )  # fmt: skip
     if varlen:
         consts["n_b"] = 1  # a packed grid's one sequence, specialized as a launch does
+    lists = "*i32" if sparse else "*fp32"  # the mask's int32 lists, or the LSE as their stand-in
     pointers = {
         "O": f"*{out_dtype}", "LSE": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
         "TILE_COUNTER": "*i32", "OUT": f"*{out_dtype}" if memory else "*fp32", "Z": "*fp32", "GATE": "*fp32",
+        "COUNT": lists, "INDEX": lists, "KIND": lists, "BITS": lists,
     }  # fmt: skip
     options = {"num_warps": qt.NUM_WARPS, "maxnreg": qt.MAX_REGISTERS}
     return _compile_gluon(hf._fused_fwd_kernel, descs, consts, pointers, options, target)

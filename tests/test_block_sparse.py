@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from reference import TOLERANCE, reference_attention
+from reference import TOLERANCE, reference_attention, rel_err
 from test_kernels import _inputs, assert_close
 
 import ringflash
@@ -443,6 +443,52 @@ def test_varlen_mask_refusals(device):
         ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 100, 156, block_mask=m)
     with pytest.raises(ValueError, match="cu_seqlens_k must start at 0"):
         ringflash.flash_attn_varlen_func(q, k, v, cu, _cu([100, 100], device), 156, 156, block_mask=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64, 96])
+@pytest.mark.parametrize("scores", ["plain", "softcap_alibi"])
+def test_gpu_hopper_forward_walks_the_lists(d, scores, monkeypatch):
+    """On an sm_90 GPU the block-sparse forward of 128-position blocks runs the warp-specialized
+    kernel (its SPARSE walk, counted), at head_dim 128, 64 and 96 (run at the 128 build): out and
+    LSE against float64 and against the Triton kernel (``RINGFLASH_FUSED_FORWARD=0``), bf16,
+    masks per sequence and head with all three kinds of block and blind rows, GQA, a sequence
+    end inside a block (1100 tokens), a softcap with ALiBi."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from ringflash.kernels.hopper import forward as hopper_forward
+
+    b, s, h, hk = 2, 1100, 4, 2
+    q, k, v, _ = _inputs(b, s, s, h, hk, d, torch.bfloat16, DEVICE, seed=11)
+    m = TileMask.from_mask_mod(striped, b, h, s, s, device=DEVICE)
+    assert _kinds(m) == {"partial", "full", "invisible"}
+    kw = {}
+    if scores == "softcap_alibi":
+        kw = dict(softcap=8.0, alibi_slopes=torch.rand(h, device=DEVICE) * 0.05)
+    launches = []
+    real = hopper_forward.fused_forward
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("mask_lists") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_forward, "fused_forward", counted)
+    with torch.no_grad():
+        out, lse = ringflash.flash_attn_func(q, k, v, block_mask=m, return_lse=True, **kw)
+        assert launches == [True]
+        monkeypatch.setenv("RINGFLASH_FUSED_FORWARD", "0")
+        triton_out, triton_lse = ringflash.flash_attn_func(q, k, v, block_mask=m, return_lse=True, **kw)
+    assert launches == [True]
+    qd, kd, vd = (t.to("cpu", torch.float64) for t in (q, k, v))
+    ref_out, ref_lse = reference_attention(qd, kd, vd, mask=dense_mask(striped, b, h, s, s), **kw)
+    tol = TOLERANCE[torch.bfloat16]
+    for name, a, e in (("out", out, ref_out), ("lse", lse, ref_lse), ("triton out", triton_out, ref_out),
+                       ("triton lse", triton_lse, ref_lse)):  # fmt: skip
+        assert not torch.isnan(a).any(), name
+        assert_close(name, a, e, tol)
+    assert rel_err(out, triton_out) < 1e-2 and rel_err(lse, triton_lse) < 1e-4
+    blind = ~dense_mask(striped, b, h, s, s).any(-1)  # (b, h, s)
+    assert (out.transpose(1, 2).cpu()[blind] == 0).all() and torch.isneginf(lse.cpu()[blind]).all()
 
 
 @pytest.mark.gpu

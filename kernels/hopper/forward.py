@@ -59,6 +59,15 @@ from triton.runtime import driver
 from ..launcher import bound_launch, launch_or_bind
 from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
+from .block_lists import (
+    MASK_BLOCK,
+    BlockLists,
+    bits_scores,
+    block_list,
+    block_lists,
+    listed_walk,
+    load_listed_tiles,
+)
 from .dispatch import run_head_dim
 from .infini_retrieval import allocate_memory_barriers, load_memory, retrieve_rows
 from .infini_updates import matrix_descriptor
@@ -122,16 +131,18 @@ def _online_softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr, HAS_ALIBI: gl.c
 
 @gluon.jit
 def _load_partition(
-    qt: QueryTiles, rings: Rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, GROUP: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, MEMORY: gl.constexpr,
+    qt: QueryTiles, rings: Rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, bl: BlockLists,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TENSOR_DIM: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, MEMORY: gl.constexpr,
+    SPARSE: gl.constexpr,
 ):  # fmt: skip
     """The program's work items in turn (the first its program id, each next one claimed from
     ``TILE_COUNTER`` as the last starts): the item published with its Q stage, each half of Q
     loaded once the stage is released, then the key tiles. The rings run on across items, so an
     item's loads overlap the last one's end. Past the last item, a stage published with
     ``n_items`` and no Q tells the compute warpgroups to stop. MEMORY: after the first two key
-    tiles, the item's memory matrix once both warpgroups are done with the last one's."""
+    tiles, the item's memory matrix once both warpgroups are done with the last one's. SPARSE:
+    the key tiles the item's block list holds (block_lists.py)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     n_items = qt.n_m * qt.n_h * qt.n_b
     k = gl.program_id(0) * 0
@@ -144,6 +155,9 @@ def _load_partition(
         p, mk0, mk1, q_tile_row, b, ob, rows_left = query_tile_item(
             qt, rings, pid_m, h, b, k, ring, GROUP, BLOCK_M, BLOCK_N, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT
         )
+        if SPARSE:
+            n_partial, n_blocks, blocks, kinds = block_list(bl, b, h, pid_m)
+            p = listed_walk(p, n_blocks)
         for w in gl.static_range(2):
             mbarrier.wait(p.rings.q_empty.index(p.q_slot + w), p.q_phase ^ 1)
         publish_item(rings, k, item)
@@ -158,6 +172,8 @@ def _load_partition(
             load_key_tiles(p, BLOCK_N, 0, ahead)
             load_memory(m_desc, Z, b * (qt.n_h // GROUP) + p.k_head, m_bar, m_smem, z_smem, k)
             load_key_tiles(p, BLOCK_N, ahead, p.n_tiles)
+        elif SPARSE:
+            load_listed_tiles(p, BLOCK_N, blocks)
         else:
             load_key_tiles(p, BLOCK_N, 0, p.n_tiles)
         k += 1
@@ -178,11 +194,13 @@ def _load_partition(
 @gluon.jit
 def _tile_step(
     p: Shared, mk: Mask, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
-    o_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    blocks, kinds, bits, w: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+    MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, SPARSE: gl.constexpr,
 ):  # fmt: skip
-    """Walk step i (key tile t_last - i): S_i = Q K_i^T issued beside O += P_{i-1} V_{i-1}, the
-    softmax of S_i written to run while P V does (ptxas waits for P V first: module docstring)."""
+    """Walk step i (key tile t_last - i; SPARSE: the tile listed at blocks[i], MASKED by its bits):
+    S_i = Q K_i^T issued beside O += P_{i-1} V_{i-1}, the softmax of S_i written to run while P V
+    does (ptxas waits for P V first: module docstring)."""
     dtype: gl.constexpr = p.q_desc.dtype
     j = p.ring0 + i
     st = j % 2
@@ -193,10 +211,18 @@ def _tile_step(
     o = warpgroup_mma(gl.convert_layout(pr.to(dtype), p_layout), p.rings.v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
     mbarrier.arrive(p.rings.k_empty.index(st), count=1)
-    s = logits(
-        s, p.t_last - i, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
-        MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
-    )  # fmt: skip
+    if SPARSE:
+        s = logits(
+            s, gl.load(blocks + i), mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+            False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
+        if MASKED:
+            s = bits_scores(s, bits, gl.load(kinds + i), w)
+    else:
+        s = logits(
+            s, p.t_last - i, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+            MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
     pr, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, MASKED, HAS_ALIBI)
     o = warpgroup_mma_wait(0, deps=(o,))
     mbarrier.arrive(p.rings.v_empty.index(prev), count=1)
@@ -206,15 +232,17 @@ def _tile_step(
 
 @gluon.jit
 def _attend(
-    p: Shared, mk: Mask, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w: gl.constexpr,
-    RELEASE_Q: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    p: Shared, mk: Mask, q_s, row_offs, col_offs, qk_scale, tanh_scale, alibi2, blocks, kinds, n_partial,
+    bits, w: gl.constexpr, RELEASE_Q: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, SPARSE: gl.constexpr,
 ):  # fmt: skip
     """(O unnormalized, running max, running sum) of warpgroup w over the tile's n_tiles >= 1 key
     tiles: the first tile (masked where it needs it) before the loop; then the masked tiles at
     the high end, the full tiles and the masked tiles at the low end, each span in a loop of its
     own so that only the edges pay for the mask; P V of the last tile after the loops, Q's half
-    released before it under RELEASE_Q."""
+    released before it under RELEASE_Q. SPARSE: the listed tiles, the n_partial first masked by
+    their bits, the rest full."""
     dtype: gl.constexpr = p.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -231,35 +259,47 @@ def _attend(
     s = warpgroup_mma(q_s, p.rings.k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(p.rings.k_empty.index(st), count=1)
-    s = logits(
-        s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
-        False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
-    )  # fmt: skip
-    if (p.t_last >= mk.t_full_hi) | (p.t_last < mk.t_full_lo):
-        s = mask_scores(s, mk, p.t_last, row_offs, col_offs, HAS_LEFT, HAS_RIGHT)
+    if SPARSE:
+        s = logits(
+            s, gl.load(blocks), mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+            False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
+        if n_partial > 0:
+            s = bits_scores(s, bits, gl.load(kinds), w)
+        # steps [1, full_first) partial, the rest full
+        full_first = gl.minimum(gl.maximum(n_partial, 1), p.n_tiles)
+        full_end = p.n_tiles
+    else:
+        s = logits(
+            s, p.t_last, mk, row_offs, col_offs, qk_scale, tanh_scale, alibi2,
+            False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
+        if (p.t_last >= mk.t_full_hi) | (p.t_last < mk.t_full_lo):
+            s = mask_scores(s, mk, p.t_last, row_offs, col_offs, HAS_LEFT, HAS_RIGHT)
+        # Walk step i visits key tile t_last - i: tiles at or above t_full_hi come first (masked),
+        # then the full ones down to t_full_lo, then the masked rest.
+        full_first = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_hi, 1), p.n_tiles)
+        full_end = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_lo, full_first), p.n_tiles)
     m_i = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, row_layout)
     pr, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, True, HAS_ALIBI)
     o = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
-    # Walk step i visits key tile t_last - i: tiles at or above t_full_hi come first (masked),
-    # then the full ones down to t_full_lo, then the masked rest.
-    full_first = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_hi, 1), p.n_tiles)
-    full_end = gl.minimum(gl.maximum(p.t_last + 1 - mk.t_full_lo, full_first), p.n_tiles)
     for i in range(1, full_first):
         pr, m_i, l_i, o = _tile_step(
             p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
-            o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+            blocks, kinds, bits, w, o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPARSE,
         )  # fmt: skip
     for i in range(full_first, full_end):
         pr, m_i, l_i, o = _tile_step(
             p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
-            o_layout, p_layout, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+            blocks, kinds, bits, w, o_layout, p_layout, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+            SPARSE,
         )  # fmt: skip
-    for i in range(full_end, p.n_tiles):
+    for i in range(full_end, p.n_tiles):  # none under SPARSE
         pr, m_i, l_i, o = _tile_step(
             p, mk, i, pr, m_i, l_i, o, s_zero, row_offs, col_offs, qk_scale, tanh_scale, alibi2, q_s,
-            o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+            blocks, kinds, bits, w, o_layout, p_layout, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPARSE,
         )  # fmt: skip
 
     if RELEASE_Q:  # every QK^T of the tile is done: the loader may fetch the next tile's Q
@@ -276,10 +316,10 @@ def _attend(
 @gluon.jit
 def _compute_partition(
     qt: QueryTiles, rings: Rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-    tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, w: gl.constexpr,
+    tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, bl: BlockLists, w: gl.constexpr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MEMORY: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MEMORY: gl.constexpr, SPARSE: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup w, for each of the program's query tiles: rows [q_row + w * HALF_M, + HALF_M)
     against the tile's key tiles, output and LSE stored for the rows below ``rows_left`` (the
@@ -314,6 +354,13 @@ def _compute_partition(
             mk = mk0
         else:
             mk = mk1
+        if SPARSE:
+            n_partial, n_blocks, blocks, kinds = block_list(bl, b, h, pid_m)
+            p = listed_walk(p, n_blocks)
+        else:  # stand-ins, never read
+            n_partial = p.n_tiles
+            blocks = bl.index
+            kinds = bl.kind
         alibi2 = 0.0
         if HAS_ALIBI:  # log2(e): logits in the log2 domain
             alibi2 = gl.load(ALIBI + b * qt.n_h + p.q_head) * 1.4426950408889634
@@ -332,8 +379,9 @@ def _compute_partition(
         l_i = gl.zeros([HALF_M], gl.float32, row_layout)
         if p.n_tiles > 0:
             o, m_i, l_i = _attend(
-                p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2, w, not (Q_IN_REGS or MEMORY),
-                HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M, BLOCK_N, HEAD_DIM,
+                p, mk, q_op, row_offs, col_offs, qk_scale, tanh_scale, alibi2, blocks, kinds, n_partial,
+                bl.bits, w, not (Q_IN_REGS or MEMORY), HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, HALF_M,
+                BLOCK_N, HEAD_DIM, SPARSE,
             )  # fmt: skip
         else:
             if not (Q_IN_REGS or MEMORY):
@@ -374,16 +422,18 @@ def _fused_fwd_kernel(
     seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows, v_batch_rows,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tanh_scale,
     ALIBI, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
-    TILE_COUNTER, m_desc, o_desc, out_desc, OUT, Z, GATE, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    TILE_COUNTER, m_desc, o_desc, out_desc, OUT, Z, GATE, COUNT, INDEX, KIND, BITS, stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_im, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    Q_STAGES: gl.constexpr, MEMORY: gl.constexpr,
+    Q_STAGES: gl.constexpr, MEMORY: gl.constexpr, SPARSE: gl.constexpr,
 ):  # fmt: skip
     qt = query_tiles(
         q_desc, k_desc, v_desc, CU_Q, CU_K, seqlen_q, seqlen_k, packed_docs, q_batch_rows, k_batch_rows,
         v_batch_rows, q_start, q_stride, k_start, k_stride, q_per_len, k_per_len, left, right, n_m, n_h, n_b,
     )  # fmt: skip
     rings = allocate_rings(q_desc, k_desc, v_desc, BLOCK_M // 2, BLOCK_N, HEAD_DIM, Q_STAGES)
+    bl = block_lists(COUNT, INDEX, KIND, BITS, stride_cb, stride_ch, stride_ib, stride_ih, stride_im)
     if MEMORY:  # one memory (32.5 KiB: 225 of the 227 KiB with the rings at head_dim 128)
         m_smem = gl.allocate_shared_memory(m_desc.dtype, m_desc.block_type.shape, m_desc.layout)
         z_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -398,19 +448,21 @@ def _fused_fwd_kernel(
             (
                 _compute_partition,
                 (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, 0, GROUP, BLOCK_M,
-                 BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, MEMORY),
+                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, bl, 0, GROUP,
+                 BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                 MEMORY, SPARSE),
             ),
             (
                 _compute_partition,
                 (qt, rings, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, 1, GROUP, BLOCK_M,
-                 BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, MEMORY),
+                 tanh_scale, ALIBI, m_smem, z_smem, m_bar, o_desc, out_desc, OUT, GATE, bl, 1, GROUP,
+                 BLOCK_M, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                 MEMORY, SPARSE),
             ),
             (
                 _load_partition,
-                (qt, rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, GROUP, BLOCK_M, BLOCK_N,
-                 TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, MEMORY),
+                (qt, rings, TILE_COUNTER, m_desc, Z, m_smem, z_smem, m_bar, bl, GROUP, BLOCK_M, BLOCK_N,
+                 TENSOR_DIM, VARLEN, HAS_LEFT, HAS_RIGHT, MEMORY, SPARSE),
             ),
         ],
         [4, 1],
@@ -427,6 +479,7 @@ def fused_forward(
     out: torch.Tensor,
     lse: torch.Tensor,
     retrieval: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mask_lists: tuple | None = None,
 ) -> None:
     """Write attention's output into ``out`` and its row logsumexp into ``lse``.
 
@@ -445,7 +498,12 @@ def fused_forward(
     gets gate * sigma(q) M / (sigma(q) z) + (1 - gate) * out per segment, in the epilogue
     (``infini_retrieval.retrieve_rows``): M (segments * kv_heads, 128, 128) bf16 and z
     (segments * kv_heads, 128) float32 before sequence b at state b * kv_heads + kv head, gate
-    (heads_q,) float32, contiguous."""
+    (heads_q,) float32, contiguous.
+
+    ``mask_lists`` (block-sparse attention, ``sparse_supports``; dense q/k/v and no window):
+    ((COUNT, INDEX, KIND, BITS), strides) of a ``TileMask``'s per-query-block lists, as
+    ``block_sparse._mask_args(mask, "kv")`` gives them; each query tile walks its list
+    (block_lists.py). Launched without binding (the lists are the mask's, not the call's)."""
     build = run_head_dim(problem.head_dim, HEAD_DIMS)
     launch = query_tile_launch(q, k, v, problem, lse, BLOCK_N[build])
     programs = persistent_programs(launch.grid, q.device)
@@ -460,18 +518,33 @@ def fused_forward(
         rows = [rows_descriptor(t.unsqueeze(0), HALF_ROWS, 128)[0] for t in (out, gated)]
         descs, memory = (matrix_descriptor(m), *rows), (gated, z, gate)
     counter = _tile_counter(q.device)
+    lists = (lse,) * 4 + (0,) * 5 if mask_lists is None else (*mask_lists[0], *mask_lists[1])  # stand-ins
     args = (
         *launch.descriptors, out, lse, launch.cu_q, launch.cu_k, problem.max_seqlen_q, problem.max_seqlen_k,
         launch.packed_docs, *launch.rows, *o4.stride()[:3], *launch.lse_strides, *score_scales(problem),
         launch.slopes, *problem.position_args(), *launch.window, *launch.grid, counter, *descs, *memory,
+        *lists,
     )  # fmt: skip
-    kwargs = dict(Q_STAGES=Q_STAGES[build], MEMORY=retrieval is not None, **launch.constexprs)
-    if retrieval is not None:
+    sparse = mask_lists is not None
+    kwargs = dict(Q_STAGES=Q_STAGES[build], MEMORY=retrieval is not None, SPARSE=sparse, **launch.constexprs)
+    if retrieval is not None or sparse:
         launch_kernel(_fused_fwd_kernel, (programs,), *args, **kwargs)
         return
     slots = (*launch.descriptors, out, lse, counter)
     key = _bound_key(q, k, v, out, lse)
     launch_or_bind(problem.derived, key, _fused_fwd_kernel, (programs,), args, kwargs, slots)
+
+
+def sparse_supports(problem: AttentionProblem, mask) -> bool:
+    """Whether this kernel runs block-sparse ``problem`` under ``mask`` (a TileMask): a build
+    whose key tiles are the mask's blocks (128 keys: head_dim 64 and 128, and those between),
+    blocks of 128 x 128, dense sequences and no window (the mask holds it)."""
+    build = run_head_dim(problem.head_dim, HEAD_DIMS)
+    return (
+        build is not None and BLOCK_N[build] == MASK_BLOCK
+        and (mask.block_q, mask.block_k) == (MASK_BLOCK, MASK_BLOCK)
+        and not problem.varlen and problem.bounds.left is None and problem.bounds.right is None
+    )  # fmt: skip
 
 
 def _bound_key(q, k, v, out, lse) -> tuple:

@@ -1,0 +1,124 @@
+"""A block mask's lists as the Hopper forward walks them (forward.py, SPARSE): block-sparse
+attention (``tile_mask.TileMask``) on the warp-specialized kernel.
+
+A query tile (128 rows) is one mask block; its list holds the key blocks it sees, its partial
+blocks first, then its full ones (``kv_count``, ``kv_index``, ``kv_kind``). The loader brings the
+listed key tiles (``load_listed_tiles``) into the same K/V rings as a dense walk; the compute
+warpgroups take the same steps, each partial block's scores masked by its bits
+(``bits_scores``), the full ones unmasked. Key tiles are mask blocks too (128 keys: the 64 and
+128 builds), and a block that the sequences' ends cut is always partial, so its bits hide what
+lies past the keys (TMA fills those rows with zeros).
+
+No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.language.core import _aggregate as aggregate
+
+from .query_tiles import Shared
+from .tma import load_tile
+
+MASK_BLOCK = 128  # the mask's blocks, both ways: one query tile, one key tile
+_MASK_BLOCK = gl.constexpr(MASK_BLOCK)  # as the kernels read it
+
+
+@aggregate
+class BlockLists:
+    """A mask's per-query-block lists in global memory: counts (partial, full) per block, the
+    blocks' numbers and kinds (a partial block's index into ``bits``), the bits (int32 words,
+    WORDS per row); strides of the (batch, head) dimensions, 0 where the mask is shared."""
+
+    count: gl.tensor
+    index: gl.tensor
+    kind: gl.tensor
+    bits: gl.tensor
+    stride_cb: gl.tensor
+    stride_ch: gl.tensor
+    stride_ib: gl.tensor
+    stride_ih: gl.tensor
+    stride_im: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, count, index, kind, bits, stride_cb, stride_ch, stride_ib, stride_ih, stride_im):
+        self.count = count
+        self.index = index
+        self.kind = kind
+        self.bits = bits
+        self.stride_cb = stride_cb
+        self.stride_ch = stride_ch
+        self.stride_ib = stride_ib
+        self.stride_ih = stride_ih
+        self.stride_im = stride_im
+
+
+@gluon.jit
+def block_lists(
+    COUNT, INDEX, KIND, BITS, stride_cb, stride_ch, stride_ib, stride_ih, stride_im
+) -> BlockLists:
+    """``BlockLists`` from a kernel's arguments (``+ 0``: strides equal to 1 or 0 are made
+    constants by a launch; the aggregate takes tensors)."""
+    zero = gl.program_id(0) * 0
+    return BlockLists(
+        COUNT, INDEX, KIND, BITS, stride_cb + zero, stride_ch + zero, stride_ib + zero, stride_ih + zero,
+        stride_im + zero,
+    )  # fmt: skip
+
+
+@gluon.jit
+def block_list(bl: BlockLists, b, h, qb):
+    """(partial blocks, all blocks, pointer to their numbers, pointer to their kinds) of query
+    block ``qb`` of sequence b, query head h."""
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    counts = bl.count + b64 * bl.stride_cb + h64 * bl.stride_ch + qb * 2
+    n_partial = gl.load(counts)
+    n_blocks = n_partial + gl.load(counts + 1)
+    entries = b64 * bl.stride_ib + h64 * bl.stride_ih + qb * bl.stride_im
+    return n_partial, n_blocks, bl.index + entries, bl.kind + entries
+
+
+@gluon.jit
+def listed_walk(p: Shared, n_blocks) -> Shared:
+    """``p`` walking ``n_blocks`` listed key tiles instead of its dense span (``t_last`` unused)."""
+    return Shared(
+        p.q_desc, p.k_desc, p.v_desc, p.rings, p.q_slot, p.q_phase, p.ring0, p.q_row, p.k_row0, p.v_row0,
+        p.q_head, p.k_head, n_blocks * 0, n_blocks, p.tensor_dim,
+    )  # fmt: skip
+
+
+@gluon.jit
+def load_listed_tiles(p: Shared, BLOCK_N: gl.constexpr, blocks):
+    """The loader's walk over the p.n_tiles key tiles listed at ``blocks`` into the K and V rings,
+    in the list's order (``query_tiles.load_key_tiles`` for a list)."""
+    tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    for i in range(0, p.n_tiles):
+        j = p.ring0 + i
+        s = j % 2
+        n0 = gl.load(blocks + i) * BLOCK_N
+        mbarrier.wait(p.rings.k_empty.index(s), ((j // 2) & 1) ^ 1)
+        bar = p.rings.k_ready.index(s)
+        mbarrier.expect(bar, tile_bytes)
+        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.rings.k_smem.index(s))
+        mbarrier.wait(p.rings.v_empty.index(s), ((j // 2) & 1) ^ 1)
+        bar = p.rings.v_ready.index(s)
+        mbarrier.expect(bar, tile_bytes)
+        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.rings.v_smem.index(s))
+
+
+@gluon.jit
+def bits_scores(s, bits, kind, w: gl.constexpr):
+    """Warpgroup w's (64 rows of the block) scores with -inf where partial block ``kind``'s bits
+    hide the pair: word c // 32 of row r, bit c % 32 (``tile_mask.TileMask.bits``). Each score's
+    word is read from global memory (a block's 2 KiB, cached: four words per row)."""
+    HALF_M: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    WORDS: gl.constexpr = _MASK_BLOCK // 32
+    layout: gl.constexpr = s.type.layout
+    rows = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    base = bits + kind.to(gl.int64) * (_MASK_BLOCK * WORDS)
+    words = gl.load(base + rows[:, None] * WORDS + (cols // 32)[None, :])
+    keep = ((words >> (cols % 32)[None, :]) & 1) != 0
+    return gl.where(keep, s, -float("inf"))
