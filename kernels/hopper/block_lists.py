@@ -3,8 +3,8 @@ attention (``tile_mask.TileMask``) on the warp-specialized kernel.
 
 A query tile (128 rows) is one mask block; its list holds the key blocks it sees, its partial
 blocks first, then its full ones (``kv_count``, ``kv_index``, ``kv_kind``). The loader brings the
-listed key tiles (``load_listed_tiles``) into the same K/V rings as a dense walk; the compute
-warpgroups take the same steps, each partial block's scores masked by its bits
+listed key tiles (``query_tiles.load_key_tiles`` with LISTED) into the same K/V rings as a dense
+walk; the compute warpgroups take the same steps, each partial block's scores masked by its bits
 (``bits_scores``), the full ones unmasked. Key tiles are mask blocks too (128 keys: the 64 and
 128 builds), and a block that the sequences' ends cut is always partial, so its bits hide what
 lies past the keys (TMA fills those rows with zeros).
@@ -14,11 +14,9 @@ No ``from __future__ import annotations``: Gluon aggregates check their fields a
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
 from .query_tiles import Shared
-from .tma import load_tile
 
 MASK_BLOCK = 128  # the mask's blocks, both ways: one query tile, one key tile
 _MASK_BLOCK = gl.constexpr(MASK_BLOCK)  # as the kernels read it
@@ -86,25 +84,6 @@ def listed_walk(p: Shared, n_blocks) -> Shared:
         p.q_desc, p.k_desc, p.v_desc, p.rings, p.q_slot, p.q_phase, p.ring0, p.q_row, p.k_row0, p.v_row0,
         p.q_head, p.k_head, n_blocks * 0, n_blocks, p.tensor_dim,
     )  # fmt: skip
-
-
-@gluon.jit
-def load_listed_tiles(p: Shared, BLOCK_N: gl.constexpr, blocks):
-    """The loader's walk over the p.n_tiles key tiles listed at ``blocks`` into the K and V rings,
-    in the list's order (``query_tiles.load_key_tiles`` for a list)."""
-    tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
-    for i in range(0, p.n_tiles):
-        j = p.ring0 + i
-        s = j % 2
-        n0 = gl.load(blocks + i) * BLOCK_N
-        mbarrier.wait(p.rings.k_empty.index(s), ((j // 2) & 1) ^ 1)
-        bar = p.rings.k_ready.index(s)
-        mbarrier.expect(bar, tile_bytes)
-        load_tile(p.k_desc, p.k_row0 + n0, p.k_head, bar, p.rings.k_smem.index(s))
-        mbarrier.wait(p.rings.v_empty.index(s), ((j // 2) & 1) ^ 1)
-        bar = p.rings.v_ready.index(s)
-        mbarrier.expect(bar, tile_bytes)
-        load_tile(p.v_desc, p.v_row0 + n0, p.k_head, bar, p.rings.v_smem.index(s))
 
 
 @gluon.jit

@@ -66,7 +66,6 @@ from .block_lists import (
     block_list,
     block_lists,
     listed_walk,
-    load_listed_tiles,
 )
 from .dispatch import run_head_dim
 from .infini_retrieval import allocate_memory_barriers, load_memory, retrieve_rows
@@ -173,7 +172,7 @@ def _load_partition(
             load_memory(m_desc, Z, b * (qt.n_h // GROUP) + p.k_head, m_bar, m_smem, z_smem, k)
             load_key_tiles(p, BLOCK_N, ahead, p.n_tiles)
         elif SPARSE:
-            load_listed_tiles(p, BLOCK_N, blocks)
+            load_key_tiles(p, BLOCK_N, 0, p.n_tiles, blocks, True)
         else:
             load_key_tiles(p, BLOCK_N, 0, p.n_tiles)
         k += 1

@@ -260,14 +260,18 @@ class Shared:
 
 
 @gluon.jit
-def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr, first, end):
+def load_key_tiles(p: Shared, BLOCK_N: gl.constexpr, first, end, blocks=0, LISTED: gl.constexpr = False):
     """The loader's walk over steps [first, end) of the tile's key tiles (all: 0, p.n_tiles),
-    the last tile first, into the K and V rings (here and in dq.py)."""
+    the last tile first, into the K and V rings (here and in dq.py); LISTED: the tiles listed at
+    ``blocks``, in the list's order (a block mask's, block_lists.py)."""
     tile_bytes: gl.constexpr = p.k_desc.block_type.nbytes
     for i in range(first, end):
         j = p.ring0 + i
         s = j % 2
-        n0 = (p.t_last - i) * BLOCK_N  # last key tile first
+        if LISTED:
+            n0 = gl.load(blocks + i) * BLOCK_N
+        else:
+            n0 = (p.t_last - i) * BLOCK_N  # last key tile first
         # mbarriers start in phase 1 complete: the first wait on each empty slot passes.
         mbarrier.wait(p.rings.k_empty.index(s), ((j // 2) & 1) ^ 1)
         bar = p.rings.k_ready.index(s)
