@@ -71,7 +71,10 @@ def test_global_block_ids_refuse_blocks_shards_cannot_recover():
     assert ids.tolist() == [[-1, 0, -1, -1, -1, -1, 1, -1]]
 
 
-VOCAB, TOKENS = 64, 512  # zigzag on 2 ranks: halves of 128 tokens, whole mask blocks
+VOCAB = 64
+# Gemma-3 runs zigzag on 2 ranks (chunks of 128 tokens, whole mask blocks: 512 in all), PaliGemma
+# Ulysses (contiguous halves of 128: 256), the interpreter's time in mind.
+TOKENS = {"gemma3": 512, "paligemma": 256}
 
 
 def _multimodal(family: str, attn_implementation: str) -> torch.nn.Module:
@@ -102,15 +105,15 @@ def _multimodal(family: str, attn_implementation: str) -> torch.nn.Module:
 def _batch(family: str) -> dict[str, torch.Tensor]:
     """Two sequences: Gemma-3, images of 150 tokens across the shards' edges (sequence 0: 100..249,
     over position 128; sequence 1: 200..349 and 380..511, over 256 and 384) and of 3 tokens
-    (inside one mask block); PaliGemma, prefixes of 300 and 60 tokens."""
+    (inside one mask block); PaliGemma, prefixes of 200 (over the halves' edge) and 60 tokens."""
     g = torch.Generator().manual_seed(8)
-    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=g)
+    ids = torch.randint(0, VOCAB, (2, TOKENS[family]), generator=g)
     if family == "gemma3":
-        types = torch.zeros(2, TOKENS, dtype=torch.long)
+        types = torch.zeros_like(ids)
         types[0, 100:250] = types[0, 20:23] = types[1, 200:350] = types[1, 380:] = 1
     else:
-        types = torch.ones(2, TOKENS, dtype=torch.long)
-        types[0, :300] = types[1, :60] = 0
+        types = torch.ones_like(ids)
+        types[0, :200] = types[1, :60] = 0
     return {"input_ids": ids, "token_type_ids": types}
 
 
@@ -132,9 +135,9 @@ def _sharded_step(family: str, sp_mode: str):
 
 @pytest.mark.parametrize(("family", "sp_mode"), [("gemma3", "auto"), ("paligemma", "ulysses")])
 def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family, sp_mode):
-    """Sequence parallel (2 ranks, zigzag): a training step of Gemma-3 with image blocks and of
-    PaliGemma with prefixes has eager attention's loss and gradients on one process; the blocks
-    matter (the same step without token types gives another loss)."""
+    """Sequence parallel (2 ranks): a training step of Gemma-3 with image blocks (zigzag) and of
+    PaliGemma with prefixes (Ulysses) has eager attention's loss and gradients on one process; the
+    blocks matter (the same step without token types gives another loss)."""
     results = rank_pool(2).run(_sharded_step, family, sp_mode, timeout=600)
     losses = []
     for types in (True, False):
@@ -165,7 +168,8 @@ def test_multimodal_blocks_one_device_step_equals_eager(device, family):
     made to its text model, which takes it as made) gives eager attention's loss and gradients."""
     import ringflash.integrations.hf as rf_hf
 
-    batch = {k: v[:1, :256].to(device) for k, v in _batch(family).items()}
+    row = 0 if family == "gemma3" else 1  # an image over a block's edge; a 60-token prefix
+    batch = {k: v[row : row + 1, :160].to(device) for k, v in _batch(family).items()}
     results = []
     for implementation in (rf_hf.enable(), "eager"):
         model = _multimodal(family, implementation).to(device)
