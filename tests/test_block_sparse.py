@@ -445,6 +445,30 @@ def test_varlen_mask_refusals(device):
         ringflash.flash_attn_varlen_func(q, k, v, cu, _cu([100, 100], device), 156, 156, block_mask=m)
 
 
+def test_hopper_forward_takes_the_masks_its_tiles_fit():
+    """The warp-specialized forward walks a mask's lists only where its key tiles are the mask's
+    blocks: 128-position blocks at the 64 and 128 builds (96 runs at 128); not 256-position
+    blocks, not the 256 build (64-key tiles), not a problem with a window (the Triton kernel and
+    the refusals upstream take those)."""
+    from ringflash.kernels import build_problem
+
+    try:  # a Triton whose Gluon lacks what the kernels use runs the Triton kernels (dispatch.py)
+        from ringflash.kernels.hopper.forward import sparse_supports
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"the Hopper kernels do not import with this Triton: {e}")
+
+    def problem(d, window=(-1, -1)):
+        t = torch.zeros(1, 256, 2, d, dtype=torch.float16)
+        return build_problem(t, t, t, None, False, window)
+
+    def mask(block):
+        return TileMask.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 256, 256, block_size=block)
+
+    assert [sparse_supports(problem(d), mask(128)) for d in (64, 96, 128, 256)] == [True, True, True, False]
+    assert not sparse_supports(problem(128), mask(256))
+    assert not sparse_supports(problem(128, (16, -1)), mask(128))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 64, 96])
 @pytest.mark.parametrize("scores", ["plain", "softcap_alibi"])
