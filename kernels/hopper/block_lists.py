@@ -6,8 +6,8 @@ blocks first, then its full ones (``kv_count``, ``kv_index``, ``kv_kind``). The 
 listed key tiles (``query_tiles.load_key_tiles`` with LISTED) into the same K/V rings as a dense
 walk; the compute warpgroups take the same steps, each partial block's scores masked by its bits
 (``bits_scores``), the full ones unmasked. Key tiles are mask blocks too (128 keys: the 64 and
-128 builds), and a block that the sequences' ends cut is always partial, so its bits hide what
-lies past the keys (TMA fills those rows with zeros).
+128 builds; ``forward.sparse_supports``), and a block that the sequences' ends cut is always
+partial, so its bits hide what lies past the keys (TMA fills those rows with zeros).
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
@@ -17,9 +17,6 @@ from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
 
 from .query_tiles import Shared
-
-MASK_BLOCK = 128  # the mask's blocks, both ways: one query tile, one key tile
-_MASK_BLOCK = gl.constexpr(MASK_BLOCK)  # as the kernels read it
 
 
 @aggregate
@@ -89,15 +86,16 @@ def listed_walk(p: Shared, n_blocks) -> Shared:
 @gluon.jit
 def bits_scores(s, bits, kind, w: gl.constexpr):
     """Warpgroup w's (64 rows of the block) scores with -inf where partial block ``kind``'s bits
-    hide the pair: word c // 32 of row r, bit c % 32 (``tile_mask.TileMask.bits``). Each score's
-    word is read from global memory (a block's 2 KiB, cached: four words per row)."""
+    hide the pair: word c // 32 of row r, bit c % 32 (``tile_mask.TileMask.bits``; the block is
+    the query tile, both halves, by the key tile). Each score's word is read from global memory
+    (a block's 2 KiB, cached: four words per row)."""
     HALF_M: gl.constexpr = s.shape[0]
     BLOCK_N: gl.constexpr = s.shape[1]
-    WORDS: gl.constexpr = _MASK_BLOCK // 32
+    WORDS: gl.constexpr = BLOCK_N // 32
     layout: gl.constexpr = s.type.layout
     rows = w * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    base = bits + kind.to(gl.int64) * (_MASK_BLOCK * WORDS)
+    base = bits + kind.to(gl.int64) * (2 * HALF_M * WORDS)
     words = gl.load(base + rows[:, None] * WORDS + (cols // 32)[None, :])
     keep = ((words >> (cols % 32)[None, :]) & 1) != 0
     return gl.where(keep, s, -float("inf"))

@@ -60,7 +60,6 @@ from ..launcher import bound_launch, launch_or_bind
 from ..launcher import launch as launch_kernel
 from ..problem import AttentionProblem
 from .block_lists import (
-    MASK_BLOCK,
     BlockLists,
     bits_scores,
     block_list,
@@ -70,6 +69,7 @@ from .block_lists import (
 from .dispatch import run_head_dim
 from .infini_retrieval import allocate_memory_barriers, load_memory, retrieve_rows
 from .infini_updates import matrix_descriptor
+from .query_tiles import BLOCK_M as QUERY_ROWS
 from .query_tiles import (
     COMPUTE_REGS,
     HEAD_DIMS,
@@ -535,13 +535,12 @@ def fused_forward(
 
 
 def sparse_supports(problem: AttentionProblem, mask) -> bool:
-    """Whether this kernel runs block-sparse ``problem`` under ``mask`` (a TileMask): a build
-    whose key tiles are the mask's blocks (128 keys: head_dim 64 and 128, and those between),
-    blocks of 128 x 128, dense sequences and no window (the mask holds it)."""
+    """Whether this kernel runs block-sparse ``problem`` under ``mask`` (a TileMask): its blocks
+    are the build's query and key tiles (128 x 128: head_dim 64 and 128, and those between; not
+    the 256 build's 64-key tiles), dense sequences and no window (the mask holds it)."""
     build = run_head_dim(problem.head_dim, HEAD_DIMS)
     return (
-        build is not None and BLOCK_N[build] == MASK_BLOCK
-        and (mask.block_q, mask.block_k) == (MASK_BLOCK, MASK_BLOCK)
+        build is not None and (mask.block_q, mask.block_k) == (QUERY_ROWS, BLOCK_N[build])
         and not problem.varlen and problem.bounds.left is None and problem.bounds.right is None
     )  # fmt: skip
 
