@@ -185,6 +185,38 @@ def test_multimodal_blocks_one_device_step_equals_eager(device, family):
         assert ((ours_grads[n] - g).norm() / g.norm()).item() < 1e-4, n
 
 
+def _positions_pattern_on_zigzag():
+    """A pattern of positions alone, as transformers composes it for a zigzag shard (its positions
+    jump, so it remaps them and keeps the two chunks apart), through the registered mask function;
+    returns the decoded whole-sequence mask."""
+    import transformers.masking_utils as mu
+    from test_block_masks import decoded
+
+    import ringflash.integrations.hf as rf_hf
+    from ringflash.layouts import layout_indices
+
+    group = sequence_parallel_groups(torch.distributed.get_world_size()).sp_group
+    rank, world, total = torch.distributed.get_rank(), torch.distributed.get_world_size(), 512
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[rf_hf.enable(group=group)]
+    positions = layout_indices("zigzag", rank, world, total)[None]
+    pattern = mu.or_masks(mu.causal_mask_function, mu.sliding_window_bidirectional_overlay(4))
+    fn = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(pattern, positions),
+        mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(positions)),
+    )
+    tiles = mask(batch_size=1, q_length=total // world, kv_length=total // world, mask_function=fn)
+    return decoded(tiles)[0, 0]
+
+
+def test_positions_pattern_over_the_whole_sequence(rank_pool):
+    """Over zigzag shards a pattern of positions alone (causal or within 4 positions both ways)
+    becomes the whole sequence's mask: the parts transformers adds where a shard's positions jump
+    are left out, not evaluated on the shard's own tensors."""
+    q, kv = torch.arange(512)[:, None], torch.arange(512)[None, :]
+    for rank, got in enumerate(rank_pool(2).run(_positions_pattern_on_zigzag)):
+        assert torch.equal(got, (kv <= q) | ((q - kv).abs() <= 4)), rank
+
+
 def _refused_patterns():
     """Every rank raises, none waits: a model's own pattern part beside an overlay, padding on
     one rank only, block ids that are not runs on one rank only."""

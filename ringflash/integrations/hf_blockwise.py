@@ -76,9 +76,12 @@ def block_ids_in(mask_function: Callable) -> list[torch.Tensor]:
     return found
 
 
-def _walk(fn: object, overlay: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Callable | None, list[str]]:
-    """(``fn`` rebuilt with each blockwise overlay's ids replaced by ``overlay(ids)``, the names
-    of the parts that cannot be rebuilt)."""
+def _walk(
+    fn: object, overlay: Callable[[torch.Tensor], torch.Tensor] | None
+) -> tuple[Callable | None, list[str]]:
+    """(``fn`` rebuilt over the whole sequence, each blockwise overlay's ids replaced by
+    ``overlay(ids)`` (None: ``fn`` has no overlay), the names of the parts that cannot be
+    rebuilt)."""
     from transformers import masking_utils
 
     name = _name(fn)
@@ -110,8 +113,9 @@ def global_block_ids(parts: Sequence[torch.Tensor], positions: Sequence[torch.Te
     total = sum(len(p) for p in positions)
     ids = torch.full((batch, total), -1, dtype=torch.int64, device=parts[0].device)
     for rank, (part, where) in enumerate(zip(parts, positions)):
-        _check_runs(part, where.to(part.device), rank)
-        ids[:, where.to(part.device)] = part.to(torch.int64)
+        where = where.to(part.device)
+        _check_runs(part, where, rank)
+        ids[:, where] = part.to(torch.int64)
     inside = ids >= 0
     starts = inside & ~torch.nn.functional.pad(inside, (1, 0))[:, :-1]
     return torch.where(inside, starts.cumsum(1) - 1, -1)
@@ -182,8 +186,8 @@ def sharded_pattern_mask(
     total = local_tokens * world
     u = world if ulysses_size is None else ulysses_size
     where = [layout_indices(layout, r, world, total, u) for r in range(world)]
-    if ids is None:  # positions only: valid over the whole sequence as it is, the same for every row
-        return TileMask.from_mask_mod(mask_function, 1, 1, total, total, device=device)
+    if ids is None:  # positions only (less the shard's packed-sequence parts): the same every row
+        return TileMask.from_mask_mod(_walk(mask_function, None)[0], 1, 1, total, total, device=device)
     gathered = comm.all_gather(ids)  # (overlays, batch, local tokens) per rank
     whole = [global_block_ids([g[i] for g in gathered], where) for i in range(ids.shape[0])]
     rebuilt = _walk(mask_function, lambda _: whole.pop(0))[0]
