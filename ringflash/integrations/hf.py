@@ -310,6 +310,12 @@ def chunk_block_mask(size: int, tokens: int, device: torch.device) -> TileMask:
     return mask
 
 
+def _check_pad_free(attention_mask: torch.Tensor | None, kv_length: int, hint: str) -> None:
+    """ValueError naming ``hint`` where a 2D ``attention_mask``'s last ``kv_length`` keys hold padding."""
+    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
+        raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+
+
 @torch.compiler.disable(reason=_PATTERN_REASON)
 def _pattern_block_mask(
     mask_function: object, batch_size: int, q_length: int | None, q_offset: object, kv_length: int,
@@ -318,8 +324,7 @@ def _pattern_block_mask(
 ) -> TileMask:  # fmt: skip
     """``pattern_tile_mask`` of these arguments, built eagerly, for a pad-free ``attention_mask``
     (ValueError naming ``hint`` otherwise)."""
-    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
-        raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+    _check_pad_free(attention_mask, kv_length, hint)
     return pattern_tile_mask(
         mask_function, batch_size, q_length, q_offset, kv_length, kv_offset, cache_position, device
     )
@@ -344,8 +349,7 @@ def _sharded_pattern_block_mask(
                 f"position 0 (training, no cache); got {queries} queries from {start} over {kv_length} keys "
                 f"from {int(kv_offset)}"
             )
-        if attention_mask is not None and not bool(attention_mask[:, -kv_length:].bool().all()):
-            raise ValueError(f"attention_mask with padding (zeros) is not supported: {hint}")
+        _check_pad_free(attention_mask, kv_length, hint)
     except ValueError as e:
         error = e
     return sharded_pattern_mask(
