@@ -448,10 +448,11 @@ def attention_gradients(
     return attention_backward(dout, q, k, v, lse, delta, problem)
 
 
-def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate):
+def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate, **mask):
     """attention_backward on the fused kernel: dQ goes through a float32 buffer that the kernel
     adds into (the caller's own when it is one); at the 256 build the fused kernel computes dK/dV
-    and the dQ kernel (hopper/dq.py) writes dq directly."""
+    and the dQ kernel (hopper/dq.py) writes dq directly. ``mask``: a block mask's ``mask_lists``
+    and ``mask_q`` for ``fused_backward`` (block_sparse.py; not the 256 build)."""
     module = hopper_module("backward")
     tma_ok = hopper_module("tma").tma_layout_ok
     if not tma_ok(dout):
@@ -468,7 +469,7 @@ def _fused_attention_backward(dout, q, k, v, lse, delta, problem, dq, dk, dv, ac
     dq32 = dq if direct else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     if direct and not accumulate:
         dq32.zero_()
-    module.fused_backward(dout, q, k, v, lse, delta, problem, dq32, dk, dv, accumulate)
+    module.fused_backward(dout, q, k, v, lse, delta, problem, dq32, dk, dv, accumulate, **mask)
     if not direct:
         dq.add_(dq32) if accumulate else dq.copy_(dq32)
     return dq, dk, dv

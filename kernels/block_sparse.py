@@ -14,8 +14,10 @@ Softcap, ALiBi (flash-attn's bottom-right distances, as ``flash_attn_func``) and
 of the other kernels; the mask replaces causal/window bounds and packed documents. On Hopper
 the forward of 128-position blocks at head_dim up to 128 runs the warp-specialized kernel
 (hopper/forward.py, walking the lists as hopper/block_lists.py says), where
-``uses_fused_forward`` allows it (``RINGFLASH_FUSED_FORWARD=0`` keeps these kernels); the
-backward runs these Triton kernels everywhere.
+``uses_fused_forward`` allows it (``RINGFLASH_FUSED_FORWARD=0`` keeps these kernels); so does
+the backward of 128-key blocks, dQ and dK/dV in one launch (hopper/backward.py, SPARSE), where
+``uses_fused_backward`` allows it (not under deterministic algorithms, nor with
+``RINGFLASH_FUSED_BACKWARD=0``) and the caller wants both.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import _dkdv_tiles, _dq_tiles, _store_grad, attention_delta, gradient_buffers
+from .backward import (
+    _dkdv_tiles,
+    _dq_tiles,
+    _fused_attention_backward,
+    _store_grad,
+    attention_delta,
+    gradient_buffers,
+)
 from .configs import block_d, sparse_dq_config, sparse_forward_config, sparse_kv_config
 from .forward import _fwd_tiles, dot_precision
-from .hopper.dispatch import hopper_module, uses_fused_forward
+from .hopper.dispatch import hopper_module, uses_fused_backward, uses_fused_forward
 from .launcher import launch
 from .problem import AttentionProblem, wide_offsets
 from .scores import alibi_slope_log2, alibi_tensor, score_constexprs, score_scales
@@ -329,6 +338,13 @@ def sparse_gradients(
     buffers written (added to with ``accumulate``) or, missing, allocated like q/k/v; one of the
     two kernels alone with ``compute_dkdv``/``compute_dq`` (a ring step ships dK/dV early)."""
     dq, dk, dv = gradient_buffers(dout, q, k, v, dq, dk, dv, accumulate, compute_dkdv, compute_dq)
+    both = compute_dq and compute_dkdv and lse.stride(-1) == 1 and lse.stride() == delta.stride()
+    fused = hopper_module("backward") if both and uses_fused_backward(problem, q, k, v) else None
+    if fused is not None and fused.sparse_supports(problem, mask):
+        lists = _mask_args(mask, "q")
+        return _fused_attention_backward(
+            dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate, mask_lists=lists, mask_q=mask.block_q
+        )
     fp32, scales = q.dtype == torch.float32, score_scales(problem)
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),

@@ -203,7 +203,7 @@ def compile_fused_backward(
     causal: bool, group: int = 1, accumulate: bool = False, softcap: bool = False, alibi: bool = False,
     target: GPUTarget = HOPPER, *, head_dim: int = 128, left: bool = False, varlen: bool = False,
     tail: bool = False, ones: tuple[str, ...] = tuple(_UNIT_STRIDES), tensor_dim: int | None = None,
-    memory: bool = False, gram: bool = False,
+    memory: bool = False, gram: bool = False, sparse: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """Build hopper/backward.py's fused Gluon kernel for ``target`` as a bf16 launch makes it, with
     bf16 dK/dV (float32 with ``accumulate``, the ring's buffers), with or without a softcap and
@@ -213,7 +213,8 @@ def compile_fused_backward(
     arguments named in ``ones`` arrive as the constant 1 (a launch's specialization). With
     ``tensor_dim`` below head_dim: tensors of a head_dim between two builds, run at this one.
     ``memory``: the MEMORY epilogue (Infini-attention's memory updates' backward added), with
-    ``gram`` the delta rule's Gram terms."""
+    ``gram`` the delta rule's Gram terms. ``sparse``: the walk over a block mask's lists of
+    128-row query blocks (SPARSE, block_lists.py)."""
     import torch
 
     from .hopper import backward as hb
@@ -232,14 +233,15 @@ def compile_fused_backward(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, TENSOR_DIM=tensor_dim or head_dim,
         VARLEN=varlen, DIAGONAL=diagonal,
         MASKED=masked, HAS_LEFT=left, HAS_RIGHT=causal, SOFTCAP=softcap,
-        HAS_ALIBI=alibi, ACCUMULATE=accumulate, MEMORY=memory, GRAM=gram, num_warps=hb.NUM_WARPS,
-        **dict.fromkeys(ones, 1),
+        HAS_ALIBI=alibi, ACCUMULATE=accumulate, MEMORY=memory, GRAM=gram, SPARSE=sparse,
+        MASK_Q=128 if sparse else block_m, num_warps=hb.NUM_WARPS, **dict.fromkeys(ones, 1),
     )  # fmt: skip
     grads = "*fp32" if accumulate else "*bf16"
     cu = "*i32" if varlen else "*fp32"
+    lists = "*i32" if sparse else "*fp32"  # the mask's int32 lists, or the LSE as their stand-in
     pointers = {
         "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
-        "GDZ": "*fp32", "ZB": "*fp32",
+        "GDZ": "*fp32", "ZB": "*fp32", "COUNT": lists, "INDEX": lists, "KIND": lists, "BITS": lists,
     }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)

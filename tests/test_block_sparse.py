@@ -458,15 +458,24 @@ def test_hopper_forward_takes_the_masks_its_tiles_fit():
         pytest.skip(f"the Hopper kernels do not import with this Triton: {e}")
 
     def problem(d, window=(-1, -1)):
-        t = torch.zeros(1, 256, 2, d, dtype=torch.float16)
+        t = torch.zeros(1, 256, 2, d, dtype=torch.float16, device=DEVICE)
         return build_problem(t, t, t, None, False, window)
 
     def mask(block):
-        return TileMask.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 256, 256, block_size=block)
+        causal = lambda b, h, q, kv: kv <= q  # noqa: E731
+        return TileMask.from_mask_mod(causal, 1, 1, 256, 256, block_size=block, device=DEVICE)
 
     assert [sparse_supports(problem(d), mask(128)) for d in (64, 96, 128, 256)] == [True, True, True, False]
     assert not sparse_supports(problem(128), mask(256))
     assert not sparse_supports(problem(128, (16, -1)), mask(128))
+    # The backward's program is one 128-key tile; a query block is whole 64-row query tiles.
+    from ringflash.kernels.hopper.backward import sparse_supports as backward_supports
+
+    assert [backward_supports(problem(d), mask(128)) for d in (64, 96, 128, 256)] == [True, True, True, False]
+    assert backward_supports(problem(128), mask((256, 128)))
+    assert not backward_supports(problem(128), mask(256))
+    assert not backward_supports(problem(64), mask((128, 256)))
+    assert not backward_supports(problem(128, (16, -1)), mask(128))
 
 
 @pytest.mark.gpu
@@ -513,6 +522,60 @@ def test_gpu_hopper_forward_walks_the_lists(d, scores, monkeypatch):
     assert rel_err(out, triton_out) < 1e-2 and rel_err(lse, triton_lse) < 1e-4
     blind = ~dense_mask(striped, b, h, s, s).any(-1)  # (b, h, s)
     assert (out.transpose(1, 2).cpu()[blind] == 0).all() and torch.isneginf(lse.cpu()[blind]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64, 96])
+@pytest.mark.parametrize("hk", [4, 2])
+@pytest.mark.parametrize("scores", ["plain", "softcap_alibi"])
+def test_gpu_hopper_backward_walks_the_lists(d, hk, scores, monkeypatch):
+    """On an sm_90 GPU the block-sparse backward of 128-key blocks runs the warp-specialized
+    kernel (its SPARSE walk, counted): dq, dk, dv against float64 and against the Triton kernels
+    (``RINGFLASH_FUSED_BACKWARD=0``), bf16, head_dim 128, 64 and 96 (the 128 build), MHA and
+    GQA (each head's own list), masks per sequence and head with all three kinds of block, blind
+    rows and unseen keys, 1100 tokens (the ends inside blocks), a softcap with ALiBi; also
+    256-row query blocks (four query tiles per listed block) and fewer queries than keys with
+    sinks."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from ringflash.kernels.hopper import backward as hopper_backward
+
+    b, s, h = 2, 1100, 4
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, DEVICE, seed=12)
+    kw = {}
+    if scores == "softcap_alibi":
+        kw = dict(softcap=8.0, alibi_slopes=torch.rand(h, device=DEVICE) * 0.05)
+    launches = []
+    real = hopper_backward.fused_backward
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("mask_lists") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_backward, "fused_backward", counted)
+    expected = dense_mask(striped, b, h, s, s)
+    m = TileMask.from_mask_mod(striped, b, h, s, s, device=DEVICE)
+    assert _kinds(m) == {"partial", "full", "invisible"}
+    got = check(q, k, v, dout, m, expected, **kw)
+    assert launches == [True]
+    tall = TileMask.from_mask_mod(striped, b, h, s, s, block_size=(256, 128), device=DEVICE)
+    check(q, k, v, dout, tall, expected, **kw)
+    assert launches == [True, True]
+    monkeypatch.setenv("RINGFLASH_FUSED_BACKWARD", "0")
+    triton = _run(q, k, v, dout, m, **kw)
+    assert launches == [True, True]
+    for name, a, e in zip(("dq", "dk", "dv"), got[2], triton[2]):
+        assert rel_err(a, e) < 1e-2, name
+    monkeypatch.delenv("RINGFLASH_FUSED_BACKWARD")
+    sq = 700  # fewer queries than keys: the mask in indices, ALiBi bottom-right, sinks
+
+    def mod(b, h, q, kv):
+        return striped(b, h, q, kv) | (kv >= 1000)
+
+    sinks = torch.randn(h, device=DEVICE)
+    m = TileMask.from_mask_mod(mod, b, h, sq, s, device=DEVICE)
+    check(q[:, :sq], k, v, dout[:, :sq], m, dense_mask(mod, b, h, sq, s), sinks=sinks, **kw)
+    assert launches == [True, True, True]
 
 
 @pytest.mark.gpu

@@ -42,6 +42,13 @@ exact zeros (x + 0 = x) to rows this program does not own, and TMA clips rows pa
 end. Their LSE/delta rows are not read (masked cp.async), and dK/dV stores stop at the
 sequence's end. A key tile that no query sees stores dK = dV = 0 (or adds nothing).
 
+Block masks (SPARSE, ``sparse_supports``; block_lists.py): the key tile is one 128-key block of a
+``TileMask``, and each program walks, for each query head of its group, the query blocks in that
+key block's list (each MASK_Q // BLOCK_M query tiles) instead of a span: the partial ones first,
+P^T masked by their bits after the exp as MASKED masks it, then the full ones unmasked. The
+loader and the dQ writer read the same lists for their tiles' rows. Blocks cut by the sequences'
+ends are always partial, so rows past them get P = 0 as under MASKED.
+
 Tiles per head_dim (``TILES``): 64 query x 128 key rows at head_dim 128 and 64, as
 FlashAttention-3's sm90 backward at 128. At 64 it takes 128 x 128 with two MMA warpgroups that
 split the work differently; here, with eight compute warps sharing every product, 128 x 128
@@ -92,6 +99,7 @@ from ..launcher import bound_launch, launch, launch_or_bind
 from ..positions import MaskBounds
 from ..problem import AttentionProblem
 from ..tiling import packed_tile, tile_grid
+from .block_lists import BlockLists, bits_visible_t, block_list, block_lists, tile_bits
 from .dispatch import ALIBI_POSITION_LIMIT, POSITION_LIMIT, run_head_dim
 from .gluon_api import WGMMA_COPIES_A, async_copy, reinterpret, tma
 from .infini_updates import matrix_descriptor, updates_backward_dk, updates_backward_dv
@@ -290,8 +298,55 @@ def _await_dq(p: Shared, i, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _load_stage(
+    p: Shared, i, m0, g, lse_ptr, delta_ptr, stride_lh, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    MASKED: gl.constexpr,
+):  # fmt: skip
+    """Query rows m0.. of the group's query head g (Q, dO, their LSE and delta rows) into Q/dO
+    stage i % 2, once tile i - 2 has released it."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    tile_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes
+    s = i % 2
+    _await_stage(p, i, HEAD_DIM)
+    bar = p.qdo_ready.index(s)
+    # Loaded by the compute warps, these rows sat on their critical path (1-11% of the
+    # backward on an H200); staged here, they arrive with the tile. Each lane's async arrive
+    # adds itself to the barrier's count; issued before the expect, it keeps the phase open
+    # until its copies land.
+    offs = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+    rows = g * stride_lh + offs
+    if MASKED:  # rows past the sequence: not read (zero-filled; their P is masked to 0)
+        ok = offs < p.len_q
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows, mask=ok)
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows, mask=ok)
+    else:
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
+        async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
+    async_copy.mbarrier_arrive(bar)
+    mbarrier.expect(bar, tile_bytes)
+    load_tile(p.q_desc, p.q_row0 + m0, p.q_head + g, bar, p.q_smem.index(s))
+    load_tile(p.do_desc, p.do_row0 + m0, p.q_head + g, bar, p.do_smem.index(s))
+
+
+@gluon.jit
+def _head_list(bl: BlockLists, b, h, kb):
+    """(blocks listed, pointer to their numbers) for key block kb of sequence b, query head h."""
+    n_partial, n_blocks, blocks, kinds = block_list(bl, b, h, kb)
+    return n_blocks, blocks
+
+
+@gluon.jit
+def _listed_tile(blocks, t, TILES_PER_BLOCK: gl.constexpr):
+    """The query tile (in tiles from the sequence's first row) of step t of a listed walk."""
+    return gl.load(blocks + t // TILES_PER_BLOCK) * TILES_PER_BLOCK + t % TILES_PER_BLOCK
+
+
+@gluon.jit
 def _load_partition(
     p: Shared,
+    bl: BlockLists,
+    b,
+    kb,
     lse_ptr,
     delta_ptr,
     stride_lh,
@@ -299,52 +354,55 @@ def _load_partition(
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     MASKED: gl.constexpr,
+    SPARSE: gl.constexpr,
+    TILES_PER_BLOCK: gl.constexpr,
 ):
-    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(p.kv_bar, 2 * p.k_desc.block_type.nbytes)
     load_tile(p.k_desc, p.k_row, p.k_head, p.kv_bar, p.k_smem)
     load_tile(p.v_desc, p.v_row, p.k_head, p.kv_bar, p.v_smem)
-    tile_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes
-    for i in range(GROUP * p.n_tiles):
-        s = i % 2
-        _await_stage(p, i, HEAD_DIM)
-        bar = p.qdo_ready.index(s)
-        m0 = p.lo + (i % p.n_tiles) * BLOCK_M
-        g = i // p.n_tiles
-        # Loaded by the compute warps, these rows sat on their critical path (1-11% of the
-        # backward on an H200); staged here, they arrive with the tile. Each lane's async arrive
-        # adds itself to the barrier's count; issued before the expect, it keeps the phase open
-        # until its copies land.
-        offs = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
-        rows = g * stride_lh + offs
-        if MASKED:  # rows past the sequence: not read (their P is masked to 0)
-            ok = offs < p.len_q
-            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows, mask=ok)
-            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows, mask=ok)
-        else:
-            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s), lse_ptr + rows)
-            async_copy.async_copy_global_to_shared(p.rows_smem.index(2 * s + 1), delta_ptr + rows)
-        async_copy.mbarrier_arrive(bar)
-        mbarrier.expect(bar, tile_bytes)
-        load_tile(p.q_desc, p.q_row0 + m0, p.q_head + g, bar, p.q_smem.index(s))
-        load_tile(p.do_desc, p.do_row0 + m0, p.q_head + g, bar, p.do_smem.index(s))
+    if SPARSE:  # each query head's listed blocks, TILES_PER_BLOCK query tiles each
+        i = p.n_tiles * 0
+        for g in range(GROUP):
+            n_blocks, blocks = _head_list(bl, b, p.q_head + g, kb)
+            for t in range(TILES_PER_BLOCK * n_blocks):
+                m0 = _listed_tile(blocks, t, TILES_PER_BLOCK) * BLOCK_M
+                _load_stage(p, i + t, m0, g, lse_ptr, delta_ptr, stride_lh, BLOCK_M, HEAD_DIM, True)
+            i += TILES_PER_BLOCK * n_blocks
+    else:
+        for i in range(GROUP * p.n_tiles):
+            m0 = p.lo + (i % p.n_tiles) * BLOCK_M
+            _load_stage(p, i, m0, i // p.n_tiles, lse_ptr, delta_ptr, stride_lh, BLOCK_M, HEAD_DIM, MASKED)
+
+
+@gluon.jit
+def _add_dq(p: Shared, i, m0, g, HEAD_DIM: gl.constexpr):
+    """The writer: tile i's dQ (rows m0.. of query head g) added into the dQ buffer by TMA."""
+    j = i % 2
+    _await_dq(p, i, HEAD_DIM)
+    reduce_add_tile(p.dq_desc, p.dq_row0 + m0, p.q_head + g, p.dq_smem.index(j))
+    tma.store_wait(1)  # the previous tile's reduce has read its buffer
+    mbarrier.arrive(p.dq_empty.index(1 - j), count=1, pred=i > 0)
 
 
 @gluon.jit
 def _dq_partition(
-    p: Shared, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DKDV_ONLY: gl.constexpr
-):
+    p: Shared, bl: BlockLists, b, kb, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    DKDV_ONLY: gl.constexpr, SPARSE: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+):  # fmt: skip
     # Rows of a tile past the sequence get exact zeros (their dS is 0): harmless to the next
     # sequence's rows, and clipped past the tensor's end. Under DKDV_ONLY (dQ by dq.py's kernel)
     # this warp idles.
-    if not DKDV_ONLY:
+    if SPARSE:
+        i = p.n_tiles * 0
+        for g in range(GROUP):
+            n_blocks, blocks = _head_list(bl, b, p.q_head + g, kb)
+            for t in range(TILES_PER_BLOCK * n_blocks):
+                _add_dq(p, i + t, _listed_tile(blocks, t, TILES_PER_BLOCK) * BLOCK_M, g, HEAD_DIM)
+            i += TILES_PER_BLOCK * n_blocks
+        tma.store_wait(0)
+    elif not DKDV_ONLY:
         for i in range(GROUP * p.n_tiles):
-            j = i % 2
-            _await_dq(p, i, HEAD_DIM)
-            m0 = p.lo + (i % p.n_tiles) * BLOCK_M
-            reduce_add_tile(p.dq_desc, p.dq_row0 + m0, p.q_head + i // p.n_tiles, p.dq_smem.index(j))
-            tma.store_wait(1)  # the previous tile's reduce has read its buffer
-            mbarrier.arrive(p.dq_empty.index(1 - j), count=1, pred=i > 0)
+            _add_dq(p, i, p.lo + (i % p.n_tiles) * BLOCK_M, i // p.n_tiles, HEAD_DIM)
         tma.store_wait(0)
 
 
@@ -384,7 +442,7 @@ def _compute_tile(
     softmax_scale, alibi2, k_pos, a_layout: gl.constexpr, qcol_layout: gl.constexpr, BLOCK_M: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
+    HEAD_DIM: gl.constexpr, bits=0, BITS_MASKED: gl.constexpr = False,
 ):  # fmt: skip
     """Query tile t of the group's query head g (ring slot i of n_total): dV and dK added to
     dv/dk (dK left in flight), its dQ tile handed to the writer; under DKDV_ONLY no dQ, and dK
@@ -394,7 +452,8 @@ def _compute_tile(
     tanh_scale) (``score_scales``) and dS^T takes the factor 1 - tanh^2; under HAS_ALIBI the
     logits get ALiBi's bias (``_alibi_bias_t``). Under MASKED, P^T = 0 where a pair is not
     visible, set after the exp, so that the LSE of rows past a sequence (never loaded) cannot
-    reach it."""
+    reach it. Under BITS_MASKED (a block mask's partial block, block_lists.py) likewise where the
+    block's ``bits`` (``tile_bits``) hide the pair."""
     dtype: gl.constexpr = p.q_desc.dtype
     s = i % 2
     m0 = p.lo + t * BLOCK_M
@@ -432,6 +491,9 @@ def _compute_tile(
             pt = gl.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:  # on every tile: behind a runtime branch, ptxas serialized every wgmma
         pt = gl.where(_visible_t(mk, offs_n, offs_m, HAS_LEFT, HAS_RIGHT), pt, 0.0)
+    if BITS_MASKED:
+        words: gl.constexpr = offs_n.shape[0] // 32
+        pt = gl.where(bits_visible_t(bits, offs_n, offs_m - m0, words), pt, 0.0)
     if DIAGONAL and SOFTCAP:
         pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
     if SOFTCAP:
@@ -476,12 +538,12 @@ def _compute_tile(
 
 @gluon.jit
 def _compute_partition(
-    p: Shared, mk: Mask, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale,
+    p: Shared, mk: Mask, bl: BlockLists, b, kb, t_full_lo, t_full_hi, qk_scale, tanh_scale, softmax_scale,
     alibi_ptr,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     DIAGONAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT_N: gl.constexpr, DKDV_ONLY: gl.constexpr,
-    num_warps: gl.constexpr,
+    SPARSE: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     # Key rows split between the warpgroups, or (SPLIT_N: a key tile of one wgmma's 64 rows)
     # the columns: queries of S^T/dP^T, head_dim of dK/dV.
@@ -527,43 +589,74 @@ def _compute_partition(
     else:
         k_op = p.k_smem
         v_op = p.v_smem
-    n_total = GROUP * p.n_tiles
-    for g in range(GROUP):
-        base = g * p.n_tiles
-        if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
-            alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-        # Masked, unmasked middle, masked; at head_dim 256 (DKDV_ONLY) the three loops spilled
-        # 65-91 registers per tile where one masked loop spills none.
-        if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DKDV_ONLY):
-            for t in range(t_full_lo):
+    # A block mask's walk: each query head's listed blocks, the partial ones masked by their bits,
+    # then the full ones. Two loops per head even with GQA: built by Triton 3.8 they serialize
+    # every wgmma there (offline sm_90 builds), yet under Triton 3.6 on an H200 they ran 1.22x one
+    # loop that masks every tile by its bits if it is partial (docs/experiments.md §65).
+    if SPARSE:
+        base = p.n_tiles * 0
+        for g in range(GROUP):
+            if HAS_ALIBI:
+                alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
+            n_partial, n_blocks, blocks, kinds = block_list(bl, b, p.q_head + g, kb)
+            n_masked = TILES_PER_BLOCK * n_partial
+            for t in range(n_masked):
+                bits = tile_bits(bl, kinds, t, TILES_PER_BLOCK, BLOCK_M, BLOCK_N // 32)
                 dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
-                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
+                    p, k_op, v_op, mk, base + t, _listed_tile(blocks, t, TILES_PER_BLOCK), g, p.n_tiles,
+                    dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos,
+                    a_layout, qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI,
+                    SPLIT_N, DKDV_ONLY, HEAD_DIM, bits, True,
                 )  # fmt: skip
-            # dK retired between the loops: in flight from one loop into the next, ptxas
-            # serializes every wgmma at head_dim 128 (see above).
+            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))  # between loops, as below
+            for t in range(n_masked, TILES_PER_BLOCK * n_blocks):
+                dk, dv = _compute_tile(
+                    p, k_op, v_op, mk, base + t, _listed_tile(blocks, t, TILES_PER_BLOCK), g, p.n_tiles,
+                    dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos,
+                    a_layout, qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI,
+                    SPLIT_N, DKDV_ONLY, HEAD_DIM,
+                )  # fmt: skip
             dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
-            for t in range(t_full_lo, t_full_hi):
-                dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
-                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
-                )  # fmt: skip
-            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
-            for t in range(t_full_hi, p.n_tiles):
-                dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
-                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, False, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
-                )  # fmt: skip
-        else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
-            for t in range(p.n_tiles):
-                dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n, qk_scale,
-                    tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M, DIAGONAL,
-                    MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
-                )  # fmt: skip
+            base += TILES_PER_BLOCK * n_blocks
+    else:
+        n_total = GROUP * p.n_tiles
+        for g in range(GROUP):
+            base = g * p.n_tiles
+            if HAS_ALIBI:  # query head g's slope (slopes (batch, heads_q), contiguous)
+                alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
+            # Masked, unmasked middle, masked; at head_dim 256 (DKDV_ONLY) the three loops spilled
+            # 65-91 registers per tile where one masked loop spills none.
+            if MASKED and GROUP == 1 and not (SOFTCAP or HAS_ALIBI or DKDV_ONLY):
+                for t in range(t_full_lo):
+                    dk, dv = _compute_tile(
+                        p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n,
+                        qk_scale, tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M,
+                        False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
+                    )  # fmt: skip
+                # dK retired between the loops: in flight from one loop into the next, ptxas
+                # serializes every wgmma at head_dim 128 (see above).
+                dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+                for t in range(t_full_lo, t_full_hi):
+                    dk, dv = _compute_tile(
+                        p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n,
+                        qk_scale, tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M,
+                        False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
+                    )  # fmt: skip
+                dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
+                for t in range(t_full_hi, p.n_tiles):
+                    dk, dv = _compute_tile(
+                        p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n,
+                        qk_scale, tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M,
+                        False, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY, HEAD_DIM,
+                    )  # fmt: skip
+            else:  # with GQA, a softcap or ALiBi three loops serialized every wgmma: one, masked if MASKED
+                for t in range(p.n_tiles):
+                    dk, dv = _compute_tile(
+                        p, k_op, v_op, mk, base + t, t, g, n_total, dk, dv, st_zero, dq_zero, offs_n,
+                        qk_scale, tanh_scale, softmax_scale, alibi2, k_pos, a_layout, qcol_layout, BLOCK_M,
+                        DIAGONAL, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY,
+                        HEAD_DIM,
+                    )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
 
@@ -579,7 +672,8 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
 @gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, s_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, CU_Q,
-    CU_K, ALIBI, GDZ, ZB, seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows,
+    CU_K, ALIBI, GDZ, ZB, COUNT, INDEX, KIND, BITS, stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
+    seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows,
     k_batch_rows, v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     qk_scale, tanh_scale, softmax_scale, q_start0, q_stride, k_start0, k_stride, q_per_len, k_per_len,
@@ -587,7 +681,8 @@ def _fused_bwd_kernel(
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     TENSOR_DIM: gl.constexpr, VARLEN: gl.constexpr, DIAGONAL: gl.constexpr, MASKED: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    ACCUMULATE: gl.constexpr, MEMORY: gl.constexpr, GRAM: gl.constexpr, num_warps: gl.constexpr,
+    ACCUMULATE: gl.constexpr, MEMORY: gl.constexpr, GRAM: gl.constexpr, SPARSE: gl.constexpr,
+    MASK_Q: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One program per (key tile, KV head, sequence), or with ``packed_docs`` > 0 per (slot of the
     packed batch's key tiles, KV head) (``tiling.tile_grid``). Unless MASKED, every length is a
@@ -602,7 +697,11 @@ def _fused_bwd_kernel(
     b * kv_heads + kv head (``infini_updates.updates_backward_dv`` and ``_dk``); GRAM (the delta rule)
     with the Gram matrices' terms, from S = dA + dA^T (s_desc) and z before the segment (ZB);
     dK and dV of a whole key tile are then stored by TMA (dk_desc, dv_desc), else row by row from
-    shared memory; without MEMORY from registers."""
+    shared memory; without MEMORY from registers. SPARSE (block-sparse attention, not VARLEN,
+    not MASKED): key tile pid_n is key block pid_n of a block mask (block_lists.py: COUNT, INDEX,
+    KIND, BITS and the lists' strides, ``tile_mask.TileMask``'s per-key-block lists), whose
+    listed query blocks (MASK_Q rows: MASK_Q // BLOCK_M query tiles each) it walks for each query
+    head of the group, the partial ones masked by their bits; else they stand in, unread."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
@@ -625,6 +724,8 @@ def _fused_bwd_kernel(
         len_q = seqlen_q + q0
         k0 = q0
         len_k = seqlen_k + q0
+    bl = block_lists(COUNT, INDEX, KIND, BITS, stride_cb, stride_ch, stride_ib, stride_ih, stride_im)
+    TILES_PER_BLOCK: gl.constexpr = MASK_Q // BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -682,6 +783,13 @@ def _fused_bwd_kernel(
         none_full = (n0 + BLOCK_N > len_k) | (t_full_hi <= t_full_lo)
         t_full_lo = gl.where(none_full, n_tiles, t_full_lo)
         t_full_hi = gl.where(none_full, n_tiles, t_full_hi)
+    elif SPARSE:  # every head's listed tiles (n_tiles: all of them; the walks read the lists again)
+        lo = len_q * 0
+        n_tiles = lo
+        for g in range(GROUP):
+            n_tiles += TILES_PER_BLOCK * _head_list(bl, b, hk * GROUP + g, pid_n)[0]
+        t_full_lo = n_tiles
+        t_full_hi = n_tiles
     elif DIAGONAL:  # aligned square tiles: key tile n0 is seen from query row n0 on
         lo = n0
         n_tiles = (len_q - lo) // BLOCK_M
@@ -719,6 +827,9 @@ def _fused_bwd_kernel(
                 (
                     p,
                     mk,
+                    bl,
+                    b,
+                    pid_n,
                     t_full_lo,
                     t_full_hi,
                     qk_scale,
@@ -737,14 +848,17 @@ def _fused_bwd_kernel(
                     HAS_ALIBI,
                     SPLIT_N,
                     DKDV_ONLY,
+                    SPARSE,
+                    TILES_PER_BLOCK,
                     num_warps,
                 ),
             ),
             (
                 _load_partition,
-                (p, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED),
+                (p, bl, b, pid_n, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED,
+                 SPARSE, TILES_PER_BLOCK),
             ),
-            (_dq_partition, (p, GROUP, BLOCK_M, HEAD_DIM, DKDV_ONLY)),
+            (_dq_partition, (p, bl, b, pid_n, GROUP, BLOCK_M, HEAD_DIM, DKDV_ONLY, SPARSE, TILES_PER_BLOCK)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
@@ -784,8 +898,8 @@ def _fused_bwd_kernel(
             _store_rows_from_shared(DK, k_smem, key_row0, keys_left, hk64 * stride_dkh, stride_dks)
     else:
         _store_key_tile(DK, DV, dk, dv, key_row0, keys_left, b64, hk64, stride_dkb, stride_dks, stride_dkh,
-                        stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN, MASKED,
-                        ACCUMULATE)  # fmt: skip
+                        stride_dvb, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, TENSOR_DIM, VARLEN,
+                        MASKED or SPARSE, ACCUMULATE)  # fmt: skip
 
 
 @gluon.jit
@@ -847,6 +961,21 @@ def backward_supports(problem: AttentionProblem) -> bool:
     return max(abs(x) for x in extremes + bounds) < limit
 
 
+def sparse_supports(problem: AttentionProblem, mask) -> bool:
+    """Whether ``fused_backward`` runs block-sparse ``problem`` under ``mask`` (a TileMask) with
+    ``mask_lists``: each key block is the build's key tile and each query block whole query tiles
+    (128-key blocks at head_dim 64 and 128 and those between; not the 256 build's 64-key tiles,
+    whose dQ is another kernel's), dense sequences and no window (the mask holds it)."""
+    build = run_head_dim(problem.head_dim, TILES)
+    if build is None or build > 128:
+        return False
+    block_m, block_n = TILES[build]
+    return (
+        mask.block_k == block_n and mask.block_q % block_m == 0 and not problem.varlen
+        and problem.bounds.left is None and problem.bounds.right is None
+    )  # fmt: skip
+
+
 def computes_dq(problem: AttentionProblem) -> bool:
     """Whether ``fused_backward`` computes dQ for ``problem``: up to the 128 build; at 256 it
     computes dK/dV only and ``dq.fused_dq`` computes dQ."""
@@ -883,6 +1012,8 @@ def fused_backward(
     accumulate: bool,
     updates_grads: tuple[torch.Tensor, ...] | None = None,
     bind_key: tuple | None = None,
+    mask_lists: tuple | None = None,
+    mask_q: int = 128,
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
     where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel
@@ -905,9 +1036,15 @@ def fused_backward(
 
     ``bind_key``: the launch key to bind under instead of this function's own, for a caller
     whose key fixes every argument's layout and finds the binding itself
-    (``backward.attention_gradients``)."""
+    (``backward.attention_gradients``).
+
+    ``mask_lists`` (block-sparse attention, ``sparse_supports``): ((count, index, kind, bits),
+    their five strides) of a ``TileMask``'s per-key-block lists (``block_sparse._mask_args``)
+    whose query blocks are ``mask_q`` rows; its mask replaces the problem's (no window, dense
+    sequences). Launched without binding (the lists are the mask's, not the call's)."""
     key = bind_key
-    if key is None and updates_grads is None:  # the steady state: the launch a call of these layouts bound
+    # The steady state: the launch a call of these layouts bound.
+    if key is None and updates_grads is None and mask_lists is None:
         key = ("bound_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), dout.stride(),
                dout.dtype, None if dq is None else (dq.dtype, dq.stride()), dk.dtype, dk.stride(), dv.dtype,
                dv.stride(), lse.stride(), delta.stride(), accumulate)  # fmt: skip
@@ -941,9 +1078,12 @@ def fused_backward(
         q_rows = do_rows = dq_rows = k_rows = v_rows = dk_strides[0] = dv_strides[0] = 0
         lse_strides = [0, lse.stride(0)]
     b = problem.bounds
-    diagonal = _aligned_diagonal(problem, block_m, block_n)
+    sparse = mask_lists is not None
+    if sparse and (updates_grads is not None or varlen or not b.is_full or mask_q % block_m != 0):
+        raise ValueError("fused_backward's mask_lists take dense sequences, no window, whole query tiles")
+    diagonal = not sparse and _aligned_diagonal(problem, block_m, block_n)
     tails = problem.max_seqlen_q % block_m != 0 or problem.max_seqlen_k % block_n != 0
-    masked = not diagonal and (varlen or not b.is_full or tails)
+    masked = not (diagonal or sparse) and (varlen or not b.is_full or tails)
     cu_q = problem.cu_seqlens_q if varlen else lse  # never read unless varlen
     cu_k = problem.cu_seqlens_k if varlen else lse
     slopes = lse if problem.alibi_slopes is None else problem.alibi_slopes
@@ -974,7 +1114,8 @@ def fused_backward(
     )
     args = (
         qd, kd, vd, dod, dqd, gdm_desc, s_desc, dkd, dvd, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
-        z_before, problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
+        z_before, *((lse,) * 4 + (0,) * 5 if mask_lists is None else (*mask_lists[0], *mask_lists[1])),
+        problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
         v_rows, *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
     )  # fmt: skip
@@ -984,7 +1125,7 @@ def fused_backward(
         DIAGONAL=diagonal, MASKED=masked, HAS_LEFT=b.left is not None, HAS_RIGHT=b.right is not None,
         SOFTCAP=bool(problem.softcap), HAS_ALIBI=problem.alibi_slopes is not None, ACCUMULATE=accumulate,
         MEMORY=updates_grads is not None, GRAM=updates_grads is not None and len(updates_grads) == 4,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        SPARSE=sparse, MASK_Q=mask_q if sparse else block_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if key is None:
         launch(_fused_bwd_kernel, grid, *args, **kwargs)

@@ -99,3 +99,23 @@ def bits_scores(s, bits, kind, w: gl.constexpr):
     words = gl.load(base + rows[:, None] * WORDS + (cols // 32)[None, :])
     keep = ((words >> (cols % 32)[None, :]) & 1) != 0
     return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def tile_bits(
+    bl: BlockLists, kinds, t, TILES_PER_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, WORDS: gl.constexpr
+):
+    """The backward's walk (backward.py, SPARSE): the bit words of its tile t, query tile t %
+    TILES_PER_BLOCK of listed block t // TILES_PER_BLOCK (partial, its kind read at ``kinds``):
+    BLOCK_M rows of WORDS words from that row on."""
+    kind = gl.load(kinds + t // TILES_PER_BLOCK).to(gl.int64)
+    return bl.bits + kind * (TILES_PER_BLOCK * BLOCK_M * WORDS) + (t % TILES_PER_BLOCK) * (BLOCK_M * WORDS)
+
+
+@gluon.jit
+def bits_visible_t(bits, offs_n, offs_m, WORDS: gl.constexpr):
+    """[keys, queries] visibility of the backward's S^T tile from its bits (``tile_bits``): key
+    offs_n of the block, query offs_m of the tile, word offs_m * WORDS + offs_n // 32, bit
+    offs_n % 32 (``tile_mask.TileMask.bits``), each score's word read from global memory (cached)."""
+    words = gl.load(bits + offs_m[None, :] * WORDS + (offs_n // 32)[:, None])
+    return ((words >> (offs_n % 32)[:, None]) & 1) != 0
