@@ -1,5 +1,5 @@
-"""A block mask's lists as the Hopper forward walks them (forward.py, SPARSE): block-sparse
-attention (``tile_mask.TileMask``) on the warp-specialized kernel.
+"""A block mask's lists as the Hopper kernels walk them (forward.py and backward.py, SPARSE):
+block-sparse attention (``tile_mask.TileMask``) on the warp-specialized kernels.
 
 A query tile (128 rows) is one mask block; its list holds the key blocks it sees, its partial
 blocks first, then its full ones (``kv_count``, ``kv_index``, ``kv_kind``). The loader brings the
@@ -8,6 +8,11 @@ walk; the compute warpgroups take the same steps, each partial block's scores ma
 (``bits_scores``), the full ones unmasked. Key tiles are mask blocks too (128 keys: the 64 and
 128 builds; ``forward.sparse_supports``), and a block that the sequences' ends cut is always
 partial, so its bits hide what lies past the keys (TMA fills those rows with zeros).
+
+The backward's program is one key block (128 keys) and walks that block's list of query blocks
+(``q_count``/``q_index``/``q_kind``, the same ``BlockLists`` and ``block_list``), each block whole
+64-row query tiles; a partial block's bits, still [query row][key word], mask its S^T tiles
+(``tile_bits``, ``bits_visible_t``).
 
 No ``from __future__ import annotations``: Gluon aggregates check their fields against real types.
 """
@@ -21,9 +26,10 @@ from .query_tiles import Shared
 
 @aggregate
 class BlockLists:
-    """A mask's per-query-block lists in global memory: counts (partial, full) per block, the
-    blocks' numbers and kinds (a partial block's index into ``bits``), the bits (int32 words,
-    WORDS per row); strides of the (batch, head) dimensions, 0 where the mask is shared."""
+    """A mask's lists in global memory (per query block; per key block for the backward): counts
+    (partial, full) per block, the blocks' numbers and kinds (a partial block's index into
+    ``bits``), the bits (int32 words, WORDS per row); strides of the (batch, head) dimensions, 0
+    where the mask is shared."""
 
     count: gl.tensor
     index: gl.tensor
