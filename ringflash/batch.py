@@ -11,7 +11,7 @@ from .mesh import check_ulysses_size
 from .position_ids import position_restarts
 from .sharding import shard_sequence
 
-_PER_TOKEN = ("input_ids", "labels", "position_ids", "attention_mask", "token_type_ids")
+_PER_TOKEN = ("input_ids", "labels", "position_ids", "attention_mask", "token_type_ids", "inputs_embeds")
 
 
 def shard_batch(
@@ -26,11 +26,14 @@ def shard_batch(
 
     batch: ``input_ids`` (batch, seqlen) and optionally ``labels`` (batch, seqlen; default: the
     input ids), ``position_ids`` (default: 0..seqlen-1), ``attention_mask`` (only all-ones is
-    accepted: pad-free batches) and ``token_type_ids`` (batch, seqlen: Gemma-3's image tokens,
-    PaliGemma's prefix; not with packed documents). Any other entry raises ValueError: shard
-    other per-token tensors with ``shard_sequence`` (same layout), and pass what is not per token
-    (e.g. ``pixel_values``) to the model as it is. Labels are shifted *before* sharding, so the
-    target of the last token of one shard (the first token of the next) is not lost.
+    accepted: pad-free batches), ``token_type_ids`` (batch, seqlen: Gemma-3's image tokens,
+    PaliGemma's prefix) and ``inputs_embeds`` (batch, seqlen, hidden: the whole sequence's
+    embeddings, image features merged in, which a shard's model cannot merge itself; sharded
+    differentiably, so the vision tower's gradients flow through it), the last two not with
+    packed documents. Any other entry raises ValueError: shard other per-token tensors with
+    ``shard_sequence`` (same layout), and pass what is not per token to the model as it is.
+    Labels are shifted *before* sharding, so the target of the last token of one shard (the
+    first token of the next) is not lost.
 
     Packed sequences: where ``position_ids`` restart inside a row (e.g. transformers'
     DataCollatorWithFlattening), each run of increasing positions is a document. All documents
@@ -42,9 +45,9 @@ def shard_batch(
 
     Returns ``input_ids``, ``position_ids`` (rotary positions follow their tokens),
     ``target_ids`` (already shifted; ``ignore_index`` after each sequence's last token) and
-    ``token_type_ids`` if given, each
-    (batch, seqlen / W) in the layout ``sp_attn_func`` expects ((1, padded total / W) when
-    packed), plus ``cu_seqlens`` when packed. Pass ``target_ids`` to
+    ``token_type_ids`` and ``inputs_embeds`` if given, each (batch, seqlen / W)
+    (``inputs_embeds``: (batch, seqlen / W, hidden)) in the layout ``sp_attn_func`` expects ((1,
+    padded total / W) when packed), plus ``cu_seqlens`` when packed. Pass ``target_ids`` to
     ``sequence_parallel_cross_entropy``, not to a model that shifts labels itself.
     """
     if "input_ids" not in batch:
@@ -69,6 +72,13 @@ def shard_batch(
     types = batch.get("token_type_ids")
     if any(t.shape != ids.shape for t in (labels, positions) + (() if types is None else (types,))):
         raise ValueError("labels, position_ids and token_type_ids must have the shape of input_ids")
+    embeds = batch.get("inputs_embeds")
+    if embeds is not None and (embeds.dim() != 3 or embeds.shape[:2] != ids.shape):
+        raise ValueError(
+            f"inputs_embeds must be (batch, seqlen, hidden) with input_ids' (batch, seqlen) "
+            f"{tuple(ids.shape)}, got {tuple(embeds.shape)}"
+        )
+    per_token = {n: t for n, t in (("token_type_ids", types), ("inputs_embeds", embeds)) if t is not None}
 
     def shard(t: torch.Tensor, cu=None) -> torch.Tensor:
         return shard_sequence(t, group, 1, layout=layout, ulysses_size=ulysses_size, cu_seqlens=cu)
@@ -78,11 +88,11 @@ def shard_batch(
         targets = torch.full_like(labels, ignore_index)
         targets[:, :-1] = labels[:, 1:]
         shards = {"input_ids": shard(ids), "position_ids": shard(positions), "target_ids": shard(targets)}
-        return shards if types is None else shards | {"token_type_ids": shard(types)}
-    if types is not None:
+        return shards | {name: shard(t) for name, t in per_token.items()}
+    if per_token:
         raise ValueError(
-            "token_type_ids with packed documents (position_ids that restart) are not supported: the "
-            "sequence-parallel attention cannot apply image blocks or a prefix beside documents"
+            f"{' and '.join(per_token)} with packed documents (position_ids that restart) are not supported: "
+            "the sequence-parallel attention cannot apply image blocks or a prefix beside documents"
         )
     world = RingComm(group).world_size
     ulysses_size = check_ulysses_size(ulysses_size, world)

@@ -77,6 +77,9 @@ VOCAB = 64
 TOKENS = {"gemma3": 512, "paligemma": 256}
 
 
+IMAGE_TOKEN = VOCAB - 1  # Gemma-3's image token id, inside the tiny vocabulary
+
+
 def _multimodal(family: str, attn_implementation: str) -> torch.nn.Module:
     """A tiny Gemma-3 (a sliding layer of 100 keys, a full one) or PaliGemma (Gemma-1) model with
     a vision tower the tests leave unused: the token types alone make the blocks."""
@@ -92,14 +95,20 @@ def _multimodal(family: str, attn_implementation: str) -> torch.nn.Module:
         text = transformers.Gemma3TextConfig(
             sliding_window=100, layer_types=["sliding_attention", "full_attention"], **common
         )
-        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        config = transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN
+        )
         cls = transformers.Gemma3ForConditionalGeneration
     else:
         text = transformers.GemmaConfig(**common)
         config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, projection_dim=32)
         cls = transformers.PaliGemmaForConditionalGeneration
     torch.manual_seed(0)
-    return cls._from_config(config, attn_implementation=attn_implementation).float()
+    model = cls._from_config(config, attn_implementation=attn_implementation).float()
+    for name, p in model.named_parameters():
+        if name.endswith("mm_input_projection_weight"):  # zeros as made: no image would reach the text
+            torch.nn.init.normal_(p, std=0.2)
+    return model
 
 
 def _batch(family: str) -> dict[str, torch.Tensor]:
@@ -183,6 +192,69 @@ def test_multimodal_blocks_one_device_step_equals_eager(device, family):
     assert ours_grads.keys() == eager_grads.keys()
     for n, g in eager_grads.items():
         assert ((ours_grads[n] - g).norm() / g.norm()).item() < 1e-4, n
+
+
+def _image_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, token_type_ids, pixel_values): two sequences of 512 tokens, each with two images
+    of 4 tokens (16 x 16 pixels, pooled to 4 tokens), three of them across the zigzag shards'
+    edges (positions 126-129 over 128, 382-385 over 384)."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, IMAGE_TOKEN, (2, 512), generator=g)
+    types = torch.zeros_like(ids)
+    for row, starts in enumerate(((126, 300), (20, 382))):
+        for start in starts:
+            ids[row, start : start + 4] = IMAGE_TOKEN
+            types[row, start : start + 4] = 1
+    return ids, types, torch.randn(4, 3, 16, 16, generator=g)
+
+
+def _whole_sequence_embeds(model: torch.nn.Module, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """The README's recipe: the whole sequence's embeddings with the image features put in place of
+    the image tokens, as Gemma-3's forward merges them (a shard's model cannot: it counts images)."""
+    embeds = model.get_input_embeddings()(ids)
+    features = model.get_image_features(pixels)
+    features = getattr(features, "pooler_output", features)  # an output object in newer transformers
+    where = (ids == model.config.image_token_id)[..., None].expand_as(embeds)
+    return embeds.masked_scatter(where, features.to(embeds.dtype))
+
+
+def _image_sharded_step():
+    import ringflash.integrations.hf as rf_hf
+
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    model = _multimodal("gemma3", rf_hf.enable(group=groups.sp_group)).to(worker_device())
+    ids, types, pixels = (t.to(worker_device()) for t in _image_batch())
+    embeds = _whole_sequence_embeds(model, ids, pixels)  # on every rank, the whole sequence
+    batch = {"input_ids": ids, "token_type_ids": types, "inputs_embeds": embeds}
+    shard = shard_batch(batch, groups.sp_group)
+    inputs = {k: shard[k] for k in ("inputs_embeds", "position_ids", "token_type_ids")}
+    logits = model(**inputs, use_cache=False).logits
+    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
+    loss.backward()
+    reduce_gradients(model, groups)
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_images_sequence_parallel_through_whole_sequence_embeddings(rank_pool):
+    """Gemma-3 with real images sequence parallel (2 ranks, zigzag): the whole sequence's
+    embeddings with the image features merged in, sharded by ``shard_batch`` with the token types,
+    give a training step the loss and gradients (the vision tower's too) of the model given
+    input_ids and pixel_values on one process with eager attention."""
+    results = rank_pool(2).run(_image_sharded_step, timeout=600)
+    model = _multimodal("gemma3", "eager")
+    ids, types, pixels = _image_batch()
+    logits = model(input_ids=ids, pixel_values=pixels, token_type_ids=types, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith("model.vision_tower") for n in expected)
+    for rank, (sp_loss, grads) in enumerate(results):
+        assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
+        assert grads.keys() == expected.keys()
+        for n, g in expected.items():
+            # A key bias shifts every score of a query alike: its gradient is 0 up to rounding.
+            err = ((grads[n] - g).norm() / max(g.norm().item(), 1e-4)).item()
+            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
 def _positions_pattern_on_zigzag():

@@ -213,7 +213,11 @@ def test_shard_batch_packs_documents(rank_pool):
 
 def _shard_one():
     types = (torch.arange(16).view(1, 16) // 3) % 2
-    return shard_batch({"input_ids": torch.arange(16).view(1, 16), "token_type_ids": types}, layout="zigzag")
+    embeds = (torch.arange(16.0)[None, :, None] * torch.tensor([1.0, -1.0])).requires_grad_()
+    batch = {"input_ids": torch.arange(16).view(1, 16), "token_type_ids": types, "inputs_embeds": embeds}
+    shards = shard_batch(batch, layout="zigzag")
+    (shards["inputs_embeds"] * 2).sum().backward()  # the gradient reaches this rank's rows of the whole
+    return shards | {"inputs_embeds": shards["inputs_embeds"].detach(), "embeds_grad": embeds.grad[0, :, 0]}
 
 
 def test_shard_batch_shifts_labels_before_sharding(rank_pool):
@@ -225,6 +229,11 @@ def test_shard_batch_shifts_labels_before_sharding(rank_pool):
     # token types (Gemma-3's images, PaliGemma's prefix) follow their tokens
     assert shards[0]["token_type_ids"].tolist() == [[0, 0, 0, 1, 0, 0, 0, 1]]
     assert shards[1]["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 1, 1, 1]]
+    # so do whole-sequence embeddings (images merged in), differentiably
+    for rank, held in enumerate(([0, 1, 2, 3, 12, 13, 14, 15], list(range(4, 12)))):
+        assert shards[rank]["inputs_embeds"][0, :, 0].tolist() == held
+        assert shards[rank]["inputs_embeds"][0, :, 1].tolist() == [-t for t in held]
+        assert shards[rank]["embeds_grad"].tolist() == [2.0 if t in held else 0.0 for t in range(16)]
 
 
 def _bad_batches():
@@ -242,6 +251,11 @@ def _bad_batches():
             "packed_types": lambda: shard_batch(
                 {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]), "token_type_ids": ones}
             ),
+            "embeds_shape": lambda: shard_batch({"input_ids": ones, "inputs_embeds": torch.ones(1, 4, 3)}),
+            "packed_embeds": lambda: shard_batch(
+                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]),
+                 "inputs_embeds": torch.ones(1, 8, 3)}
+            ),  # fmt: skip
             "groups": lambda: sequence_parallel_groups(3),
         }
     )
@@ -256,4 +270,6 @@ def test_bad_batches_and_groups(rank_pool):
     assert "got also pixel_values" in errors["unknown"]  # never dropped silently
     assert "token_type_ids must have the shape of input_ids" in errors["types_shape"]
     assert "token_type_ids with packed documents" in errors["packed_types"]
+    assert "inputs_embeds must be (batch, seqlen, hidden)" in errors["embeds_shape"]
+    assert "inputs_embeds with packed documents" in errors["packed_embeds"]
     assert "sp_size must be a positive int dividing the world size 2" in errors["groups"]
