@@ -590,9 +590,9 @@ def _compute_partition(
         k_op = p.k_smem
         v_op = p.v_smem
     # A block mask's walk: each query head's listed blocks, the partial ones masked by their bits,
-    # then the full ones. Two loops per head even with GQA: built by Triton 3.8 they serialize
-    # every wgmma there (offline sm_90 builds), yet under Triton 3.6 on an H200 they ran 1.22x one
-    # loop that masks every tile by its bits if it is partial (docs/experiments.md §65).
+    # then the full ones. Two loops per head even with GQA, whose builds then serialize every
+    # wgmma (Triton 3.6 and 3.8, offline sm_90 builds): on an H200 they still ran 1.22x one loop
+    # that masks each tile by its bits if it is partial (docs/experiments.md §65).
     if SPARSE:
         base = p.n_tiles * 0
         for g in range(GROUP):
