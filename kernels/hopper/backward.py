@@ -1040,8 +1040,9 @@ def fused_backward(
 
     ``mask_lists`` (block-sparse attention, ``sparse_supports``): ((count, index, kind, bits),
     their five strides) of a ``TileMask``'s per-key-block lists (``block_sparse._mask_args``)
-    whose query blocks are ``mask_q`` rows; its mask replaces the problem's (no window, dense
-    sequences). Launched without binding (the lists are the mask's, not the call's)."""
+    whose query blocks are ``mask_q`` rows and key blocks the build's key tiles (the caller
+    checks ``sparse_supports``); its mask replaces the problem's (no window, dense sequences).
+    Launched without binding (the lists are the mask's, not the call's)."""
     key = bind_key
     # The steady state: the launch a call of these layouts bound.
     if key is None and updates_grads is None and mask_lists is None:
@@ -1079,8 +1080,11 @@ def fused_backward(
         lse_strides = [0, lse.stride(0)]
     b = problem.bounds
     sparse = mask_lists is not None
-    if sparse and (updates_grads is not None or varlen or not b.is_full or mask_q % block_m != 0):
-        raise ValueError("fused_backward's mask_lists take dense sequences, no window, whole query tiles")
+    whole_tiles = mask_q % block_m == 0 and computes_dq(problem)  # the 256 build's dQ: another kernel's
+    if sparse and (updates_grads is not None or varlen or not b.is_full or not whole_tiles):
+        raise ValueError(
+            "fused_backward's mask_lists take dense sequences, no window, whole query tiles, head_dim <= 128"
+        )
     diagonal = not sparse and _aligned_diagonal(problem, block_m, block_n)
     tails = problem.max_seqlen_q % block_m != 0 or problem.max_seqlen_k % block_n != 0
     masked = not (diagonal or sparse) and (varlen or not b.is_full or tails)
