@@ -478,6 +478,26 @@ def test_hopper_forward_takes_the_masks_its_tiles_fit():
     assert not backward_supports(problem(128, (16, -1)), mask(128))
 
 
+def _scores(scores: str, heads: int) -> dict:
+    """flash_attn_func's score keywords of a parametrization: none, or a softcap with ALiBi."""
+    if scores == "plain":
+        return {}
+    return dict(softcap=8.0, alibi_slopes=torch.rand(heads, device=DEVICE) * 0.05)
+
+
+def _count_walks(monkeypatch, module: object, launch: str) -> list[bool]:
+    """Whether each call of a Hopper kernel's launch (``module.launch``) walked a block mask's
+    lists (it got ``mask_lists``), in order, from now on."""
+    walks, real = [], getattr(module, launch)
+
+    def counted(*args, **kwargs):
+        walks.append(kwargs.get("mask_lists") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, launch, counted)
+    return walks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 64, 96])
 @pytest.mark.parametrize("scores", ["plain", "softcap_alibi"])
@@ -495,17 +515,8 @@ def test_gpu_hopper_forward_walks_the_lists(d, scores, monkeypatch):
     q, k, v, _ = _inputs(b, s, s, h, hk, d, torch.bfloat16, DEVICE, seed=11)
     m = TileMask.from_mask_mod(striped, b, h, s, s, device=DEVICE)
     assert _kinds(m) == {"partial", "full", "invisible"}
-    kw = {}
-    if scores == "softcap_alibi":
-        kw = dict(softcap=8.0, alibi_slopes=torch.rand(h, device=DEVICE) * 0.05)
-    launches = []
-    real = hopper_forward.fused_forward
-
-    def counted(*args, **kwargs):
-        launches.append(kwargs.get("mask_lists") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hopper_forward, "fused_forward", counted)
+    kw = _scores(scores, h)
+    launches = _count_walks(monkeypatch, hopper_forward, "fused_forward")
     with torch.no_grad():
         out, lse = ringflash.flash_attn_func(q, k, v, block_mask=m, return_lse=True, **kw)
         assert launches == [True]
@@ -542,17 +553,8 @@ def test_gpu_hopper_backward_walks_the_lists(d, hk, scores, monkeypatch):
 
     b, s, h = 2, 1100, 4
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, DEVICE, seed=12)
-    kw = {}
-    if scores == "softcap_alibi":
-        kw = dict(softcap=8.0, alibi_slopes=torch.rand(h, device=DEVICE) * 0.05)
-    launches = []
-    real = hopper_backward.fused_backward
-
-    def counted(*args, **kwargs):
-        launches.append(kwargs.get("mask_lists") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hopper_backward, "fused_backward", counted)
+    kw = _scores(scores, h)
+    launches = _count_walks(monkeypatch, hopper_backward, "fused_backward")
     expected = dense_mask(striped, b, h, s, s)
     m = TileMask.from_mask_mod(striped, b, h, s, s, device=DEVICE)
     assert _kinds(m) == {"partial", "full", "invisible"}

@@ -161,14 +161,20 @@ def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family
             loss.backward()
             eager = model
     assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
+    _assert_steps_equal(results, losses[0].item(), eager)
+
+
+def _assert_steps_equal(results: list, loss: float, model: torch.nn.Module) -> None:
+    """Every rank's (loss, gradients) of a sequence-parallel step against the one-process step's
+    ``loss`` and ``model``'s gradients (relative to max(norm, 1e-4): a key bias's gradient is 0
+    up to rounding, every score of a query shifting alike)."""
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for rank, (sp_loss, grads) in enumerate(results):
-        assert abs(sp_loss - losses[0].item()) < 1e-5 * losses[0].item(), (rank, sp_loss, losses[0].item())
-        expected = {n for n, p in eager.named_parameters() if p.grad is not None}
-        assert grads.keys() == expected
-        for n, p in eager.named_parameters():
-            if p.grad is not None:
-                err = ((grads[n] - p.grad).norm() / p.grad.norm()).item()
-                assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+        assert abs(sp_loss - loss) < 1e-5 * loss, (rank, sp_loss, loss)
+        assert grads.keys() == expected.keys()
+        for n, g in expected.items():
+            err = ((grads[n] - g).norm() / max(g.norm().item(), 1e-4)).item()
+            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "paligemma"])
@@ -246,15 +252,8 @@ def test_images_sequence_parallel_through_whole_sequence_embeddings(rank_pool):
     logits = model(input_ids=ids, pixel_values=pixels, token_type_ids=types, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
-    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert any(n.startswith("model.vision_tower") for n in expected)
-    for rank, (sp_loss, grads) in enumerate(results):
-        assert abs(sp_loss - loss.item()) < 1e-5 * loss.item(), (rank, sp_loss, loss.item())
-        assert grads.keys() == expected.keys()
-        for n, g in expected.items():
-            # A key bias shifts every score of a query alike: its gradient is 0 up to rounding.
-            err = ((grads[n] - g).norm() / max(g.norm().item(), 1e-4)).item()
-            assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
+    assert any(n.startswith("model.vision_tower") and p.grad is not None for n, p in model.named_parameters())
+    _assert_steps_equal(results, loss.item(), model)
 
 
 def _positions_pattern_on_zigzag():
