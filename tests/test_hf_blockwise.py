@@ -134,8 +134,13 @@ def _sharded_step(family: str, sp_mode: str):
     model = _multimodal(family, name).to(worker_device())
     batch = {k: v.to(worker_device()) for k, v in _batch(family).items()}
     shard = shard_batch(batch, groups.sp_group, ulysses_size=groups.sp_size if sp_mode == "ulysses" else 1)
-    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "token_type_ids")}
-    logits = model(**inputs, use_cache=False).logits
+    return _step_on_shard(model, shard, ("input_ids", "position_ids", "token_type_ids"), groups)
+
+
+def _step_on_shard(model: torch.nn.Module, shard: dict, names: tuple[str, ...], groups) -> tuple[float, dict]:
+    """A training step of ``model`` on this rank's ``shard`` (its entries ``names`` the model's
+    inputs): the group's loss and the gradients reduced over the group, on the CPU."""
+    logits = model(**{k: shard[k] for k in names}, use_cache=False).logits
     loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
     loss.backward()
     reduce_gradients(model, groups)
@@ -232,12 +237,7 @@ def _image_sharded_step():
     embeds = _whole_sequence_embeds(model, ids, pixels)  # on every rank, the whole sequence
     batch = {"input_ids": ids, "token_type_ids": types, "inputs_embeds": embeds}
     shard = shard_batch(batch, groups.sp_group)
-    inputs = {k: shard[k] for k in ("inputs_embeds", "position_ids", "token_type_ids")}
-    logits = model(**inputs, use_cache=False).logits
-    loss = sequence_parallel_cross_entropy(logits, shard["target_ids"], groups.sp_group)
-    loss.backward()
-    reduce_gradients(model, groups)
-    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return _step_on_shard(model, shard, ("inputs_embeds", "position_ids", "token_type_ids"), groups)
 
 
 def test_images_sequence_parallel_through_whole_sequence_embeddings(rank_pool):
