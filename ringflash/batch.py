@@ -59,6 +59,9 @@ def shard_batch(
             "other per-token tensors with shard_sequence (the same layout), and pass entries that are not "
             "per token (e.g. pixel_values) to the model as they are"
         )
+    for name, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(ids.shape)}")

@@ -252,6 +252,7 @@ def _bad_batches():
                 {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]), "token_type_ids": ones}
             ),
             "embeds_shape": lambda: shard_batch({"input_ids": ones, "inputs_embeds": torch.ones(1, 4, 3)}),
+            "embeds_type": lambda: shard_batch({"input_ids": ones, "inputs_embeds": [[0.0] * 8]}),
             "packed_embeds": lambda: shard_batch(
                 {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]),
                  "inputs_embeds": torch.ones(1, 8, 3)}
@@ -272,4 +273,5 @@ def test_bad_batches_and_groups(rank_pool):
     assert "token_type_ids with packed documents" in errors["packed_types"]
     assert "inputs_embeds must be (batch, seqlen, hidden)" in errors["embeds_shape"]
     assert "inputs_embeds with packed documents" in errors["packed_embeds"]
+    assert "batch['inputs_embeds'] must be a torch.Tensor, got list" in errors["embeds_type"]
     assert "sp_size must be a positive int dividing the world size 2" in errors["groups"]
