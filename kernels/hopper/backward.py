@@ -1080,8 +1080,9 @@ def fused_backward(
         lse_strides = [0, lse.stride(0)]
     b = problem.bounds
     sparse = mask_lists is not None
-    whole_tiles = mask_q % block_m == 0 and computes_dq(problem)  # the 256 build's dQ: another kernel's
-    if sparse and (updates_grads is not None or varlen or not b.is_full or not whole_tiles):
+    # Whole query tiles per block, and dQ from this kernel (the 256 build's is another kernel's).
+    walkable = mask_q % block_m == 0 and computes_dq(problem)
+    if sparse and (updates_grads is not None or varlen or not b.is_full or not walkable):
         raise ValueError(
             "fused_backward's mask_lists take dense sequences, no window, whole query tiles, head_dim <= 128"
         )
