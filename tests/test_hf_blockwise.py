@@ -169,16 +169,15 @@ def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family
     _assert_steps_equal(results, losses[0].item(), eager)
 
 
-def _assert_steps_equal(results: list, loss: float, model: torch.nn.Module) -> None:
+def _assert_steps_equal(results: list, loss: float, model: torch.nn.Module, floor: float = 0.0) -> None:
     """Every rank's (loss, gradients) of a sequence-parallel step against the one-process step's
-    ``loss`` and ``model``'s gradients (relative to max(norm, 1e-4): a key bias's gradient is 0
-    up to rounding, every score of a query shifting alike)."""
+    ``loss`` and ``model``'s gradients, relative to max(norm, ``floor``)."""
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for rank, (sp_loss, grads) in enumerate(results):
         assert abs(sp_loss - loss) < 1e-5 * loss, (rank, sp_loss, loss)
         assert grads.keys() == expected.keys()
         for n, g in expected.items():
-            err = ((grads[n] - g).norm() / max(g.norm().item(), 1e-4)).item()
+            err = ((grads[n] - g).norm() / max(g.norm().item(), floor)).item()
             assert err < 1e-4, f"rank {rank} {n}: rel err {err:.2e}"
 
 
@@ -252,7 +251,8 @@ def test_images_sequence_parallel_through_whole_sequence_embeddings(rank_pool):
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
     assert any(n.startswith("model.vision_tower") and p.grad is not None for n, p in model.named_parameters())
-    _assert_steps_equal(results, loss.item(), model)
+    # The vision tower's key bias: its gradient is 0 up to rounding (a query's scores shift alike).
+    _assert_steps_equal(results, loss.item(), model, floor=1e-4)
 
 
 def _positions_pattern_on_zigzag():
