@@ -329,10 +329,32 @@ def _load_stage(
 
 
 @gluon.jit
-def _head_list(bl: BlockLists, b, h, kb):
-    """(blocks listed, pointer to their numbers) for key block kb of sequence b, query head h."""
-    n_partial, n_blocks, blocks, kinds = block_list(bl, b, h, kb)
-    return n_blocks, blocks
+def _group_step(
+    bl: BlockLists, b, h0, kb, t, FULL: gl.constexpr, GROUP: gl.constexpr, TILES_PER_BLOCK: gl.constexpr
+):  # fmt: skip
+    """Step t of a program's walk over its group's partial blocks (query heads h0.. in turn, each
+    head's list for key block kb of sequence b), or under FULL over their full ones: (the head's
+    offset g in the group, the step's place in that head's list in query tiles, pointers to the
+    list's block numbers and kinds). Each step finds its head from the group's counts (GROUP
+    cached loads) instead of a loop per head: with GQA, loops per head made ptxas serialize
+    every wgmma."""
+    g = t * 0
+    local = t
+    seen = t * 0
+    for j in gl.static_range(GROUP):
+        n_partial, n_blocks, blocks, kinds = block_list(bl, b, h0 + j, kb)
+        if FULL:
+            n = TILES_PER_BLOCK * (n_blocks - n_partial)
+            skip = TILES_PER_BLOCK * n_partial
+        else:
+            n = TILES_PER_BLOCK * n_partial
+            skip = n * 0
+        here = (t >= seen) & (t < seen + n)
+        g = gl.where(here, j, g)
+        local = gl.where(here, t - seen + skip, local)
+        seen += n
+    n_partial, n_blocks, blocks, kinds = block_list(bl, b, h0 + g, kb)
+    return g, local, blocks, kinds
 
 
 @gluon.jit
@@ -347,6 +369,7 @@ def _load_partition(
     bl: BlockLists,
     b,
     kb,
+    n_masked,
     lse_ptr,
     delta_ptr,
     stride_lh,
@@ -360,14 +383,15 @@ def _load_partition(
     mbarrier.expect(p.kv_bar, 2 * p.k_desc.block_type.nbytes)
     load_tile(p.k_desc, p.k_row, p.k_head, p.kv_bar, p.k_smem)
     load_tile(p.v_desc, p.v_row, p.k_head, p.kv_bar, p.v_smem)
-    if SPARSE:  # each query head's listed blocks, TILES_PER_BLOCK query tiles each
-        i = p.n_tiles * 0
-        for g in range(GROUP):
-            n_blocks, blocks = _head_list(bl, b, p.q_head + g, kb)
-            for t in range(TILES_PER_BLOCK * n_blocks):
-                m0 = _listed_tile(blocks, t, TILES_PER_BLOCK) * BLOCK_M
-                _load_stage(p, i + t, m0, g, lse_ptr, delta_ptr, stride_lh, BLOCK_M, HEAD_DIM, True)
-            i += TILES_PER_BLOCK * n_blocks
+    if SPARSE:  # the group's partial blocks, then its full ones (_group_step), TILES_PER_BLOCK tiles each
+        for t in range(n_masked):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, False, GROUP, TILES_PER_BLOCK)
+            m0 = _listed_tile(blocks, local, TILES_PER_BLOCK) * BLOCK_M
+            _load_stage(p, t, m0, g, lse_ptr, delta_ptr, stride_lh, BLOCK_M, HEAD_DIM, True)
+        for t in range(p.n_tiles - n_masked):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, True, GROUP, TILES_PER_BLOCK)
+            m0 = _listed_tile(blocks, local, TILES_PER_BLOCK) * BLOCK_M
+            _load_stage(p, n_masked + t, m0, g, lse_ptr, delta_ptr, stride_lh, BLOCK_M, HEAD_DIM, True)
     else:
         for i in range(GROUP * p.n_tiles):
             m0 = p.lo + (i % p.n_tiles) * BLOCK_M
@@ -386,19 +410,19 @@ def _add_dq(p: Shared, i, m0, g, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _dq_partition(
-    p: Shared, bl: BlockLists, b, kb, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-    DKDV_ONLY: gl.constexpr, SPARSE: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+    p: Shared, bl: BlockLists, b, kb, n_masked, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr, DKDV_ONLY: gl.constexpr, SPARSE: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
 ):  # fmt: skip
     # Rows of a tile past the sequence get exact zeros (their dS is 0): harmless to the next
     # sequence's rows, and clipped past the tensor's end. Under DKDV_ONLY (dQ by dq.py's kernel)
     # this warp idles.
     if SPARSE:
-        i = p.n_tiles * 0
-        for g in range(GROUP):
-            n_blocks, blocks = _head_list(bl, b, p.q_head + g, kb)
-            for t in range(TILES_PER_BLOCK * n_blocks):
-                _add_dq(p, i + t, _listed_tile(blocks, t, TILES_PER_BLOCK) * BLOCK_M, g, HEAD_DIM)
-            i += TILES_PER_BLOCK * n_blocks
+        for t in range(n_masked):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, False, GROUP, TILES_PER_BLOCK)
+            _add_dq(p, t, _listed_tile(blocks, local, TILES_PER_BLOCK) * BLOCK_M, g, HEAD_DIM)
+        for t in range(p.n_tiles - n_masked):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, True, GROUP, TILES_PER_BLOCK)
+            _add_dq(p, n_masked + t, _listed_tile(blocks, local, TILES_PER_BLOCK) * BLOCK_M, g, HEAD_DIM)
         tma.store_wait(0)
     elif not DKDV_ONLY:
         for i in range(GROUP * p.n_tiles):
@@ -589,35 +613,33 @@ def _compute_partition(
     else:
         k_op = p.k_smem
         v_op = p.v_smem
-    # A block mask's walk: each query head's listed blocks, the partial ones masked by their bits,
-    # then the full ones. Two loops per head even with GQA, whose builds then serialize every
-    # wgmma (Triton 3.6 and 3.8, offline sm_90 builds): on an H200 they still ran 1.22x one loop
-    # that masks each tile by its bits if it is partial (docs/experiments.md §65).
-    if SPARSE:
-        base = p.n_tiles * 0
-        for g in range(GROUP):
+    # A block mask's walk: the group's partial blocks (each head's in turn), masked by their bits,
+    # then its full ones: two loops in all. A pair of loops per head serialized every wgmma of the
+    # GQA builds (Triton 3.6 and 3.8, offline sm_90 builds); one loop masking each tile if it is
+    # partial spilled 20-28 registers per tile and ran slower (docs/experiments.md §65).
+    if SPARSE:  # t_full_lo: the group's tiles of partial blocks (_group_step)
+        for t in range(t_full_lo):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, False, GROUP, TILES_PER_BLOCK)
             if HAS_ALIBI:
                 alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
-            n_partial, n_blocks, blocks, kinds = block_list(bl, b, p.q_head + g, kb)
-            n_masked = TILES_PER_BLOCK * n_partial
-            for t in range(n_masked):
-                bits = tile_bits(bl, kinds, t, TILES_PER_BLOCK, BLOCK_M, BLOCK_N // 32)
-                dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, _listed_tile(blocks, t, TILES_PER_BLOCK), g, p.n_tiles,
-                    dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos,
-                    a_layout, qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI,
-                    SPLIT_N, DKDV_ONLY, HEAD_DIM, bits, True,
-                )  # fmt: skip
-            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))  # between loops, as below
-            for t in range(n_masked, TILES_PER_BLOCK * n_blocks):
-                dk, dv = _compute_tile(
-                    p, k_op, v_op, mk, base + t, _listed_tile(blocks, t, TILES_PER_BLOCK), g, p.n_tiles,
-                    dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos,
-                    a_layout, qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI,
-                    SPLIT_N, DKDV_ONLY, HEAD_DIM,
-                )  # fmt: skip
-            dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))
-            base += TILES_PER_BLOCK * n_blocks
+            bits = tile_bits(bl, kinds, local, TILES_PER_BLOCK, BLOCK_M, BLOCK_N // 32)
+            dk, dv = _compute_tile(
+                p, k_op, v_op, mk, t, _listed_tile(blocks, local, TILES_PER_BLOCK), g, p.n_tiles, dk, dv,
+                st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos, a_layout,
+                qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI, SPLIT_N, DKDV_ONLY,
+                HEAD_DIM, bits, True,
+            )  # fmt: skip
+        dk = warpgroup_mma_init(warpgroup_mma_wait(0, deps=(dk,)))  # between loops, as below
+        for t in range(p.n_tiles - t_full_lo):
+            g, local, blocks, kinds = _group_step(bl, b, p.q_head, kb, t, True, GROUP, TILES_PER_BLOCK)
+            if HAS_ALIBI:
+                alibi2 = gl.load(alibi_ptr + g) * 1.4426950408889634
+            dk, dv = _compute_tile(
+                p, k_op, v_op, mk, t_full_lo + t, _listed_tile(blocks, local, TILES_PER_BLOCK), g, p.n_tiles,
+                dk, dv, st_zero, dq_zero, offs_n, qk_scale, tanh_scale, softmax_scale, alibi2, k_pos,
+                a_layout, qcol_layout, BLOCK_M, False, False, False, False, SOFTCAP, HAS_ALIBI, SPLIT_N,
+                DKDV_ONLY, HEAD_DIM,
+            )  # fmt: skip
     else:
         n_total = GROUP * p.n_tiles
         for g in range(GROUP):
@@ -786,9 +808,11 @@ def _fused_bwd_kernel(
     elif SPARSE:  # every head's listed tiles (n_tiles: all of them; the walks read the lists again)
         lo = len_q * 0
         n_tiles = lo
+        t_full_lo = lo  # here: the tiles of partial blocks, which the walks take first
         for g in range(GROUP):
-            n_tiles += TILES_PER_BLOCK * _head_list(bl, b, hk * GROUP + g, pid_n)[0]
-        t_full_lo = n_tiles
+            n_partial, n_blocks, blocks, kinds = block_list(bl, b, hk * GROUP + g, pid_n)
+            n_tiles += TILES_PER_BLOCK * n_blocks
+            t_full_lo += TILES_PER_BLOCK * n_partial
         t_full_hi = n_tiles
     elif DIAGONAL:  # aligned square tiles: key tile n0 is seen from query row n0 on
         lo = n0
@@ -855,10 +879,11 @@ def _fused_bwd_kernel(
             ),
             (
                 _load_partition,
-                (p, bl, b, pid_n, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M, HEAD_DIM, MASKED,
-                 SPARSE, TILES_PER_BLOCK),
+                (p, bl, b, pid_n, t_full_lo, LSE + lse_off, DELTA + lse_off, stride_lh, GROUP, BLOCK_M,
+                 HEAD_DIM, MASKED, SPARSE, TILES_PER_BLOCK),
             ),
-            (_dq_partition, (p, bl, b, pid_n, GROUP, BLOCK_M, HEAD_DIM, DKDV_ONLY, SPARSE, TILES_PER_BLOCK)),
+            (_dq_partition,
+             (p, bl, b, pid_n, t_full_lo, GROUP, BLOCK_M, HEAD_DIM, DKDV_ONLY, SPARSE, TILES_PER_BLOCK)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
