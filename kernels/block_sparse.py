@@ -339,8 +339,7 @@ def sparse_gradients(
     two kernels alone with ``compute_dkdv``/``compute_dq`` (a ring step ships dK/dV early)."""
     dq, dk, dv = gradient_buffers(dout, q, k, v, dq, dk, dv, accumulate, compute_dkdv, compute_dq)
     both = compute_dq and compute_dkdv and lse.stride(-1) == 1 and lse.stride() == delta.stride()
-    fused = hopper_module("backward") if both and uses_fused_backward(problem, q, k, v) else None
-    if fused is not None and fused.sparse_supports(problem, mask):
+    if both and uses_fused_sparse_backward(problem, mask, q, k, v):
         lists = _mask_args(mask, "q")
         return _fused_attention_backward(
             dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate, mask_lists=lists, mask_q=mask.block_q
@@ -377,6 +376,17 @@ def sparse_gradients(
             **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return dq, dk, dv
+
+
+def uses_fused_sparse_backward(
+    problem: AttentionProblem, mask: TileMask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether ``sparse_gradients`` computing dQ and dK/dV together (with an LSE of unit last
+    stride) runs them in one launch of the Hopper backward's listed walk: where
+    ``uses_fused_backward`` holds and that kernel takes the mask's blocks."""
+    if not uses_fused_backward(problem, q, k, v):
+        return False
+    return hopper_module("backward").sparse_supports(problem, mask)
 
 
 def _wide(problem: AttentionProblem, q, k, v, o) -> bool:

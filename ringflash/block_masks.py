@@ -20,8 +20,13 @@ import weakref
 
 import torch
 
-from .kernels import AttentionProblem, TileMask, attention_backward, attention_forward
-from .kernels.block_sparse import check_mask_fits, sparse_forward, sparse_gradients
+from .kernels import AttentionProblem, TileMask, attention_backward, attention_forward, uses_fused_backward
+from .kernels.block_sparse import (
+    check_mask_fits,
+    sparse_forward,
+    sparse_gradients,
+    uses_fused_sparse_backward,
+)
 from .kernels.tile_mask import as_tile_mask
 from .layouts import ChunkLayout, layout_indices
 
@@ -40,6 +45,12 @@ class MaskedCall:
             attention_forward(q, k, v, self.problem, out=out, lse=lse)
         else:
             sparse_forward(q, k, v, self.mask, self.problem, out=out, lse=lse)
+
+    def fused_backward(self, q, k, v) -> bool:
+        """Whether the call's backward, computing dQ and dK/dV together, runs one fused kernel."""
+        if self.mask is None:
+            return uses_fused_backward(self.problem, q, k, v)
+        return uses_fused_sparse_backward(self.problem, self.mask, q, k, v)
 
     def backward(self, dout, q, k, v, lse, delta, **buffers) -> None:
         """The call's gradients into the buffers (``attention_backward``'s keyword arguments)."""

@@ -31,7 +31,6 @@ from .kernels import (
     attention_delta,
     build_problem,
     check_sinks,
-    uses_fused_backward,
 )
 from .layouts import check_layout, cumulative_lengths, full_document_lengths, segments
 from .merge import apply_sinks, merge_unchecked
@@ -147,12 +146,9 @@ def _first_writes(calls: tuple[KernelCall, ...], n: int) -> tuple[bool, ...] | N
 
 def backward_is_fused(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether every kernel call of the plan computes dQ and dK/dV in one fused kernel
-    (``uses_fused_backward``); ``ring_backward`` then runs its fused schedule."""
-    return all(
-        c.mask is None and uses_fused_backward(c.problem, q[c.q_index], k[c.k_index], v[c.k_index])
-        for step in plan
-        for c in step
-    )
+    (``MaskedCall.fused_backward``: the Hopper backward, with a block mask its listed walk);
+    ``ring_backward`` then runs its fused schedule."""
+    return all(c.fused_backward(q[c.q_index], k[c.k_index], v[c.k_index]) for step in plan for c in step)
 
 
 def _key_rows(calls: tuple[KernelCall, ...]) -> list[slice]:

@@ -635,3 +635,15 @@ def test_ring_step_form_writes_views_and_accumulates(device):
     tol = 1e-2 if on_gpu else 1e-5
     for a, s0, grad in zip(acc, start, grads):
         torch.testing.assert_close(a - s0, grad.float(), atol=tol, rtol=tol)
+    # The ring's fused schedule: both at once, dQ into a float32 view, dK/dV into k's dtype (on an
+    # sm_90 GPU one launch of the Hopper backward's listed walk).
+    from ringflash.kernels.block_sparse import uses_fused_sparse_backward
+
+    fused = uses_fused_sparse_backward(problem, m, q, k, v)
+    assert fused == (on_gpu and torch.cuda.get_device_capability() == (9, 0))
+    dq_buf = start[0].repeat(1, 1, 2, 1)[:, :, 1:3]  # a view with a wider token stride
+    dq_start, scratch = dq_buf.clone(), [torch.zeros_like(k), torch.zeros_like(v)]
+    sparse_gradients(dout, q, k, v, lse, delta, m, problem, dq=dq_buf, dk=scratch[0], dv=scratch[1],
+                     accumulate=True)  # fmt: skip
+    for a, s0, grad in zip((dq_buf, *scratch), (dq_start, 0, 0), grads):
+        torch.testing.assert_close(a.float() - s0, grad.float(), atol=tol, rtol=tol)
