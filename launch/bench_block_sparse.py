@@ -4,13 +4,14 @@
     python launch/bench_block_sparse.py
     python launch/bench_block_sparse.py --tokens 65536 --workloads random10 llama4-8k
 
-bf16, --heads heads, --tokens tokens in one sequence. Each workload is a FlexAttention
-``mask_mod``; ``create_block_mask`` makes the BlockMask that both backends take (ringflash
-converts it once, outside the timing: ``TileMask.from_block_mask``). TFLOP/s count the visible
-pairs (forward 4·H·D·pairs, fwd+bwd 3.5×); cells read fwd / bwd / fwd+bwd. "of ideal": the dense
-Triton kernels' fwd+bwd time (every pair; the kernels block_mask runs) × the fraction of visible
-blocks, over ringflash's time (1.0: time follows the visible blocks exactly). Each workload first
-checks ringflash's output against FlexAttention's (rel. error < 2e-2, else FAIL).
+bf16, --heads query heads (--kv-heads key/value heads: GQA), --tokens tokens in one sequence. Each
+workload is a FlexAttention ``mask_mod``; ``create_block_mask`` makes the BlockMask that both
+backends take (ringflash converts it once, outside the timing: ``TileMask.from_block_mask``).
+TFLOP/s count the visible pairs (forward 4·H·D·pairs, fwd+bwd 3.5×); cells read fwd / bwd /
+fwd+bwd. "of ideal": the dense Triton kernels' fwd+bwd time (every pair; the kernels block_mask
+runs) × the fraction of visible blocks, over ringflash's time (1.0: time follows the visible
+blocks exactly). Each workload first checks ringflash's output against FlexAttention's (rel. error
+< 2e-2, else FAIL).
 """
 
 from __future__ import annotations
@@ -54,17 +55,21 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per workload (medians)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_block_sparse.py needs a CUDA GPU")
     s, h, d = args.tokens, args.heads, args.head_dim
+    hk = args.kv_heads or h
+    if h % hk:
+        sys.exit(f"--kv-heads {hk} must divide --heads {h}")
 
     def randn(shape):
         return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-    q, k, v = (randn((1, s, h, d)) for _ in range(3))
+    q, k, v = randn((1, s, h, d)), randn((1, s, hk, d)), randn((1, s, hk, d))
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     flex = _compiled_flex()
     # Every pair, by the default kernels (Gluon on Hopper) and by the Triton ones that block_mask runs.
@@ -72,9 +77,10 @@ def main() -> None:
     dense = measure_rounds({"ringflash": full, "ringflash-triton": full}, 4 * h * d * s * s, args.rounds)
     dense_ms = 3.5 * 4 * h * d * s * s / dense["ringflash-triton"]["fwd_bwd"] / 1e9
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.date.today()}, bf16, {h} heads, head_dim {d}, {s} tokens; TFLOP/s of visible pairs "
-          f"fwd / bwd / fwd+bwd; every pair: {dense['ringflash']['fwd_bwd']:.0f} (default kernels), "
-          f"{dense['ringflash-triton']['fwd_bwd']:.0f} (Triton kernels) TFLOP/s fwd+bwd")  # fmt: skip
+          f"{datetime.date.today()}, bf16, {h} heads ({hk} key/value), head_dim {d}, {s} tokens; TFLOP/s of "
+          f"visible pairs fwd / bwd / fwd+bwd; every pair: {dense['ringflash']['fwd_bwd']:.0f} (default "
+          f"kernels), {dense['ringflash-triton']['fwd_bwd']:.0f} (Triton kernels) "
+          "TFLOP/s fwd+bwd")  # fmt: skip
     print("| workload | visible blocks | ringflash | FlexAttention | ringflash / Flex (fwd+bwd) | of ideal "
           "| check |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
@@ -85,7 +91,7 @@ def main() -> None:
         tile_mask = TileMask.from_block_mask(block_mask)
         flops = 4 * h * d * tile_mask.visible_pairs()
         ours = lambda m=tile_mask: ringflash.flash_attn_func(q, k, v, block_mask=m)  # noqa: E731
-        theirs = lambda m=block_mask: flex(qt, kt, vt, block_mask=m)  # noqa: E731
+        theirs = lambda m=block_mask: flex(qt, kt, vt, block_mask=m, enable_gqa=hk != h)  # noqa: E731
         with torch.no_grad():
             got, ref = ours().float(), theirs().transpose(1, 2).float()
             err = ((got - ref).norm() / ref.norm()).item()
