@@ -168,7 +168,7 @@ def _sparse_dq_kernel(
 
 @triton.jit
 def _sparse_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, COUNT, INDEX, KIND, BITS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, COUNT, INDEX, KIND, BITS, ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
@@ -177,8 +177,18 @@ def _sparse_dkdv_kernel(
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
+    # The programs in launch order take the key tiles of the long lists' blocks first, each for
+    # every KV head, then each head's of the other blocks, in ORDER (TileMask.q_order); MASK_K //
+    # BLOCK_N tiles per block.
+    TILES: tl.constexpr = MASK_K // BLOCK_N
+    heads = tl.num_programs(1)
+    launched = tl.program_id(0) + tl.num_programs(0) * tl.program_id(1)
+    n_long = tl.load(ORDER + tl.num_programs(0) // TILES) * TILES
+    rest = launched - n_long * heads
+    n_rest = tl.maximum(tl.num_programs(0) - n_long, 1)
+    hk = tl.where(rest < 0, launched % heads, rest // n_rest)
+    tile = tl.where(rest < 0, launched // heads, n_long + rest % n_rest)
+    pid_n = tl.load(ORDER + tile // TILES) * TILES + tile % TILES
     b = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
@@ -342,8 +352,9 @@ def sparse_gradients(
     if both and uses_fused_sparse_backward(problem, mask, q, k, v):
         lists = _mask_args(mask, "q")
         return _fused_attention_backward(
-            dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate, mask_lists=lists, mask_q=mask.block_q
-        )
+            dout, q, k, v, lse, delta, problem, dq, dk, dv, accumulate, mask_lists=lists, mask_q=mask.block_q,
+            mask_order=mask.q_order,
+        )  # fmt: skip
     fp32, scales = q.dtype == torch.float32, score_scales(problem)
     common = dict(
         GROUP=problem.group, HEAD_DIM=problem.head_dim, BLOCK_D=block_d(problem.head_dim),
@@ -356,10 +367,12 @@ def sparse_gradients(
     if compute_dkdv:
         cfg = sparse_kv_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "q")
+        # Whole key blocks of tiles (q_order's); tiles past the keys load and store nothing.
+        tiles = mask.q_count.shape[2] * (mask.block_k // cfg.block_n)
         launch(
             _sparse_dkdv_kernel,
-            (triton.cdiv(problem.max_seqlen_k, cfg.block_n), problem.heads_k, problem.batch),
-            q, k, v, dout, lse, delta, dk, dv, alibi_tensor(problem), *tensors,
+            (tiles, problem.heads_k, problem.batch),
+            q, k, v, dout, lse, delta, dk, dv, alibi_tensor(problem), *tensors, mask.q_order,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -241,7 +241,7 @@ def compile_fused_backward(
     lists = "*i32" if sparse else "*fp32"  # the mask's int32 lists, or the LSE as their stand-in
     pointers = {
         "DK": grads, "DV": grads, "LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "CU_Q": cu, "CU_K": cu,
-        "GDZ": "*fp32", "ZB": "*fp32", "COUNT": lists, "INDEX": lists, "KIND": lists, "BITS": lists,
+        "GDZ": "*fp32", "ZB": "*fp32", **dict.fromkeys(("COUNT", "INDEX", "KIND", "BITS", "ORDER"), lists),
     }  # fmt: skip
     options = {"num_warps": hb.NUM_WARPS, "maxnreg": hb.MAX_REGISTERS}
     return _compile_gluon(hb._fused_bwd_kernel, descs, consts, pointers, options, target)

@@ -234,6 +234,52 @@ def test_lists_follow_the_grid(device):
     assert m.visible_pairs() == s * (s + 1) // 2
 
 
+def test_key_blocks_longest_list_first(device):
+    """q_order, the order the dK/dV walks take the key blocks in: by visible blocks summed over
+    the batch and heads, most first, ties in order, then the number of long ones (more than 4x
+    the mean): a global key block leads wherever it lies."""
+    s = 1280  # ten blocks of 128
+    glob = lambda b, h, q, kv: ((kv >= 768) & (kv < 896)) | (q // 128 == kv // 128)  # noqa: E731
+    mask = TileMask.from_mask_mod(glob, 1, 1, s, s, device=device)
+    assert mask.q_order.tolist() == [6, 0, 1, 2, 3, 4, 5, 7, 8, 9, 1]  # 10 blocks against 4 x 1.9
+    assert mask.q_order.dtype == torch.int32 and mask.q_order.device == mask.device
+    # Causal: key block n is seen by 10 - n query blocks, none long.
+    causal = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
+    assert causal.q_order.tolist() == [*range(10), 0]
+    # Summed over the heads: head 1 sees only key block 9, from every query block (10 + 1).
+    heads = lambda b, h, q, kv: torch.where(h == 0, q >= kv, kv >= 1152)  # noqa: E731
+    mask = TileMask.from_mask_mod(heads, 1, 2, s, s, device=device)
+    assert mask.q_order.tolist() == [9, *range(9), 0]
+    assert mask.select_heads(0, 1).q_order.tolist() == causal.q_order.tolist()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
+)
+def test_long_key_lists_walked_first_for_every_kv_head(device, dtype, monkeypatch):
+    """A global key block (every query block sees it: a long list, q_order) and two diagonal
+    blocks: the dK/dV programs take the long block for both KV heads first, then each head's
+    other blocks; every key tile is walked once, for its own head (a ragged end, GQA). float32:
+    the Triton kernels (16-key tiles under the interpreter); bf16 on an sm_90 GPU: the Hopper
+    backward's walk (counted)."""
+    b, s, h, hk = 1, 1100, 4, 2
+    d = 16 if dtype == torch.float32 else 64
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from ringflash.kernels.hopper import backward as hopper_backward
+
+    def mod(b, h, q, kv):
+        diagonal = (q // 128 == kv // 128) & (q >= kv - 3 * h) & ((kv < 128) | (kv >= 1024))
+        return ((kv >= 640) & (kv < 768)) | diagonal
+
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, dtype, device, seed=4)
+    m = TileMask.from_mask_mod(mod, 1, h, s, s, device=device)
+    assert m.q_order.tolist()[0] == 5 and m.q_order.tolist()[-1] == 1  # one long block
+    launches = _count_walks(monkeypatch, hopper_backward, "fused_backward")
+    check(q, k, v, dout, m, dense_mask(mod, 1, h, s, s))
+    assert launches == ([True] if dtype == torch.bfloat16 else [])
+
+
 def test_mask_mod_in_chunks_of_query_blocks(device, monkeypatch):
     """from_mask_mod evaluated a query block at a time (partials numbered on across chunks, a
     ragged end, per-sequence masks, a mask_mod that ignores the batch) equals one evaluation,

@@ -694,7 +694,8 @@ def _store_grad(ptr, value, offs, mask, ACCUMULATE: gl.constexpr):
 @gluon.jit(do_not_specialize=["packed_docs"])
 def _fused_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, gdm_desc, s_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, CU_Q,
-    CU_K, ALIBI, GDZ, ZB, COUNT, INDEX, KIND, BITS, stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
+    CU_K, ALIBI, GDZ, ZB, COUNT, INDEX, KIND, BITS, ORDER, stride_cb, stride_ch, stride_ib, stride_ih,
+    stride_im,
     seqlen_q, seqlen_k, packed_docs, q_batch_rows, do_batch_rows, dq_batch_rows,
     k_batch_rows, v_batch_rows, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
@@ -723,7 +724,9 @@ def _fused_bwd_kernel(
     not MASKED): key tile pid_n is key block pid_n of a block mask (block_lists.py: COUNT, INDEX,
     KIND, BITS and the lists' strides, ``tile_mask.TileMask``'s per-key-block lists), whose
     listed query blocks (MASK_Q rows: MASK_Q // BLOCK_M query tiles each) it walks for each query
-    head of the group, the partial ones masked by their bits; else they stand in, unread."""
+    head of the group, the partial ones masked by their bits; ORDER: ``TileMask.q_order``, by
+    which the programs take the long lists' key blocks first, each block's for every KV head,
+    then each head's of the other blocks; else they stand in, unread."""
     # A key tile of 64 rows, one wgmma's M: the warpgroups split columns instead (_compute_tile).
     SPLIT_N: gl.constexpr = BLOCK_N < 16 * num_warps
     # Past head_dim 128 the float32 dQ ring (2 x 64 x 256 x 4 bytes) leaves no room for two
@@ -732,6 +735,14 @@ def _fused_bwd_kernel(
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
+    if SPARSE:  # the programs in launch order: the long lists' first (TileMask.q_order)
+        heads = gl.num_programs(1)
+        launched = pid_n + gl.num_programs(0) * hk
+        n_long = gl.load(ORDER + gl.num_programs(0))
+        rest = launched - n_long * heads
+        n_rest = gl.maximum(gl.num_programs(0) - n_long, 1)
+        hk = gl.where(rest < 0, launched % heads, rest // n_rest)
+        pid_n = gl.load(ORDER + gl.where(rest < 0, launched // heads, n_long + rest % n_rest))
     if VARLEN:
         if packed_docs > 0:  # program ids: a slot of the packed batch's key tiles, key head
             b, pid_n = packed_tile(pid_n, CU_K, packed_docs, BLOCK_N)
@@ -1039,6 +1050,7 @@ def fused_backward(
     bind_key: tuple | None = None,
     mask_lists: tuple | None = None,
     mask_q: int = 128,
+    mask_order: torch.Tensor | None = None,
 ) -> None:
     """Add dQ into the float32 ``dq`` and write (or with ``accumulate`` add) dK/dV into dk/dv;
     where ``computes_dq`` is False (the 256 build) dK/dV only, and dq is None (dq.py's kernel
@@ -1066,7 +1078,8 @@ def fused_backward(
     ``mask_lists`` (block-sparse attention, ``sparse_supports``): ((count, index, kind, bits),
     their five strides) of a ``TileMask``'s per-key-block lists (``block_sparse._mask_args``)
     whose query blocks are ``mask_q`` rows and key blocks the build's key tiles (the caller
-    checks ``sparse_supports``); its mask replaces the problem's (no window, dense sequences).
+    checks ``sparse_supports``); its mask replaces the problem's (no window, dense sequences);
+    ``mask_order``: its ``q_order``, the order in which the programs take the key blocks.
     Launched without binding (the lists are the mask's, not the call's)."""
     key = bind_key
     # The steady state: the launch a call of these layouts bound.
@@ -1107,9 +1120,11 @@ def fused_backward(
     sparse = mask_lists is not None
     # Whole query tiles per block, and dQ from this kernel (the 256 build's is another kernel's).
     walkable = mask_q % block_m == 0 and computes_dq(problem)
-    if sparse and (updates_grads is not None or varlen or not b.is_full or not walkable):
+    refused = updates_grads is not None or varlen or not b.is_full or not walkable or mask_order is None
+    if sparse and refused:
         raise ValueError(
-            "fused_backward's mask_lists take dense sequences, no window, whole query tiles, head_dim <= 128"
+            "fused_backward's mask_lists take dense sequences, no window, whole query tiles, head_dim "
+            "<= 128, and a mask_order"
         )
     diagonal = not sparse and _aligned_diagonal(problem, block_m, block_n)
     tails = problem.max_seqlen_q % block_m != 0 or problem.max_seqlen_k % block_n != 0
@@ -1142,9 +1157,10 @@ def fused_backward(
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, block_n, k.shape[1] if varlen else None
     )
+    lists = (lse,) * 5 + (0,) * 5 if mask_lists is None else (*mask_lists[0], mask_order, *mask_lists[1])
     args = (
         qd, kd, vd, dod, dqd, gdm_desc, s_desc, dkd, dvd, dk, dv, lse, delta, cu_q, cu_k, slopes, gdz,
-        z_before, *((lse,) * 4 + (0,) * 5 if mask_lists is None else (*mask_lists[0], *mask_lists[1])),
+        z_before, *lists,
         problem.max_seqlen_q, problem.max_seqlen_k, packed_docs, q_rows, do_rows, dq_rows, k_rows,
         v_rows, *dk_strides, *dv_strides, *lse_strides,
         *score_scales(problem), problem.softmax_scale, *problem.position_args(), b.left or 0, b.right or 0,
