@@ -57,8 +57,27 @@ def _block_list(COUNT, INDEX, KIND, b64, h64, block, stride_cb, stride_ch, strid
 
 
 @triton.jit
+def _ordered_program(ORDER, TILES: tl.constexpr):
+    """(tile, head) of this program of a (blocks * TILES, heads, batch) grid over a mask's
+    blocks of TILES tiles each, renumbered from the launch order by ORDER (``TileMask.kv_order``
+    or ``q_order``: the blocks, longest list first, then how many are long): the long blocks'
+    tiles first for every head, then each head's tiles of the other blocks. A long list started
+    late would run on alone after the rest; one head's programs at work together share its
+    other side's tiles in L2."""
+    heads = tl.num_programs(1)
+    n = tl.num_programs(0)
+    launched = tl.program_id(0) + n * tl.program_id(1)
+    n_long = tl.load(ORDER + n // TILES) * TILES
+    rest = launched - n_long * heads
+    n_rest = tl.maximum(n - n_long, 1)
+    head = tl.where(rest < 0, launched % heads, rest // n_rest)
+    t = tl.where(rest < 0, launched // heads, n_long + rest % n_rest)
+    return tl.load(ORDER + t // TILES) * TILES + t % TILES, head
+
+
+@triton.jit
 def _sparse_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, COUNT, INDEX, KIND, BITS,
+    Q, K, V, O, LSE, ALIBI, COUNT, INDEX, KIND, BITS, ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
@@ -67,8 +86,7 @@ def _sparse_fwd_kernel(
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
+    pid_m, h = _ordered_program(ORDER, MASK_Q // BLOCK_M)  # query tiles, longest lists first
     b = tl.program_id(2)
     m0 = pid_m * BLOCK_M
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
@@ -114,7 +132,7 @@ def _sparse_fwd_kernel(
 
 @triton.jit
 def _sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, COUNT, INDEX, KIND, BITS,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, COUNT, INDEX, KIND, BITS, ORDER,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_im,
@@ -123,8 +141,7 @@ def _sparse_dq_kernel(
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
+    pid_m, h = _ordered_program(ORDER, MASK_Q // BLOCK_M)  # query tiles, longest lists first
     b = tl.program_id(2)
     m0 = pid_m * BLOCK_M
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
@@ -177,18 +194,7 @@ def _sparse_dkdv_kernel(
     BLOCK_N: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    # The programs in launch order take the key tiles of the long lists' blocks first, each for
-    # every KV head, then each head's of the other blocks, in ORDER (TileMask.q_order); MASK_K //
-    # BLOCK_N tiles per block.
-    TILES: tl.constexpr = MASK_K // BLOCK_N
-    heads = tl.num_programs(1)
-    launched = tl.program_id(0) + tl.num_programs(0) * tl.program_id(1)
-    n_long = tl.load(ORDER + tl.num_programs(0) // TILES) * TILES
-    rest = launched - n_long * heads
-    n_rest = tl.maximum(tl.num_programs(0) - n_long, 1)
-    hk = tl.where(rest < 0, launched % heads, rest // n_rest)
-    tile = tl.where(rest < 0, launched // heads, n_long + rest % n_rest)
-    pid_n = tl.load(ORDER + tile // TILES) * TILES + tile % TILES
+    pid_n, hk = _ordered_program(ORDER, MASK_K // BLOCK_N)  # key tiles, longest lists first
     b = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
@@ -296,9 +302,9 @@ def sparse_forward(
         fused.fused_forward(q, k, v, problem, out, lse, mask_lists=(tensors, strides))
         return out, lse
     cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32)
-    grid = (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch)
+    grid = (_listed_tiles(mask.kv_count, mask.block_q, cfg.block_m), problem.heads_q, problem.batch)
     launch(
-        _sparse_fwd_kernel, grid, q, k, v, out, lse, alibi_tensor(problem), *tensors,
+        _sparse_fwd_kernel, grid, q, k, v, out, lse, alibi_tensor(problem), *tensors, mask.kv_order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], lse.stride(0), lse.stride(1),
         *strides, problem.max_seqlen_q, problem.max_seqlen_k, *score_scales(problem),
         problem.q_positions.start, GROUP=problem.group, HEAD_DIM=problem.head_dim,
@@ -367,11 +373,9 @@ def sparse_gradients(
     if compute_dkdv:
         cfg = sparse_kv_config(problem.head_dim, fp32)
         tensors, strides = _mask_args(mask, "q")
-        # Whole key blocks of tiles (q_order's); tiles past the keys load and store nothing.
-        tiles = mask.q_count.shape[2] * (mask.block_k // cfg.block_n)
         launch(
             _sparse_dkdv_kernel,
-            (tiles, problem.heads_k, problem.batch),
+            (_listed_tiles(mask.q_count, mask.block_k, cfg.block_n), problem.heads_k, problem.batch),
             q, k, v, dout, lse, delta, dk, dv, alibi_tensor(problem), *tensors, mask.q_order,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m,
@@ -382,8 +386,8 @@ def sparse_gradients(
         tensors, strides = _mask_args(mask, "kv")
         launch(
             _sparse_dq_kernel,
-            (triton.cdiv(problem.max_seqlen_q, cfg.block_m), problem.heads_q, problem.batch),
-            q, k, v, dout, lse, delta, dq, alibi_tensor(problem), *tensors,
+            (_listed_tiles(mask.kv_count, mask.block_q, cfg.block_m), problem.heads_q, problem.batch),
+            q, k, v, dout, lse, delta, dq, alibi_tensor(problem), *tensors, mask.kv_order,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             lse.stride(0), lse.stride(1), *strides, *tail, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -400,6 +404,12 @@ def uses_fused_sparse_backward(
     if not uses_fused_backward(problem, q, k, v):
         return False
     return hopper_module("backward").sparse_supports(problem, mask)
+
+
+def _listed_tiles(count: torch.Tensor, block: int, tile: int) -> int:
+    """Grid axis 0 of a Triton walk over the blocks ``count`` lists (``_ordered_program``): whole
+    blocks of tiles; a tile past the sequence's end loads and stores nothing."""
+    return count.shape[2] * (block // tile)
 
 
 def _wide(problem: AttentionProblem, q, k, v, o) -> bool:

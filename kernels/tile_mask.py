@@ -20,10 +20,10 @@ query block m sees key blocks kv_index[..., m, :P + F] (P, F = kv_count[..., m, 
 partial ones (kind: the partial block of ``bits``), then F full ones (kind -1), each group in
 order (the kernels walk each group in one loop); ``q_count``/``q_index``/``q_kind`` the same
 seen from each key block (the backward's dK/dV walk); ``bits`` (partials, block_q, block_k // 32): bit c % 32
-of word c // 32 of row r set where query r and key c of the block are visible; ``q_order``
-(NK + 1,), derived from ``q_count``: the order in which the dK/dV walks take the key blocks. A
-full block lies inside the sequences (a block cut by seqlen_q or seqlen_k is partial), so the
-kernels need no bounds check on it.
+of word c // 32 of row r set where query r and key c of the block are visible; ``kv_order``
+(NQ + 1,) and ``q_order`` (NK + 1,), derived from the counts: the order in which the walks take
+the query and key blocks. A full block lies inside the sequences (a block cut by seqlen_q or
+seqlen_k is partial), so the kernels need no bounds check on it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _CHUNK_PAIRS = 1 << 26  # query/key pairs evaluated at once by ``from_mask_mod``
 # (256 MiB per bool temporary, about 1 GiB at the peak) built a 65536-token mask in 80 ms against
 # 127 at 2^26 (H200, docs/experiments.md §64).
 _CHUNK_PAIRS_GPU = 1 << 28
-# A key block whose list holds more than this many times the mean is long (``TileMask.q_order``).
+# A block whose list holds more than this many times the mean is long (``TileMask.q_order``).
 LONG_LIST = 4
 _INVISIBLE, _FULL = -2, -1  # kinds in the (Bm, Hm, NQ, NK) grid; partials are numbered from 0
 
@@ -62,7 +62,8 @@ class TileMask:
     q_index: torch.Tensor
     q_kind: torch.Tensor
     bits: torch.Tensor
-    # Derived from q_count (``__post_init__``): the order of the dK/dV walks' key blocks.
+    # Derived from the counts (``__post_init__``): the order in which the walks take the blocks.
+    kv_order: torch.Tensor = field(init=False, repr=False)
     q_order: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +74,8 @@ class TileMask:
         ``LONG_LIST`` times the mean: a global key's list). The dK/dV walks' programs take the
         long ones first, every KV head's, then each head's of the others in this order: a long
         list started late would run on alone after the rest, while one head's programs at work
-        together share its queries in L2."""
+        together share its queries in L2. ``kv_order`` (NQ + 1,): the same of the query blocks
+        (a global query's list is long), for the Triton forward's and dQ walks."""
         block_q, block_k = _block_sizes((self.block_q, self.block_k))
         nq, nk = -(-self.seqlen_q // block_q), -(-self.seqlen_k // block_k)
         lead = tuple(self.kv_count.shape[:2])
@@ -92,10 +94,8 @@ class TileMask:
         bits_ok = self.bits.dim() == 3 and tuple(self.bits.shape[1:]) == (block_q, block_k // 32)
         if not bits_ok or self.bits.dtype != torch.int32 or not self.bits.is_contiguous():
             raise ValueError(f"TileMask.bits must be a contiguous int32 (P, {block_q}, {block_k // 32})")
-        work = self.q_count.sum((0, 1, 3))
-        order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
-        long = (work * nk > LONG_LIST * work.sum()).sum(dtype=torch.int32).reshape(1)
-        object.__setattr__(self, "q_order", torch.cat([order, long]))
+        object.__setattr__(self, "kv_order", _walk_order(self.kv_count))
+        object.__setattr__(self, "q_order", _walk_order(self.q_count))
 
     @property
     def batch(self) -> int:
@@ -396,6 +396,16 @@ def _from_lists(
     q_count, q_index, q_kind = _block_lists(grid.transpose(2, 3))
     return TileMask(seqlen_q, seqlen_k, block_q, block_k, kv_count, kv_index, kv_kind, q_count, q_index,
                     q_kind, bits.contiguous())  # fmt: skip
+
+
+def _walk_order(count: torch.Tensor) -> torch.Tensor:
+    """(N + 1,) int32 of (Bm, Hm, N, 2) counts: the N blocks by descending number of listed
+    blocks summed over the batch and heads (ties in order), then how many of them are long (more
+    than ``LONG_LIST`` times the mean). Computed on the device: nothing is read back."""
+    work = count.sum((0, 1, 3))
+    order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
+    long = (work * work.numel() > LONG_LIST * work.sum()).sum(dtype=torch.int32).reshape(1)
+    return torch.cat([order, long])
 
 
 def _block_sizes(block_size: object) -> tuple[int, int]:

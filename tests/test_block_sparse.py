@@ -235,14 +235,18 @@ def test_lists_follow_the_grid(device):
 
 
 def test_key_blocks_longest_list_first(device):
-    """q_order, the order the dK/dV walks take the key blocks in: by visible blocks summed over
-    the batch and heads, most first, ties in order, then the number of long ones (more than 4x
-    the mean): a global key block leads wherever it lies."""
+    """q_order, the order the dK/dV walks take the key blocks in (kv_order the same of the query
+    blocks): by visible blocks summed over the batch and heads, most first, ties in order, then
+    the number of long ones (more than 4x the mean): a global key block leads wherever it lies."""
     s = 1280  # ten blocks of 128
     glob = lambda b, h, q, kv: ((kv >= 768) & (kv < 896)) | (q // 128 == kv // 128)  # noqa: E731
     mask = TileMask.from_mask_mod(glob, 1, 1, s, s, device=device)
     assert mask.q_order.tolist() == [6, 0, 1, 2, 3, 4, 5, 7, 8, 9, 1]  # 10 blocks against 4 x 1.9
     assert mask.q_order.dtype == torch.int32 and mask.q_order.device == mask.device
+    assert mask.kv_order.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 6, 0]  # two key blocks each, 6 one
+    # The query side: a global query block (its list every key block).
+    transposed = TileMask.from_mask_mod(lambda b, h, q, kv: glob(b, h, kv, q), 1, 1, s, s, device=device)
+    assert transposed.kv_order.tolist() == mask.q_order.tolist()
     # Causal: key block n is seen by 10 - n query blocks, none long.
     causal = TileMask.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, s, s, device=device)
     assert causal.q_order.tolist() == [*range(10), 0]
@@ -256,28 +260,32 @@ def test_key_blocks_longest_list_first(device):
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
 )
-def test_long_key_lists_walked_first_for_every_kv_head(device, dtype, monkeypatch):
-    """A global key block (every query block sees it: a long list, q_order) and two diagonal
-    blocks: the dK/dV programs take the long block for both KV heads first, then each head's
-    other blocks; every key tile is walked once, for its own head (a ragged end, GQA). float32:
-    the Triton kernels (16-key tiles under the interpreter); bf16 on an sm_90 GPU: the Hopper
-    backward's walk (counted)."""
-    b, s, h, hk = 1, 1100, 4, 2
-    d = 16 if dtype == torch.float32 else 64
+def test_long_lists_walked_first_for_every_head(device, dtype, monkeypatch):
+    """A global key block (every query block sees it: a long list, q_order) and, transposed, a
+    global query block (kv_order), each beside a causal block: the programs take the long block
+    for every head first, then each head's other blocks; every tile is walked once, for its own
+    head (blocks no one sees included: their dk/dv must be stored as zeros), a ragged end.
+    float32: the Triton kernels (16-row tiles under the interpreter: two heads, for its time);
+    bf16 on an sm_90 GPU: the Hopper backward's walk (counted), GQA."""
+    b, s = 1, 600
+    h, hk, d = (2, 2, 16) if dtype == torch.float32 else (4, 2, 64)
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     from ringflash.kernels.hopper import backward as hopper_backward
 
-    def mod(b, h, q, kv):
-        diagonal = (q // 128 == kv // 128) & (q >= kv - 3 * h) & ((kv < 128) | (kv >= 1024))
-        return ((kv >= 640) & (kv < 768)) | diagonal
+    def key(b, h, q, kv):
+        return ((kv >= 256) & (kv < 384)) | ((q < 128) & (q >= kv + h))
+
+    def query(b, h, q, kv):
+        return key(b, h, kv, q)
 
     q, k, v, dout = _inputs(b, s, s, h, hk, d, dtype, device, seed=4)
-    m = TileMask.from_mask_mod(mod, 1, h, s, s, device=device)
-    assert m.q_order.tolist()[0] == 5 and m.q_order.tolist()[-1] == 1  # one long block
     launches = _count_walks(monkeypatch, hopper_backward, "fused_backward")
-    check(q, k, v, dout, m, dense_mask(mod, 1, h, s, s))
-    assert launches == ([True] if dtype == torch.bfloat16 else [])
+    for mod, side in ((key, "q_order"), (query, "kv_order")):
+        m = TileMask.from_mask_mod(mod, 1, h, s, s, device=device)
+        assert getattr(m, side).tolist()[0] == 2 and getattr(m, side).tolist()[-1] == 1  # one long block
+        check(q, k, v, dout, m, dense_mask(mod, 1, h, s, s))
+    assert launches == ([True, True] if dtype == torch.bfloat16 else [])
 
 
 def test_mask_mod_in_chunks_of_query_blocks(device, monkeypatch):
