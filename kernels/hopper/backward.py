@@ -1120,11 +1120,13 @@ def fused_backward(
     sparse = mask_lists is not None
     # Whole query tiles per block, and dQ from this kernel (the 256 build's is another kernel's).
     walkable = mask_q % block_m == 0 and computes_dq(problem)
-    refused = updates_grads is not None or varlen or not b.is_full or not walkable or mask_order is None
-    if sparse and refused:
+    refused = updates_grads is not None or varlen or not b.is_full or not walkable
+    # The kernel reads one key block of mask_order per key tile, then the count of long ones.
+    key_tiles = -(-problem.max_seqlen_k // block_n)
+    if sparse and (refused or mask_order is None or mask_order.numel() != key_tiles + 1):
         raise ValueError(
             "fused_backward's mask_lists take dense sequences, no window, whole query tiles, head_dim "
-            "<= 128, and a mask_order"
+            f"<= 128, and a mask_order of {key_tiles} key blocks (TileMask.q_order)"
         )
     diagonal = not sparse and _aligned_diagonal(problem, block_m, block_n)
     tails = problem.max_seqlen_q % block_m != 0 or problem.max_seqlen_k % block_n != 0
