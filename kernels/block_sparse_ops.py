@@ -1,7 +1,7 @@
 """Block-sparse attention as ``torch.library`` custom operators, so that ``torch.compile`` traces
 a model calling ``flash_attn_func(..., block_mask=TileMask)`` without a graph break.
 
-A ``TileMask`` is not a schema type: the ops take its seven int32 tensors and four ints and
+A ``TileMask`` is not a schema type: the ops take its nine int32 tensors and four ints and
 rebuild it inside (its layout checks: shapes only, no device read). The problem is built inside
 too, where the tensors are real (``plans.cached_problem``), as in ``ops.py``.
 
@@ -20,7 +20,10 @@ from .block_sparse import check_tile_mask, sparse_backward, sparse_forward
 from .plans import cached_problem
 from .tile_mask import TileMask
 
-_MASK_TENSORS = ("kv_count", "kv_index", "kv_kind", "q_count", "q_index", "q_kind", "bits")
+# Every tensor of a TileMask, its walk orders too, so that the mask rebuilt per call derives nothing.
+_MASK_TENSORS = (
+    "kv_count", "kv_index", "kv_kind", "q_count", "q_index", "q_kind", "bits", "kv_order", "q_order",
+)  # fmt: skip
 
 
 def _mask_and_problem(q, k, v, tensors, sizes, softmax_scale, softcap, alibi_slopes):
@@ -43,12 +46,14 @@ def _forward_op(
     q_index: Tensor,
     q_kind: Tensor,
     bits: Tensor,
+    kv_order: Tensor,
+    q_order: Tensor,
     sizes: list[int],
     softmax_scale: float,
     softcap: float,
     alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    tensors = (kv_count, kv_index, kv_kind, q_count, q_index, q_kind, bits)
+    tensors = (kv_count, kv_index, kv_kind, q_count, q_index, q_kind, bits, kv_order, q_order)
     mask, problem = _mask_and_problem(q, k, v, tensors, sizes, softmax_scale, softcap, alibi_slopes)
     return sparse_forward(q, k, v, mask, problem)
 
@@ -74,12 +79,14 @@ def _backward_op(
     q_index: Tensor,
     q_kind: Tensor,
     bits: Tensor,
+    kv_order: Tensor,
+    q_order: Tensor,
     sizes: list[int],
     softmax_scale: float,
     softcap: float,
     alibi_slopes: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    tensors = (kv_count, kv_index, kv_kind, q_count, q_index, q_kind, bits)
+    tensors = (kv_count, kv_index, kv_kind, q_count, q_index, q_kind, bits, kv_order, q_order)
     mask, problem = _mask_and_problem(q, k, v, tensors, sizes, softmax_scale, softcap, alibi_slopes)
     return sparse_backward(dout, q, k, v, out, lse, dlse, mask, problem)
 

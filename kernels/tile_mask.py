@@ -62,9 +62,10 @@ class TileMask:
     q_index: torch.Tensor
     q_kind: torch.Tensor
     bits: torch.Tensor
-    # Derived from the counts (``__post_init__``): the order in which the walks take the blocks.
-    kv_order: torch.Tensor = field(init=False, repr=False)
-    q_order: torch.Tensor = field(init=False, repr=False)
+    # The order in which the walks take the blocks: derived from the counts (``__post_init__``)
+    # unless given (the custom ops rebuild a mask per call from all its tensors).
+    kv_order: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+    q_order: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         """The layout the kernels read without checks (the ``from_*`` constructors make it):
@@ -82,8 +83,12 @@ class TileMask:
         shapes = {
             "kv_count": (*lead, nq, 2), "kv_index": (*lead, nq, nk), "kv_kind": (*lead, nq, nk),
             "q_count": (*lead, nk, 2), "q_index": (*lead, nk, nq), "q_kind": (*lead, nk, nq),
+            "kv_order": (nq + 1,), "q_order": (nk + 1,),
         }  # fmt: skip
+        derived = {"kv_order": self.kv_count, "q_order": self.q_count}  # checked before they are read
         for name, shape in shapes.items():
+            if getattr(self, name) is None and name in derived:
+                object.__setattr__(self, name, _walk_order(derived[name]))
             t = getattr(self, name)
             ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == torch.int32
             if not ok or not t.is_contiguous() or t.device != self.kv_count.device:
@@ -94,8 +99,6 @@ class TileMask:
         bits_ok = self.bits.dim() == 3 and tuple(self.bits.shape[1:]) == (block_q, block_k // 32)
         if not bits_ok or self.bits.dtype != torch.int32 or not self.bits.is_contiguous():
             raise ValueError(f"TileMask.bits must be a contiguous int32 (P, {block_q}, {block_k // 32})")
-        object.__setattr__(self, "kv_order", _walk_order(self.kv_count))
-        object.__setattr__(self, "q_order", _walk_order(self.q_count))
 
     @property
     def batch(self) -> int:

@@ -255,6 +255,17 @@ def test_key_blocks_longest_list_first(device):
     mask = TileMask.from_mask_mod(heads, 1, 2, s, s, device=device)
     assert mask.q_order.tolist() == [9, *range(9), 0]
     assert mask.select_heads(0, 1).q_order.tolist() == causal.q_order.tolist()
+    # Given (the custom ops rebuild a mask from all its tensors per call): kept, not derived again;
+    # checked like the lists.
+    from ringflash.kernels.block_sparse_ops import _MASK_TENSORS
+
+    sizes = (mask.seqlen_q, mask.seqlen_k, mask.block_q, mask.block_k)
+    rebuilt = TileMask(*sizes, *(getattr(mask, n) for n in _MASK_TENSORS))
+    assert rebuilt.q_order is mask.q_order and rebuilt.kv_order is mask.kv_order
+    tensors = {n: getattr(mask, n) for n in _MASK_TENSORS}
+    for wrong in (mask.q_order[:-1], mask.q_order.long()):
+        with pytest.raises(ValueError, match="TileMask.q_order must be"):
+            TileMask(*sizes, **{**tensors, "q_order": wrong})
 
 
 @pytest.mark.parametrize(
