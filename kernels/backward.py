@@ -359,13 +359,22 @@ def attention_delta(
     dlse: torch.Tensor | None = None,
     *,
     zero_dq: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """delta = rowsum(dout * out) in float32, shaped like the LSE (``problem.lse_shape``); minus
     ``dlse``, a gradient on the LSE, where given (d lse_i / d s_ij = p_ij, so it enters the
     backward only through delta). ``zero_dq``: a float32 tensor of out's shape (last stride 1)
-    that the same launch fills with zeros, the fused backward's dQ accumulator."""
+    that the same launch fills with zeros, the fused backward's dQ accumulator. ``lse``: the
+    forward's LSE (float32, that shape); where it is contiguous, delta is allocated like it
+    (``empty_like``: a few µs of host time less than by shape), always contiguous as before."""
     vl = problem.varlen
-    delta = torch.empty(problem.lse_shape(out.shape[0]), device=out.device, dtype=torch.float32)
+    shape = problem.lse_shape(out.shape[0])
+    if lse is not None and (lse.shape != shape or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be float32 of shape {tuple(shape)}, got {lse.dtype} {tuple(lse.shape)}")
+    if lse is not None and lse.is_contiguous():
+        delta = torch.empty_like(lse)
+    else:
+        delta = torch.empty(shape, device=out.device, dtype=torch.float32)
     zero = zero_dq is not None
     if zero and (zero_dq.shape != out.shape or zero_dq.dtype != torch.float32 or zero_dq.stride(-1) != 1):
         raise ValueError(f"zero_dq must be float32 of out's shape {tuple(out.shape)} with a last stride of 1")
@@ -432,9 +441,10 @@ def attention_gradients(
                 and hopper_module("tma").tma_layout_ok(dout)
             )
         if plain:
-            dq32 = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+            # empty_like: cheaper on the host than allocating by shape (~4 µs each, experiments §67).
+            dq32 = torch.empty_like(q, dtype=torch.float32, memory_format=torch.contiguous_format)
             dk, dv = torch.empty_like(k), torch.empty_like(v)
-            delta = attention_delta(out, dout, problem, dlse, zero_dq=dq32)
+            delta = attention_delta(out, dout, problem, dlse, zero_dq=dq32, lse=lse)
             if bound is not None and bound(q, k, v, dout, dq32, dk, dv, lse, delta):
                 return dq32.to(q.dtype), dk, dv
             if bound is None and lse.stride() == delta.stride():

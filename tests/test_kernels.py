@@ -633,7 +633,8 @@ def test_varlen_low_level_accumulate(device):
 def test_delta_zeroes_the_dq_accumulator(device, varlen):
     """``zero_dq``: the delta launch also fills a float32 buffer like out with zeros (every row,
     every head, columns up to head_dim 40 of a 64-wide block), delta unchanged; a buffer it cannot
-    fill is refused."""
+    fill is refused. ``lse=`` (delta allocated like it) changes nothing, a non-contiguous one
+    neither (delta stays contiguous); an LSE of another shape or dtype is refused."""
     g = torch.Generator().manual_seed(40)
     lens = [9, 0, 20]
     shape = (sum(lens), 3, 40) if varlen else (2, 29, 3, 40)
@@ -641,11 +642,18 @@ def test_delta_zeroes_the_dq_accumulator(device, varlen):
     cu = dict(cu_seqlens_q=_cu(lens, device), cu_seqlens_k=_cu(lens, device), max_seqlen_q=20,
               max_seqlen_k=20) if varlen else {}  # fmt: skip
     prob = build_problem(q, k, v, None, True, FULL, **cu)
-    out, _ = attention_forward(q, k, v, prob)
+    out, lse = attention_forward(q, k, v, prob)
     plain = attention_delta(out, dout, prob)
     dq32 = torch.full(shape, float("nan"), device=device)
     assert torch.equal(attention_delta(out, dout, prob, zero_dq=dq32), plain)
     assert (dq32 == 0).all()
+    strided = torch.empty(lse.shape[::-1], device=device).transpose(0, -1)  # same shape, last stride not 1
+    for like in (lse, strided):
+        delta = attention_delta(out, dout, prob, lse=like)
+        assert torch.equal(delta, plain) and delta.is_contiguous()
+    for bad in (lse.double(), lse[..., :-1]):
+        with pytest.raises(ValueError, match="lse must be float32 of shape"):
+            attention_delta(out, dout, prob, lse=bad)
     for bad in (dq32.double(), dq32[..., :-1], dq32.transpose(-1, -2).contiguous().transpose(-1, -2)):
         with pytest.raises(ValueError, match="zero_dq"):
             attention_delta(out, dout, prob, zero_dq=bad)
