@@ -255,6 +255,82 @@ def test_images_sequence_parallel_through_whole_sequence_embeddings(rank_pool):
     _assert_steps_equal(results, loss.item(), model, floor=1e-4)
 
 
+def _embedding_gemma(attn_implementation: str, bidirectional: bool = True) -> torch.nn.Module:
+    """A tiny Gemma-3 text model with ``use_bidirectional_attention`` (EmbeddingGemma's): full
+    layers bidirectional, sliding layers |q - kv| < 100, both patterns the model writes itself."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+        sliding_window=100, layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=bidirectional,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM._from_config(
+        config, attn_implementation=attn_implementation
+    ).float()
+
+
+def _embedding_gemma_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (1, 512), generator=torch.Generator().manual_seed(9))
+
+
+def _bidirectional_sharded_step(sp_mode: str):
+    import ringflash.integrations.hf as rf_hf
+
+    groups = sequence_parallel_groups(torch.distributed.get_world_size())
+    model = _embedding_gemma(rf_hf.enable(group=groups.sp_group, sp_mode=sp_mode)).to(worker_device())
+    ulysses = groups.sp_size if sp_mode == "ulysses" else 1
+    shard = shard_batch({"input_ids": _embedding_gemma_ids().to(worker_device())}, groups.sp_group,
+                        ulysses_size=ulysses)  # fmt: skip
+    return _step_on_shard(model, shard, ("input_ids", "position_ids"), groups)
+
+
+@pytest.mark.parametrize("sp_mode", ["auto", "ulysses"])
+def test_embedding_gemma_bidirectional_sequence_parallel_step_equals_eager(rank_pool, sp_mode):
+    """EmbeddingGemma's patterns (its own functions: a constant True beside causal on the full
+    layers, |q - kv| < 100 on the sliding ones) over 2 ranks' shards (zigzag and Ulysses' layouts,
+    512 tokens, windows across the shards' edges): a training step has eager attention's loss and
+    gradients on one process; the bidirectional parts matter (causal gives another loss)."""
+    results = rank_pool(2).run(_bidirectional_sharded_step, sp_mode, timeout=600)
+    ids = _embedding_gemma_ids()
+    losses = []
+    for bidirectional in (True, False):
+        model = _embedding_gemma("eager", bidirectional)
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        losses.append(loss)
+        if bidirectional:
+            loss.backward()
+            eager = model
+    assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
+    _assert_steps_equal(results, losses[0].item(), eager)
+
+
+def test_model_parts_taken_only_while_they_close_over_numbers():
+    """EmbeddingGemma's window part is taken as positions-only as long as it closes over numbers;
+    the same names closing over a tensor (which a shard could own) are refused, named."""
+    import transformers.masking_utils as mu
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from ringflash.integrations.hf_blockwise import block_ids_in
+
+    assert (
+        block_ids_in(mu.or_masks(mu.causal_mask_function, modeling_gemma3._bidirectional_window_overlay(4)))
+        == []
+    )
+    offset = torch.tensor(3)
+
+    def inner_mask(b, h, q, kv):
+        return (q - kv + offset).abs() < 4
+
+    inner_mask.__module__, inner_mask.__qualname__ = (
+        modeling_gemma3.__name__,
+        "_bidirectional_window_overlay.<locals>.inner_mask",
+    )
+    with pytest.raises(ValueError, match="_bidirectional_window_overlay"):
+        block_ids_in(mu.or_masks(mu.causal_mask_function, inner_mask))
+
+
 def _positions_pattern_on_zigzag():
     """A pattern of positions alone, as transformers composes it for a zigzag shard (its positions
     jump, so it remaps them and keeps the two chunks apart), through the registered mask function;

@@ -15,7 +15,8 @@ touching inside a run of consecutive positions) the blocks cannot be recovered f
 every rank raises ValueError (every rank sees the same gathered ids).
 
 The mask function is then rebuilt over the whole sequence with transformers' own combinators:
-the parts that read only positions as they are (causal, bidirectional, sliding windows), each
+the parts that read only positions as they are (causal, bidirectional, sliding windows, and
+EmbeddingGemma's own bidirectional parts: ``_MODEL_POSITIONS_ONLY``), each
 blockwise overlay over the global ids, the parts transformers adds where a shard's positions jump
 (it takes zigzag's shards for packed sequences) left out, as the attention checks that each
 row's positions are one sequence's over the group. Any other part (a model's own function, packed
@@ -49,11 +50,23 @@ _POSITIONS_ONLY = frozenset({
 _PACKED = "packed_sequence_mask_function.<locals>.inner_mask"
 _REMAPPED = "remap_positions_for_packed_sequence.<locals>.inner_mask"
 _COMBINATORS = {"and_masks.<locals>.and_mask": "and_masks", "or_masks.<locals>.or_mask": "or_masks"}
+# A model's own parts that read nothing but the positions (module, qualified name): EmbeddingGemma
+# (Gemma-3, ``use_bidirectional_attention``) ORs its full layers' causal mask with a constant True
+# and its sliding layers' with |q - kv| < window. Taken only while they close over numbers alone.
+_MODEL_POSITIONS_ONLY = frozenset({
+    ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextModel.forward.<locals>.<lambda>"),
+    ("transformers.models.gemma3.modeling_gemma3", "_bidirectional_window_overlay.<locals>.inner_mask"),
+})  # fmt: skip
 
 
 def closure_of(fn: Callable) -> dict[str, object]:
     """The variables a nested function closes over, by name."""
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _closes_over_numbers(fn: Callable) -> bool:
+    """Whether ``fn`` closes over nothing but Python numbers (no tensor a shard could own)."""
+    return all(type(v) in (int, float, bool) for v in closure_of(fn).values())
 
 
 def _name(fn: object) -> str:
@@ -69,9 +82,10 @@ def block_ids_in(mask_function: Callable) -> list[torch.Tensor]:
     if refused:
         raise ValueError(
             f"ringflash attention cannot honour the model's attention pattern {refused} sequence parallel: "
-            "there it applies causal or bidirectional attention, sliding windows, packed documents, "
-            "attention chunks, and transformers' blockwise overlays (Gemma-3's image blocks, PaliGemma's "
-            "prefix) combined with them; on one device any pattern"
+            "there it applies causal or bidirectional attention, sliding windows (EmbeddingGemma's "
+            "bidirectional ones too), packed documents, attention chunks, and transformers' blockwise "
+            "overlays (Gemma-3's image blocks, PaliGemma's prefix) combined with them; on one device "
+            "any pattern"
         )
     return found
 
@@ -85,7 +99,10 @@ def _walk(
     from transformers import masking_utils
 
     name = _name(fn)
-    if getattr(fn, "__module__", None) != "transformers.masking_utils":
+    module = getattr(fn, "__module__", None)
+    if (module, name) in _MODEL_POSITIONS_ONLY and _closes_over_numbers(fn):
+        return fn, []  # type: ignore[return-value]
+    if module != "transformers.masking_utils":
         return None, [name]
     if name in _POSITIONS_ONLY:
         return fn, []  # type: ignore[return-value]
