@@ -153,20 +153,24 @@ def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family
     PaliGemma with prefixes (Ulysses) has eager attention's loss and gradients on one process; the
     blocks matter (the same step without token types gives another loss)."""
     results = rank_pool(2).run(_sharded_step, family, sp_mode, timeout=600)
+    batch = _batch(family)
+    without_types = {"input_ids": batch["input_ids"]}
+    _assert_eager_step_where_pattern_matters(
+        results, (_multimodal(family, "eager"), batch), (_multimodal(family, "eager"), without_types)
+    )
+
+
+def _assert_eager_step_where_pattern_matters(results: list, pattern: tuple, plain: tuple) -> None:
+    """Every rank's step equals eager's of ``pattern`` (model, inputs), whose loss differs from
+    ``plain``'s (the same model without the pattern's non-causal parts): the parts matter."""
     losses = []
-    for types in (True, False):
-        model = _multimodal(family, "eager")
-        batch = _batch(family)
-        ids = batch["input_ids"]
-        extra = {"token_type_ids": batch["token_type_ids"]} if types else {}
-        logits = model(input_ids=ids, use_cache=False, **extra).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        losses.append(loss)
-        if types:
-            loss.backward()
-            eager = model
+    for model, inputs in (pattern, plain):
+        ids = inputs["input_ids"]
+        logits = model(**inputs, use_cache=False).logits
+        losses.append(F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)))
     assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
-    _assert_steps_equal(results, losses[0].item(), eager)
+    losses[0].backward()
+    _assert_steps_equal(results, losses[0].item(), pattern[0])
 
 
 def _assert_steps_equal(results: list, loss: float, model: torch.nn.Module, floor: float = 0.0) -> None:
@@ -292,18 +296,10 @@ def test_embedding_gemma_bidirectional_sequence_parallel_step_equals_eager(rank_
     512 tokens, windows across the shards' edges): a training step has eager attention's loss and
     gradients on one process; the bidirectional parts matter (causal gives another loss)."""
     results = rank_pool(2).run(_bidirectional_sharded_step, sp_mode, timeout=600)
-    ids = _embedding_gemma_ids()
-    losses = []
-    for bidirectional in (True, False):
-        model = _embedding_gemma("eager", bidirectional)
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        losses.append(loss)
-        if bidirectional:
-            loss.backward()
-            eager = model
-    assert abs(losses[0].item() - losses[1].item()) > 1e-3 * losses[0].item()
-    _assert_steps_equal(results, losses[0].item(), eager)
+    inputs = {"input_ids": _embedding_gemma_ids()}
+    _assert_eager_step_where_pattern_matters(
+        results, (_embedding_gemma("eager"), inputs), (_embedding_gemma("eager", bidirectional=False), inputs)
+    )
 
 
 def test_model_parts_taken_only_while_they_close_over_numbers():
