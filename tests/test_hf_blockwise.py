@@ -289,13 +289,13 @@ def _bidirectional_sharded_step(sp_mode: str):
     return _step_on_shard(model, shard, ("input_ids", "position_ids"), groups)
 
 
-@pytest.mark.parametrize("sp_mode", ["auto", "ulysses"])
-def test_embedding_gemma_bidirectional_sequence_parallel_step_equals_eager(rank_pool, sp_mode):
+def test_embedding_gemma_bidirectional_sequence_parallel_step_equals_eager(rank_pool):
     """EmbeddingGemma's patterns (its own functions: a constant True beside causal on the full
-    layers, |q - kv| < 100 on the sliding ones) over 2 ranks' shards (zigzag and Ulysses' layouts,
-    512 tokens, windows across the shards' edges): a training step has eager attention's loss and
-    gradients on one process; the bidirectional parts matter (causal gives another loss)."""
-    results = rank_pool(2).run(_bidirectional_sharded_step, sp_mode, timeout=600)
+    layers, |q - kv| < 100 on the sliding ones) over 2 ranks' zigzag shards (512 tokens, windows
+    across the shards' edges; the other layouts take the same rebuilt pattern, as the multimodal
+    test's Ulysses case shows): a training step has eager attention's loss and gradients on one
+    process; the bidirectional parts matter (causal gives another loss)."""
+    results = rank_pool(2).run(_bidirectional_sharded_step, "auto", timeout=600)
     inputs = {"input_ids": _embedding_gemma_ids()}
     _assert_eager_step_where_pattern_matters(
         results, (_embedding_gemma("eager"), inputs), (_embedding_gemma("eager", bidirectional=False), inputs)
