@@ -278,14 +278,12 @@ def _embedding_gemma_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB - 1, (1, 512), generator=torch.Generator().manual_seed(9))
 
 
-def _bidirectional_sharded_step(sp_mode: str):
+def _bidirectional_sharded_step():
     import ringflash.integrations.hf as rf_hf
 
     groups = sequence_parallel_groups(torch.distributed.get_world_size())
-    model = _embedding_gemma(rf_hf.enable(group=groups.sp_group, sp_mode=sp_mode)).to(worker_device())
-    ulysses = groups.sp_size if sp_mode == "ulysses" else 1
-    shard = shard_batch({"input_ids": _embedding_gemma_ids().to(worker_device())}, groups.sp_group,
-                        ulysses_size=ulysses)  # fmt: skip
+    model = _embedding_gemma(rf_hf.enable(group=groups.sp_group, sp_mode="auto")).to(worker_device())
+    shard = shard_batch({"input_ids": _embedding_gemma_ids().to(worker_device())}, groups.sp_group)
     return _step_on_shard(model, shard, ("input_ids", "position_ids"), groups)
 
 
@@ -295,7 +293,7 @@ def test_embedding_gemma_bidirectional_sequence_parallel_step_equals_eager(rank_
     across the shards' edges; the other layouts take the same rebuilt pattern, as the multimodal
     test's Ulysses case shows): a training step has eager attention's loss and gradients on one
     process; the bidirectional parts matter (causal gives another loss)."""
-    results = rank_pool(2).run(_bidirectional_sharded_step, "auto", timeout=600)
+    results = rank_pool(2).run(_bidirectional_sharded_step, timeout=600)
     inputs = {"input_ids": _embedding_gemma_ids()}
     _assert_eager_step_where_pattern_matters(
         results, (_embedding_gemma("eager"), inputs), (_embedding_gemma("eager", bidirectional=False), inputs)
