@@ -381,6 +381,15 @@ def test_refusals(device):
         TileMask.from_mask_mod(lambda b, h, q, kv: q - kv, 1, 1, s, s)
     with pytest.raises(ValueError, match="TileMask.kv_index must be"):  # a hand-made layout
         dataclasses.replace(m, kv_index=m.kv_index.long())
+    # The Hopper backward's walk order means nothing without the lists it orders: refused first,
+    # before anything needs a GPU.
+    from ringflash.kernels import build_problem
+    from ringflash.kernels.hopper import backward as hopper_backward
+
+    problem = build_problem(q, k, v, None, False, (-1, -1))
+    with pytest.raises(ValueError, match="mask_order orders mask_lists"):
+        hopper_backward.fused_backward(q, q, k, v, None, None, problem, None, k, v, False,
+                                       mask_order=m.q_order)  # fmt: skip
 
 
 def _documents(lens: list[int], total: int) -> torch.Tensor:

@@ -1081,6 +1081,8 @@ def fused_backward(
     checks ``sparse_supports``); its mask replaces the problem's (no window, dense sequences);
     ``mask_order``: its ``q_order``, the order in which the programs take the key blocks.
     Launched without binding (the lists are the mask's, not the call's)."""
+    if mask_order is not None and mask_lists is None:
+        raise ValueError("fused_backward's mask_order orders mask_lists' key blocks: pass both or neither")
     key = bind_key
     # The steady state: the launch a call of these layouts bound.
     if key is None and updates_grads is None and mask_lists is None:
