@@ -131,14 +131,19 @@ def shard_blocks(positions: torch.Tensor, block: int, layout: str | ChunkLayout)
 def ring_step_masks(
     mask: TileMask, layout: str | ChunkLayout, rank: int, world_size: int
 ) -> tuple[TileMask | None, ...]:
-    """Step i's mask of rank ``rank``'s queries over the keys of rank (rank - i) % world_size
-    (where the ring has brought them), or None where it leaves nothing visible. Reads the
-    mask's lists back once (a device sync): call it once per plan."""
+    """The ring's steps for rank ``rank``: step i's mask of its queries over the keys of rank
+    (rank - i) % world_size (where the ring has brought them), or None where it leaves nothing
+    visible. Steps after the last one that leaves something visible on any rank are dropped:
+    every rank drops the same ones (all compute them from the same mask), and the ring stops
+    before them, its K/V transfers with them. Reads the mask back (device syncs): call it once
+    per plan."""
     total = mask.seqlen_q
     where = [layout_indices(layout, r, world_size, total) for r in range(world_size)]
     q_blocks = shard_blocks(where[rank], mask.block_q, layout)
+    needed = layout_work(mask, layout, world_size).sum(0).nonzero()
+    n_steps = 1 if needed.numel() == 0 else int(needed.max()) + 1
     steps = []
-    for i in range(world_size):
+    for i in range(n_steps):
         view = mask.take(q_blocks, shard_blocks(where[(rank - i) % world_size], mask.block_k, layout))
         steps.append(view if int(view.kv_count.sum()) > 0 else None)
     return tuple(steps)
@@ -206,12 +211,15 @@ def layout_work(block_mask: object, layout: str | ChunkLayout, world_size: int) 
     ``layout``. Its row sums are each rank's work; a ring step lasts about its slowest rank's."""
     mask = as_tile_mask(block_mask)
     _query_blocks(mask, world_size)
-    visible = (mask.grid() > -2).sum((0, 1)).cpu()  # (NQ, NK)
     where = [layout_indices(layout, r, world_size, mask.seqlen_q) for r in range(world_size)]
-    q_blocks = [shard_blocks(w, mask.block_q, layout) for w in where]
-    k_blocks = [shard_blocks(w, mask.block_k, layout) for w in where]
-    work = torch.zeros(world_size, world_size, dtype=torch.int64)
-    for r in range(world_size):
-        for i in range(world_size):
-            work[r, i] = visible[q_blocks[r]][:, k_blocks[(r - i) % world_size]].sum()
-    return work
+    rank_k = torch.empty(mask.kv_index.shape[3], dtype=torch.int64)  # each key block's rank
+    for r, w in enumerate(where):
+        rank_k[shard_blocks(w, mask.block_k, layout)] = r
+    rank_k = rank_k.to(mask.device)
+    visible = (mask.grid() > -2).sum((0, 1))  # (NQ, NK), summed on the device: one small read back
+    work = torch.zeros(world_size, world_size, dtype=torch.int64, device=mask.device)
+    for r, w in enumerate(where):
+        rows = shard_blocks(w, mask.block_q, layout).to(mask.device)
+        # Rank r's visible blocks per key block, at the ring step that brings that key block.
+        work[r].index_add_(0, (r - rank_k) % world_size, visible[rows].sum(0))
+    return work.cpu()

@@ -91,6 +91,13 @@ def ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward for local shards q (B, n, Hq, D), k/v (B, n, Hk, D); returns (out, lse (B, Hq, n))."""
     b, n, hq, d = q.shape
+    single = _single_call(plan, n)
+    if single is not None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty((b, hq, n), device=q.device, dtype=torch.float32)
+        c = single
+        c.forward(q[c.q_index], k[c.k_index], v[c.k_index], out[c.q_index], lse[c.lse_index])
+        return out, lse
     # A call whose query rows nothing has written yet writes the accumulator itself (a row's
     # first partial is its merge with the empty (0, -inf)); later calls over them merge. Where
     # the first step reaches every row so, the accumulator needs no fill.
@@ -119,6 +126,18 @@ def ring_forward(
             pending.wait()
             kv = bufs[i % 2]
     return acc_out.to(q.dtype), acc_lse
+
+
+def _single_call(plan: RingPlan, n: int) -> KernelCall | None:
+    """The plan's only kernel call where the ring never moves and that call covers every query
+    and key row of the shard (one rank, or a block mask that no rank needs another's keys for):
+    it writes out, LSE and the gradients in place, in the inputs' dtypes, without the float32
+    accumulators of a ring that merges partials."""
+    if len(plan) != 1 or len(plan[0]) != 1:
+        return None
+    c = plan[0][0]
+    whole = (0, n, 1)
+    return c if c.q_slice.indices(n) == whole and c.k_index[1].indices(n) == whole else None
 
 
 def _first_writes(calls: tuple[KernelCall, ...], n: int) -> tuple[bool, ...] | None:
@@ -193,6 +212,13 @@ def ring_backward(
     delta = attention_delta(out, dout, base)
     if dlse is not None:
         delta -= dlse
+    single = _single_call(plan, q.shape[1])
+    if single is not None:
+        grads = [torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v)]
+        qi, ki = single.q_index, single.k_index
+        single.backward(dout[qi], q[qi], k[ki], v[ki], lse[single.lse_index], delta[single.lse_index],
+                        dq=grads[0][qi], dk=grads[1][ki], dv=grads[2][ki])  # fmt: skip
+        return tuple(grads)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     f32 = dict(device=k.device, dtype=torch.float32)
     travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]

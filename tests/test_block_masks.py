@@ -86,15 +86,56 @@ def test_take_and_select_heads_are_the_dense_mask_sliced():
     assert shared.select_heads(0, 1) is shared
 
 
-def test_step_views_follow_the_layout_and_drop_empty_steps():
+def test_step_views_follow_the_layout():
     mask = TileMask.from_dense(dense(upper_half_only, 1, 1))
     steps = ring_step_masks(mask, "contiguous", 0, 2)
-    assert steps[0] is not None and steps[1] is None  # rank 0 never needs rank 1's keys
+    assert len(steps) == 1 and steps[0] is not None  # neither rank needs the other's keys: no step 1
     zig = ring_step_masks(mask, "zigzag", 1, 2)  # rank 1 holds blocks 1 and 2: both steps see something
     assert all(s is not None for s in zig)
     assert torch.equal(decoded(zig[0])[0, 0], dense(upper_half_only, 1, 1)[0, 0][128:384, 128:384])
     with pytest.raises(ValueError, match="whole blocks of the mask"):
         ring_step_masks(mask, "stripe", 0, 2)
+
+
+def chunked(b, h, q, kv):
+    """Causal attention inside chunks of 256 tokens (Llama 4's chunked layers): on two
+    contiguous ranks no query sees the other rank's keys."""
+    return (q // 256 == kv // 256) & (kv <= q)
+
+
+def window(b, h, q, kv):
+    """A causal window of 100 keys: on three contiguous ranks of 128 a rank needs only the keys
+    of the rank before it, at ring step 1; step 2 leaves nothing visible on any rank."""
+    return (kv <= q) & (kv > q - 100)
+
+
+def _work_by_hand(full: torch.Tensor, layout: str, world: int) -> torch.Tensor:
+    """layout_work's matrix counted from the dense mask's 128 x 128 blocks."""
+    nb = full.shape[-1] // 128
+    visible = full.view(*full.shape[:2], nb, 128, nb, 128).any(5).any(3).sum((0, 1))
+    blocks = [layout_indices(layout, r, world, full.shape[-1])[::128] // 128 for r in range(world)]
+    work = torch.zeros(world, world, dtype=torch.int64)
+    for r in range(world):
+        for i in range(world):
+            work[r, i] = visible[blocks[r]][:, blocks[(r - i) % world]].sum()
+    return work
+
+
+def test_ring_stops_after_the_last_step_any_rank_needs():
+    mask = TileMask.from_dense(dense(chunked, 1, 2))
+    assert [len(ring_step_masks(mask, "contiguous", r, 2)) for r in (0, 1)] == [1, 1]  # no transfer at all
+    assert [len(ring_step_masks(mask, "zigzag", r, 2)) for r in (0, 1)] == [2, 2]  # block 3 needs block 2
+    full = dense(window, 2, 1, 384)
+    mask = TileMask.from_dense(full)
+    work = ringflash.layout_work(mask, "contiguous", 3)
+    assert torch.equal(work, _work_by_hand(full, "contiguous", 3))
+    assert work[1:, 1].all() and not work[:, 2].any()
+    steps = [ring_step_masks(mask, "contiguous", r, 3) for r in range(3)]
+    assert [len(s) for s in steps] == [2, 2, 2]
+    assert steps[0][1] is None and steps[1][1] is not None  # rank 0's step 1 brings rank 2's keys
+    full = dense(banded, 2, 3)
+    work = ringflash.layout_work(TileMask.from_dense(full), "zigzag", 2)
+    assert torch.equal(work, _work_by_hand(full, "zigzag", 2))
 
 
 def test_balanced_layout_evens_out_the_work():
@@ -210,6 +251,34 @@ def _check(case: Case, results: list[tuple[torch.Tensor, ...]]) -> None:
         assert err < (1e-4 if name == "lse" else TOLERANCE[case.dtype]), f"{case}: {name} rel err {err:.2e}"
     if case.mask_mod is banded and case.batch == 2 and not case.sinks:  # sequence 1's queries 0-4 see nothing
         assert got["out"][1, :5].abs().max() == 0 and got["lse"][1, :, :5].eq(float("-inf")).all()
+
+
+def _run_counting_transfers(case: Case):
+    """``_run``, and how many ring transfers (``RingComm.exchange``) it issued."""
+    from ringflash.comm import RingComm
+
+    count, real = [0], RingComm.exchange
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    RingComm.exchange = counted
+    try:
+        return _run(case), count[0]
+    finally:
+        RingComm.exchange = real
+
+
+@pytest.mark.parametrize("layout, transfers", [("contiguous", 0), ("zigzag", 3)])
+def test_ring_transfers_only_what_a_rank_needs(rank_pool, layout, transfers):
+    """Chunked attention whose chunks each rank holds whole (contiguous) runs on every rank
+    without a transfer, and exactly; zigzag splits a chunk across the ranks: the one step's K/V
+    forward, then K/V and the dK/dV accumulator backward."""
+    case = Case(2, 1, layout, chunked, batch=1, heads=2, kv_heads=1)
+    runs = rank_pool(2).run(_run_counting_transfers, case)
+    assert [n for _, n in runs] == [transfers] * 2
+    _check(case, [r for r, _ in runs])
 
 
 def _run_counting_walks(case: Case):

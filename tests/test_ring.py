@@ -103,6 +103,22 @@ def _run_ring_fused(case: Case):
     return results
 
 
+def _run_ring_single(case: Case):
+    """``_run_ring`` where forward and backward must each take the plan's one call in place."""
+    found = []
+
+    def spy(*args):
+        call = real(*args)
+        found.append(call is not None)
+        return call
+
+    real = ring._single_call
+    with mock.patch.object(ring, "_single_call", spy):
+        results = _run_ring(case)
+    assert found == [True, True], found
+    return results
+
+
 def check_ring(rank_pool, case: Case, run=_run_ring) -> None:
     results = rank_pool(case.world).run(run, case)
     q, k, v, dout = (t.double().requires_grad_() for t in _full_inputs(case))
@@ -222,11 +238,21 @@ def test_ring_bf16_real_size_on_gpus(rank_pool, layout, world):
 @SM90
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ring_fused_backward_on_one_gpu(rank_pool, layout, causal):
-    """One rank on an H100/H200: the fused kernels on the ring's slices (zigzag's own step is
-    three calls on two chunks), dK/dV through the owner's pair; the schedule's transfers are
-    covered over gloo above and by the multi-GPU tests."""
+def test_ring_of_one_rank_writes_in_place_on_one_gpu(rank_pool, layout, causal):
+    """One rank on an H100/H200: the ring never moves, so its one call writes out, LSE and the
+    gradients in place (``ring._single_call``), no float32 accumulators, and they equal float64."""
     case = Case(1, layout, causal, seqlen=1024, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    check_ring(rank_pool, case, run=_run_ring_single)
+
+
+@pytest.mark.multigpu
+@SM90
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_fused_backward_on_gpus(rank_pool, layout, causal):
+    """Two ranks on H100/H200s: the fused kernels on the ring's slices (zigzag's own step is
+    three calls on two chunks), dK/dV through the owner's pair and the travelling accumulator."""
+    case = Case(2, layout, causal, seqlen=2048, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     check_ring(rank_pool, case, run=_run_ring_fused)
 
 
