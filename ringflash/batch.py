@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .layouts import cumulative_lengths, shard_multiple
+from .layouts import ChunkLayout, cumulative_lengths, shard_multiple
 from .mesh import check_ulysses_size
 from .position_ids import position_restarts
 from .sharding import shard_sequence
@@ -17,7 +17,7 @@ _PER_TOKEN = ("input_ids", "labels", "position_ids", "attention_mask", "token_ty
 def shard_batch(
     batch: dict[str, torch.Tensor],
     group: dist.ProcessGroup | None = None,
-    layout: str = "zigzag",
+    layout: str | ChunkLayout = "zigzag",
     ulysses_size: int = 1,
     ignore_index: int = -100,
     pad_token_id: int = 0,
@@ -33,7 +33,8 @@ def shard_batch(
     packed documents. Any other entry raises ValueError: shard other per-token tensors with
     ``shard_sequence`` (same layout), and pass what is not per token to the model as it is.
     Labels are shifted *before* sharding, so the target of the last token of one shard (the
-    first token of the next) is not lost.
+    first token of the next) is not lost. ``layout``: a name, or a ``ChunkLayout`` (e.g.
+    ``balanced_layout``'s for a block mask), as ``shard_sequence`` takes.
 
     Packed sequences: where ``position_ids`` restart inside a row (e.g. transformers'
     DataCollatorWithFlattening), each run of increasing positions is a document. All documents

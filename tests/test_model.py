@@ -13,6 +13,7 @@ from reference import reference_attention, rel_err
 from ringflash.batch import shard_batch
 from ringflash.groups import reduce_gradients, sequence_parallel_groups
 from ringflash.kernels import flash_attn_func
+from ringflash.layouts import ChunkLayout
 from ringflash.loss import sequence_parallel_cross_entropy
 from ringflash.modules import ReferenceDecoder, SequenceParallelAttention
 
@@ -236,6 +237,30 @@ def test_shard_batch_shifts_labels_before_sharding(rank_pool):
         assert shards[rank]["embeds_grad"].tolist() == [2.0 if t in held else 0.0 for t in range(16)]
 
 
+def _shard_dealt():
+    """16 tokens in 4 chunks dealt out of order (what ``balanced_layout`` returns), and 2
+    documents of 8 cut the same way inside each."""
+    layout = ChunkLayout(((1, 3), (0, 2)))
+    ids = torch.arange(16).view(1, 16)
+    whole = shard_batch({"input_ids": ids}, layout=layout)
+    positions = torch.arange(8).repeat(2).view(1, 16)
+    packed = shard_batch({"input_ids": ids, "position_ids": positions}, layout=layout)
+    return whole, packed
+
+
+def test_shard_batch_takes_a_chunk_layout(rank_pool):
+    (whole0, packed0), (whole1, packed1) = rank_pool(2).run(_shard_dealt)
+    assert whole0["input_ids"].tolist() == [[4, 5, 6, 7, 12, 13, 14, 15]]  # chunks 1 and 3
+    assert whole0["target_ids"].tolist() == [[5, 6, 7, 8, 13, 14, 15, -100]]
+    assert whole1["input_ids"].tolist() == [[0, 1, 2, 3, 8, 9, 10, 11]]
+    assert whole1["target_ids"].tolist() == [[1, 2, 3, 4, 9, 10, 11, 12]]
+    assert packed0["cu_seqlens"].tolist() == [0, 8, 16]
+    # chunk by chunk, every document's: chunk 1 of both documents, then chunk 3 of both
+    assert packed0["input_ids"].tolist() == [[2, 3, 10, 11, 6, 7, 14, 15]]
+    assert packed0["target_ids"].tolist() == [[3, 4, 11, 12, 7, -100, 15, -100]]
+    assert packed1["input_ids"].tolist() == [[0, 1, 8, 9, 4, 5, 12, 13]]
+
+
 def _bad_batches():
     ones = torch.ones(1, 8, dtype=torch.long)
     return errors_of(
@@ -254,9 +279,12 @@ def _bad_batches():
             "embeds_shape": lambda: shard_batch({"input_ids": ones, "inputs_embeds": torch.ones(1, 4, 3)}),
             "embeds_type": lambda: shard_batch({"input_ids": ones, "inputs_embeds": [[0.0] * 8]}),
             "packed_embeds": lambda: shard_batch(
-                {"input_ids": ones, "position_ids": torch.tensor([[0, 1, 2, 3] * 2]),
-                 "inputs_embeds": torch.ones(1, 8, 3)}
-            ),  # fmt: skip
+                {
+                    "input_ids": ones,
+                    "position_ids": torch.tensor([[0, 1, 2, 3] * 2]),
+                    "inputs_embeds": torch.ones(1, 8, 3),
+                }
+            ),
             "groups": lambda: sequence_parallel_groups(3),
         }
     )
