@@ -11,7 +11,7 @@ from torch import nn
 
 from .kernels import check_sinks
 from .kernels.problem import check_alibi_slopes
-from .layouts import check_layout, document_lengths
+from .layouts import ChunkLayout, check_layout, document_lengths
 from .sp_functions import check_sp_mode, sp_attn_func
 from .ulysses import whole_sequence_attention
 
@@ -33,7 +33,7 @@ class SequenceParallelAttention(nn.Module):
         window_size: tuple[int, int] = (-1, -1),
         softmax_scale: float | None = None,
         group: dist.ProcessGroup | None = None,
-        layout: str = "zigzag",
+        layout: str | ChunkLayout = "zigzag",
         sp_mode: str = "auto",
         ulysses_size: int | None = None,
         *,
@@ -85,7 +85,7 @@ def sequence_parallel_attention(
     causal: bool,
     window_size: tuple[int, int],
     group: dist.ProcessGroup | None,
-    layout: str,
+    layout: str | ChunkLayout,
     sp_mode: str,
     ulysses_size: int | None,
     cu_seqlens: torch.Tensor | Sequence[int] | None,

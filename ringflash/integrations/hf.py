@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from ..comm import host_values_agree, resolve_group
 from ..kernels import TileMask, flash_attn_func
-from ..layouts import host_bounds
+from ..layouts import ChunkLayout, host_bounds
 from ..llama3 import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 from ..modules import is_sequence_parallel, sequence_parallel_attention
 from ..position_ids import assert_unpacked_in_graph, check_shard_position_ids, documents_from_position_ids
@@ -506,7 +506,7 @@ def _softcap(softcap: object) -> float:
 
 def enable(
     group: dist.ProcessGroup | None = None,
-    layout: str = "zigzag",
+    layout: str | ChunkLayout = "zigzag",
     sp_mode: str = "auto",
     ulysses_size: int | None = None,
 ) -> str:
