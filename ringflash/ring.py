@@ -181,6 +181,16 @@ def _key_rows(calls: tuple[KernelCall, ...]) -> list[slice]:
     return [slice(a, b) for a, b in spans]
 
 
+def _other_rows(rows: list[slice], n: int) -> list[slice]:
+    """The rows of [0, n) outside ``rows`` (disjoint slices in order, as ``_key_rows`` gives)."""
+    others, at = [], 0
+    for start, stop, _ in (r.indices(n) for r in rows):
+        if start > at:
+            others.append(slice(at, start))
+        at = stop
+    return others + [slice(at, n)] if at < n else others
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -208,6 +218,10 @@ def ring_backward(
     step computes its dK/dV into a scratch pair (in k's dtype) while the accumulator is still on
     its way, then adds the scratch into it; the owner's own part waits in a second pair. Two
     pairs in k's dtype more memory, one add pass per step, and the transfer overlaps the step.
+    On a ring of two steps (two ranks, or a plan that stops after step 1) nothing overlaps the
+    trip home, and the accumulator would hold one contribution, the scratch: so the scratch
+    itself travels home, in k's dtype (half the bytes of float32, the same sums), into the K/V
+    receive pair that step 1 leaves unused, and no float32 accumulator travels.
     """
     delta = attention_delta(out, dout, base)
     if dlse is not None:
@@ -220,9 +234,13 @@ def ring_backward(
                         dq=grads[0][qi], dk=grads[1][ki], dv=grads[2][ki])  # fmt: skip
         return tuple(grads)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    f32 = dict(device=k.device, dtype=torch.float32)
-    travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
+    own, last = plan[0], len(plan) - 1
     fused = backward_is_fused(plan, q, k, v)
+    scratch_home = fused and last == 1  # the scratch travels home itself (docstring)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    travel = None
+    if not scratch_home:
+        travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
 
     def block(c: KernelCall, kv) -> tuple:
         qi, ki = c.q_index, c.k_index
@@ -251,7 +269,6 @@ def ring_backward(
             for a, t in zip(acc, scratch):
                 a[:, r].add_(t[:, r])
 
-    own, last = plan[0], len(plan) - 1
     bufs = _receive_buffers(k, v, plan)
     kv_pending = comm.exchange([k, v], bufs[1]) if last > 0 else None
     # The owner's dQ (fused: and its dK/dV, kept for the end) overlaps the first K/V transfer.
@@ -263,16 +280,22 @@ def ring_backward(
             launch(call, [k, v])
     # travel[1] is where the accumulation starts: the first hop's (zeroed before anything
     # arrives in it) or, on a one-step ring, the owner's own.
-    for a in travel[1]:
+    for a in () if scratch_home else travel[1]:
         a.zero_()
     grads_pending = None
     for i in range(1, last + 1):
         kv_pending.wait()
         kv = bufs[i % 2]
         kv_pending = comm.exchange(kv, bufs[(i + 1) % 2]) if i < last else None
-        acc = travel[i % 2]
         if fused:  # before the wait: the accumulator arrives while this runs
             rows = launch_fused(plan[i], kv, scratch)
+        if scratch_home:  # all of the pair travels: zero what no call wrote
+            for r in _other_rows(rows, k.shape[1]):
+                for t in scratch:
+                    t[:, r].zero_()
+            grads_pending = comm.exchange(scratch, bufs[0], offset=-1)
+            break
+        acc = travel[i % 2]
         if grads_pending is not None:
             grads_pending.wait()
         if fused:
@@ -286,9 +309,9 @@ def ring_backward(
         if not fused:
             for call in plan[i]:
                 launch(call, kv)
-    acc = travel[(last + 1) % 2]
     if grads_pending is not None:
         grads_pending.wait()
+    acc = [t.float() for t in bufs[0]] if scratch_home else travel[(last + 1) % 2]
     if fused:
         add_rows(acc, home, home_rows)
     else:

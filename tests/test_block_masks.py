@@ -10,6 +10,7 @@ nothing, and (on two ranks) a whole ring step with nothing visible, which the pl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -279,6 +280,22 @@ def test_ring_transfers_only_what_a_rank_needs(rank_pool, layout, transfers):
     runs = rank_pool(2).run(_run_counting_transfers, case)
     assert [n for _, n in runs] == [transfers] * 2
     _check(case, [r for r, _ in runs])
+
+
+def _run_fused_schedule(case: Case):
+    """``_run`` with the ring backward's fused schedule (sm_90's), the Triton kernels doing both
+    parts: on two ranks the visiting shard's dK/dV travels home in the inputs' dtype."""
+    from ringflash import ring
+
+    with mock.patch.object(ring, "backward_is_fused", return_value=True) as fused:
+        results = _run(case)
+    assert fused.call_count == 1
+    return results
+
+
+def test_ring_fused_schedule_under_a_block_mask(rank_pool):
+    case = Case(2, 1, "zigzag", heads=2, kv_heads=1, dtype=torch.float16)
+    _check(case, rank_pool(2).run(_run_fused_schedule, case))
 
 
 def _run_counting_walks(case: Case):

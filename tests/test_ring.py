@@ -120,7 +120,11 @@ def _run_ring_single(case: Case):
 
 
 def check_ring(rank_pool, case: Case, run=_run_ring) -> None:
-    results = rank_pool(case.world).run(run, case)
+    check_results(case, rank_pool(case.world).run(run, case))
+
+
+def check_results(case: Case, results: list[tuple[torch.Tensor, ...]]) -> None:
+    """Every rank's (out, lse, dq, dk, dv) put in place against float64 over the whole sequence."""
     q, k, v, dout = (t.double().requires_grad_() for t in _full_inputs(case))
     ref_out, ref_lse = _reference(case, q, k, v)
     ref_out.backward(dout)
@@ -195,9 +199,37 @@ def test_ring_gqa_batch_fp16(rank_pool, kv_heads, layout):
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_fused_backward_schedule(rank_pool, world, layout, causal):
     """The schedule that fused kernels get (on sm_90), run here with the Triton kernels: dK/dV
-    into scratch, added to the arriving accumulator; the owner's part kept to the end (one rank:
-    test_ring_fused_backward_on_one_gpu)."""
+    into scratch, added to the arriving accumulator (on two ranks the scratch travels home
+    itself); the owner's part kept to the end (on GPUs: test_ring_fused_backward_on_gpus)."""
     check_ring(rank_pool, Case(world, layout, causal, fused=True, seed=world))
+
+
+def _run_ring_recording_trips(case: Case):
+    """``_run_ring`` (``case.fused``), and each transfer's (offset, dtypes of what it sends)."""
+    from ringflash.comm import RingComm
+
+    trips, real = [], RingComm.exchange
+
+    def recorded(self, send, recv, offset=1):
+        trips.append((offset, tuple(str(t.dtype).removeprefix("torch.") for t in send)))
+        return real(self, send, recv, offset)
+
+    with mock.patch.object(RingComm, "exchange", recorded):
+        return _run_ring(case), trips
+
+
+@pytest.mark.parametrize(
+    "world, window", [(2, (-1, -1)), (3, (10, 0))], ids=["two-ranks", "three-ranks-window-needs-one-step"]
+)
+def test_fused_ring_of_two_steps_sends_its_scratch_home(rank_pool, world, window):
+    """A fused backward over two ring steps (two ranks; three whose window of 10 reaches only
+    the rank before, so the plan stops after step 1) sends the visiting shard's dK/dV home in
+    the inputs' dtype, fp16, not as a float32 accumulator; the gradients equal float64's."""
+    case = Case(world, "contiguous", window=window, seqlen=48, dtype=torch.float16, fused=True, seed=7)
+    runs = rank_pool(world).run(_run_ring_recording_trips, case)
+    for _, trips in runs:  # forward K/V, backward K/V, then the scratch home
+        assert trips == [(1, ("float16", "float16"))] * 2 + [(-1, ("float16", "float16"))], trips
+    check_results(case, [r for r, _ in runs])
 
 
 def test_ring_fused_backward_schedule_gqa_fp16(rank_pool):
