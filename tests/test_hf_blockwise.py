@@ -154,13 +154,14 @@ DEALT = ChunkLayout(((1, 2), (0, 3)))
 
 
 @pytest.mark.parametrize(
-    ("family", "sp_mode", "layout"), [("gemma3", "ring", DEALT), ("paligemma", "ulysses", "zigzag")]
+    ("family", "sp_mode", "layout"), [("gemma3", "auto", DEALT), ("paligemma", "ulysses", "zigzag")]
 )
 def test_multimodal_blocks_sequence_parallel_step_equals_eager(rank_pool, family, sp_mode, layout):
-    """Sequence parallel (2 ranks): a training step of Gemma-3 with image blocks (the ring over a
-    ``ChunkLayout``, given to ``enable`` and ``shard_batch``) and of PaliGemma with prefixes
-    (Ulysses, zigzag) has eager attention's loss and gradients on one process; the blocks matter
-    (the same step without token types gives another loss)."""
+    """Sequence parallel (2 ranks): a training step of Gemma-3 with image blocks ("auto", here
+    the all-gather mode, over a ``ChunkLayout`` given to ``enable`` and ``shard_batch``; the
+    ring over one: test_block_masks) and of PaliGemma with prefixes (Ulysses, zigzag) has eager
+    attention's loss and gradients on one process; the blocks matter (the same step without
+    token types gives another loss)."""
     results = rank_pool(2).run(_sharded_step, family, sp_mode, layout, timeout=600)
     batch = _batch(family)
     without_types = {"input_ids": batch["input_ids"]}
