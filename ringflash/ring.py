@@ -91,11 +91,10 @@ def ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward for local shards q (B, n, Hq, D), k/v (B, n, Hk, D); returns (out, lse (B, Hq, n))."""
     b, n, hq, d = q.shape
-    single = _single_call(plan, n)
-    if single is not None:
+    c = _single_call(plan, n)
+    if c is not None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty((b, hq, n), device=q.device, dtype=torch.float32)
-        c = single
         c.forward(q[c.q_index], k[c.k_index], v[c.k_index], out[c.q_index], lse[c.lse_index])
         return out, lse
     # A call whose query rows nothing has written yet writes the accumulator itself (a row's
