@@ -180,16 +180,6 @@ def _key_rows(calls: tuple[KernelCall, ...]) -> list[slice]:
     return [slice(a, b) for a, b in spans]
 
 
-def _other_rows(rows: list[slice], n: int) -> list[slice]:
-    """The rows of [0, n) outside ``rows`` (disjoint slices in order, as ``_key_rows`` gives)."""
-    others, at = [], 0
-    for start, stop, _ in (r.indices(n) for r in rows):
-        if start > at:
-            others.append(slice(at, start))
-        at = stop
-    return others + [slice(at, n)] if at < n else others
-
-
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -225,12 +215,16 @@ def ring_backward(
     delta = attention_delta(out, dout, base)
     if dlse is not None:
         delta -= dlse
+
+    def block(c: KernelCall, kv) -> tuple:
+        qi, ki = c.q_index, c.k_index
+        return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index]
+
     single = _single_call(plan, q.shape[1])
     if single is not None:
         grads = [torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v)]
         qi, ki = single.q_index, single.k_index
-        single.backward(dout[qi], q[qi], k[ki], v[ki], lse[single.lse_index], delta[single.lse_index],
-                        dq=grads[0][qi], dk=grads[1][ki], dv=grads[2][ki])  # fmt: skip
+        single.backward(*block(single, [k, v]), dq=grads[0][qi], dk=grads[1][ki], dv=grads[2][ki])
         return tuple(grads)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     own, last = plan[0], len(plan) - 1
@@ -241,10 +235,6 @@ def ring_backward(
     if not scratch_home:
         travel = [[torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)] for _ in range(2)]
 
-    def block(c: KernelCall, kv) -> tuple:
-        qi, ki = c.q_index, c.k_index
-        return dout[qi], q[qi], kv[0][ki], kv[1][ki], lse[c.lse_index], delta[c.lse_index]
-
     def launch(c: KernelCall, kv, grads=None) -> None:
         """dQ (grads None), dK/dV added into ``grads``, or both (fused)."""
         dkdv = {} if grads is None else dict(dk=grads[0][c.k_index], dv=grads[1][c.k_index])
@@ -253,10 +243,11 @@ def ring_backward(
             compute_dkdv=grads is not None, compute_dq=grads is None or fused,
         )  # fmt: skip
 
-    def launch_fused(calls: tuple[KernelCall, ...], kv, scratch) -> list[slice]:
-        """A step's fused calls, dK/dV into zeroed rows of ``scratch``; returns those rows."""
+    def launch_fused(calls: tuple[KernelCall, ...], kv, scratch, whole: bool = False) -> list[slice]:
+        """A step's fused calls, dK/dV into zeroed rows of ``scratch`` (``whole``: all of it
+        zeroed, as a pair that travels); returns the rows they write."""
         rows = _key_rows(calls)
-        for r in rows:
+        for r in [slice(None)] if whole else rows:
             for t in scratch:
                 t[:, r].zero_()
         for c in calls:
@@ -287,11 +278,8 @@ def ring_backward(
         kv = bufs[i % 2]
         kv_pending = comm.exchange(kv, bufs[(i + 1) % 2]) if i < last else None
         if fused:  # before the wait: the accumulator arrives while this runs
-            rows = launch_fused(plan[i], kv, scratch)
-        if scratch_home:  # all of the pair travels: zero what no call wrote
-            for r in _other_rows(rows, k.shape[1]):
-                for t in scratch:
-                    t[:, r].zero_()
+            rows = launch_fused(plan[i], kv, scratch, whole=scratch_home)
+        if scratch_home:
             grads_pending = comm.exchange(scratch, bufs[0], offset=-1)
             break
         acc = travel[i % 2]

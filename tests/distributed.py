@@ -12,12 +12,14 @@ traceback and tears the pool down, so a bug shows as an error, never as a hung s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -86,6 +88,22 @@ def errors_of(calls: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     return errors
+
+
+@contextlib.contextmanager
+def recorded_transfers() -> Iterator[list[tuple[int, tuple[str, ...]]]]:
+    """Within it, every ring transfer (``RingComm.exchange``) this rank issues, recorded as
+    (offset, dtypes of the tensors it sends) in a list it yields."""
+    from ringflash.comm import RingComm
+
+    trips, real = [], RingComm.exchange
+
+    def recorded(self, send, recv, offset=1):
+        trips.append((offset, tuple(str(t.dtype).removeprefix("torch.") for t in send)))
+        return real(self, send, recv, offset)
+
+    with mock.patch.object(RingComm, "exchange", recorded):
+        yield trips
 
 
 class RankPool:

@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from distributed import errors_of, worker_device
+from distributed import errors_of, recorded_transfers, worker_device
 from reference import TOLERANCE, reference_attention, rel_err
 from sm90 import SM90
 
@@ -256,19 +256,8 @@ def _check(case: Case, results: list[tuple[torch.Tensor, ...]]) -> None:
 
 def _run_counting_transfers(case: Case):
     """``_run``, and how many ring transfers (``RingComm.exchange``) it issued."""
-    from ringflash.comm import RingComm
-
-    count, real = [0], RingComm.exchange
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return real(self, *args, **kwargs)
-
-    RingComm.exchange = counted
-    try:
-        return _run(case), count[0]
-    finally:
-        RingComm.exchange = real
+    with recorded_transfers() as trips:
+        return _run(case), len(trips)
 
 
 @pytest.mark.parametrize("layout, transfers", [("contiguous", 0), ("zigzag", 3)])

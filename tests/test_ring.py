@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import errors_of, worker_device
+from distributed import errors_of, recorded_transfers, worker_device
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 from sm90 import SM90
 
@@ -206,15 +206,7 @@ def test_ring_fused_backward_schedule(rank_pool, world, layout, causal):
 
 def _run_ring_recording_trips(case: Case):
     """``_run_ring`` (``case.fused``), and each transfer's (offset, dtypes of what it sends)."""
-    from ringflash.comm import RingComm
-
-    trips, real = [], RingComm.exchange
-
-    def recorded(self, send, recv, offset=1):
-        trips.append((offset, tuple(str(t.dtype).removeprefix("torch.") for t in send)))
-        return real(self, send, recv, offset)
-
-    with mock.patch.object(RingComm, "exchange", recorded):
+    with recorded_transfers() as trips:
         return _run_ring(case), trips
 
 
