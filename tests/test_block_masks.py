@@ -287,6 +287,22 @@ def test_ring_fused_schedule_under_a_block_mask(rank_pool):
     _check(case, rank_pool(2).run(_run_fused_schedule, case))
 
 
+def _run_in_turn(cases: list[Case]):
+    """``_run_counting_transfers`` of each case in turn on the same ranks: each call's mask a new
+    object, so the ring's setup cache (keyed by the mask) must plan each anew."""
+    return [_run_counting_transfers(case) for case in cases]
+
+
+def test_ring_plans_each_mask_anew(rank_pool):
+    """Chunked (no transfer), then banded (every step), then chunked again (a new mask object,
+    maybe at the freed one's address): each call runs its own mask's steps and equals float64."""
+    cases = [Case(2, 1, "contiguous", mask_mod, batch=1) for mask_mod in (chunked, banded, chunked)]
+    runs = rank_pool(2).run(_run_in_turn, cases)
+    for i, case in enumerate(cases):
+        assert [r[i][1] for r in runs] == [0 if case.mask_mod is chunked else 3] * 2, i
+        _check(case, [r[i][0] for r in runs])
+
+
 def _run_counting_walks(case: Case):
     """``_run``, and whether each Hopper backward launch walked a block mask's lists."""
     from ringflash.kernels.hopper import backward as hopper_backward
