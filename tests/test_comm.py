@@ -1,11 +1,16 @@
-"""ringflash.use_high_priority_comm (the ring exchanges are exercised by test_ring)."""
+"""ringflash.comm: the ring's exchange over the group's own send/recv, and
+use_high_priority_comm (the ring's use of the exchange is exercised by test_ring)."""
 
 import os
+from unittest import mock
 
 import pytest
+import torch
 import torch.distributed as dist
+from distributed import worker_device
 
 import ringflash
+from ringflash import comm
 
 
 def test_use_high_priority_comm_sets_torch_nccl_high_priority(monkeypatch):
@@ -30,3 +35,69 @@ def test_use_high_priority_comm_after_init_warns(monkeypatch, tmp_path):
             ringflash.use_high_priority_comm()
     finally:
         dist.destroy_process_group()
+
+
+class _RecordingGroup:
+    """A process group whose backend coalesces (as NCCL's does), recording its calls."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def _get_backend(self, device):
+        return mock.Mock(supports_coalescing=True)
+
+    def _start_coalescing(self, device):
+        self.calls.append(("start", device.type))
+
+    def send(self, tensors, rank, tag):
+        self.calls.append(("send", tensors[0].tolist(), rank))
+
+    def recv(self, tensors, rank, tag):
+        self.calls.append(("recv", tensors[0].tolist(), rank))
+
+    def _end_coalescing(self, device):
+        self.calls.append(("end", device.type))
+        return "work"
+
+
+def test_group_p2p_sends_one_coalesced_batch_where_the_backend_coalesces():
+    group = _RecordingGroup()
+    send, recv = [torch.tensor([1.0]), torch.tensor([2.0])], [torch.tensor([0.0]), torch.tensor([-1.0])]
+    works = comm.group_p2p(group, send, recv, to_rank=3, from_rank=1)
+    assert works == ["work"]
+    assert group.calls == [
+        ("start", "cpu"), ("send", [1.0], 3), ("send", [2.0], 3), ("recv", [0.0], 1), ("recv", [-1.0], 1),
+        ("end", "cpu"),
+    ]  # fmt: skip
+
+
+def _exchanges(group_p2p: bool):
+    """On 3 ranks: RingComm.exchange over the world with offsets 1, -1 and 2, and over the
+    subgroup of global ranks 0 and 2 (group ranks 0 and 1: a send names the group rank), two
+    tensors each way; returns what each rank received."""
+    rank, device = dist.get_rank(), worker_device()
+    sub = dist.new_group([0, 2])  # every rank creates it, only 0 and 2 use it
+    got = []
+    with mock.patch.object(comm, "_GROUP_P2P", group_p2p):
+        ring = comm.RingComm()
+        for offset in (1, -1, 2):
+            send = [torch.full((3,), 10.0 * rank + i, device=device) for i in range(2)]
+            recv = [torch.empty(3, device=device) for _ in range(2)]
+            ring.exchange(send, recv, offset).wait()
+            got.append([r[0].item() for r in recv])
+        if rank != 1:
+            send = [torch.full((2,), 100.0 + rank, device=device)]
+            recv = [torch.empty(2, device=device)]
+            comm.RingComm(sub).exchange(send, recv).wait()
+            got.append(recv[0].tolist())
+    return got
+
+
+@pytest.mark.parametrize("group_p2p", [True, False], ids=["group_send_recv", "batch_isend_irecv"])
+def test_ring_exchange_moves_each_tensor_to_its_peer(rank_pool, group_p2p):
+    results = rank_pool(3).run(_exchanges, group_p2p)
+    for rank, got in enumerate(results):
+        expected = [[10.0 * ((rank - o) % 3) + i for i in range(2)] for o in (1, -1, 2)]
+        assert got[:3] == expected
+    assert results[0][3] == [102.0, 102.0] and results[2][3] == [100.0, 100.0]
+    assert len(results[1]) == 3
