@@ -3,7 +3,9 @@
 At step i, rank r holds the K/V shard that started on rank (r - i) mod W. Each (query segment,
 key segment) pair of the two shards is classified from its global positions as skipped, full
 (no mask) or partial (masked). Full pairs that tile a larger rectangle are coalesced into one
-call, so e.g. zigzag's off-diagonal steps are a single unmasked call. The ring runs only as
+call, so e.g. zigzag's off-diagonal steps are a single unmasked call; under a plain causal mask
+the first step (the rank's own shard) is one causal call in local positions wherever the shard's
+chunks keep their global order (``_own_shard_task``). The ring runs only as
 many steps as some rank still has visible keys for: a short sliding window stops it early.
 Packed documents: a segment holds the same chunk of every document, and a pair is one varlen
 call over all documents; it is skipped only if no document sees anything, and unmasked only if
@@ -119,4 +121,30 @@ def ring_schedule(
     for i in range(world_size):
         if any(pairs(r, i) for r in range(world_size)):
             n_steps = i + 1
-    return RingSchedule(tuple(pairs(rank, i) for i in range(n_steps)))
+    own = _own_shard_task(segs[rank], bounds, varlen, positions)
+    first = pairs(rank, 0) if own is None else (own,)
+    return RingSchedule((first, *(pairs(rank, i) for i in range(1, n_steps))))
+
+
+def _own_shard_task(
+    segs: list[Segment], bounds: MaskBounds, varlen: bool, positions: bool
+) -> BlockTask | None:
+    """Step 0 (the rank's own shard) as one causal call over the whole shard in local
+    positions, where that is the same mask as its segments' calls in global positions: causal
+    without a window (key visible iff pk <= pq), one unpacked sequence, no ALiBi (its bias needs
+    global distances), and segments that follow each other in global order (zigzag's two
+    chunks; not a ChunkLayout that deals a rank's chunks out of order). A map that keeps the
+    order keeps pk <= pq, so local causal attention is the global one. Zigzag's first step is
+    then one call instead of three (a diagonal block, a full block, a diagonal block) and no
+    merge; None where the segments' tasks stay (one segment: already one task)."""
+    if varlen or positions or bounds != MaskBounds(None, 0) or len(segs) < 2:
+        return None
+    spans = []
+    for seg in segs:
+        p = seg.positions.resolved(seg.length)
+        spans.append((seg.local_start, seg.length, p.start, p.at(seg.length - 1)))
+    for (start, length, _, last), (next_start, _, next_first, _) in zip(spans, spans[1:]):
+        if next_start != start + length or next_first <= last:
+            return None
+    n = spans[-1][0] + spans[-1][1] - spans[0][0]
+    return BlockTask(spans[0][0], n, spans[0][0], n, TokenPositions(), TokenPositions(), masked=True)

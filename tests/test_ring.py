@@ -166,6 +166,31 @@ def test_ring_chunk_layout(rank_pool, case):
     check_ring(rank_pool, case)
 
 
+def test_first_step_is_one_causal_call_where_the_shard_keeps_global_order():
+    """Causal attention within a shard whose chunks keep their global order is causal attention
+    in local positions: zigzag's first step is one call over the whole shard, not three. A
+    window or ALiBi (distances), packed documents, or chunks out of order keep their tasks (the
+    ring tests above check both kinds against float64)."""
+    from ringflash.kernels import MaskBounds
+    from ringflash.schedule import ring_schedule
+
+    causal = MaskBounds(None, 0)
+    for world in (1, 2, 3, 4):
+        for rank in range(world):
+            (task,) = ring_schedule("zigzag", rank, world, (48,), causal, False).steps[0]
+            n = 48 // world
+            assert (task.q_start, task.q_len, task.k_start, task.k_len, task.masked) == (0, n, 0, n, True)
+    kept = {
+        "window": ring_schedule("zigzag", 0, 2, (48,), MaskBounds(5, 0), False),
+        "alibi": ring_schedule("zigzag", 0, 2, (48,), causal, False, True),
+        "packed": ring_schedule("zigzag", 0, 2, (24, 24), causal, True),
+        "out of order": ring_schedule(SHUFFLED, 0, 3, (48,), causal, False),
+    }
+    for name, schedule in kept.items():
+        assert len(schedule.steps[0]) > 1, name
+    assert len(ring_schedule(SHUFFLED, 1, 3, (48,), causal, False).steps[0]) == 1  # chunks 2, 5
+
+
 def test_chunk_layout_checks():
     """Zigzag as a ChunkLayout gives zigzag's indices (also per Ulysses piece and per packed
     document); malformed chunk lists, and a ChunkLayout where a compiled op needs a name, raise."""
