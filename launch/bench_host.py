@@ -21,6 +21,9 @@ The entries take turns, one timing each per round (``--rounds``, medians over ro
 per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``run``), same run.
 ``--ab-backward`` adds them with autograd's backward as it was before ``attention_gradients``
 (``attention_delta`` then ``attention_backward``: the general path, a dQ fill of its own).
+``--ab-comm`` adds the sequence-parallel entries with the ring's exchange through
+``dist.batch_isend_irecv`` instead of the process group's own send/recv (``comm.group_p2p``), and
+without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``).
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
+from ringflash import comm as ring_comm
 from ringflash.kernels import attention_backward, attention_delta
 from ringflash.kernels import ops as kernel_ops
 
@@ -243,6 +247,11 @@ def main() -> None:
         "--ab-backward", action="store_true",
         help="also run the single-device entries with the backward as attention_delta + attention_backward",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-comm", action="store_true",
+        help="also run the sequence-parallel entries with the ring's exchange through batch_isend_irecv "
+        "([batch_isend_irecv]) and without the ranks' check ([no check], RINGFLASH_CHECK_RANKS=0)",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
@@ -285,6 +294,14 @@ def main() -> None:
                 found[f"{name}[binding={mode}]"] = (f, context, layout)
         if args.ab_backward:
             found[f"{name}[delta+backward]"] = (f, composed, layout)
+    if args.ab_comm:  # every rank runs the same entries in the same order: the check's setting agrees
+        batch_p2p = lambda: mock.patch.object(ring_comm, "_GROUP_P2P", False)  # noqa: E731
+        no_check = lambda: mock.patch.dict(os.environ, {"RINGFLASH_CHECK_RANKS": "0"})  # noqa: E731
+        for name in [n for n in found if n.startswith(("ring_", "zigzag_", "sp_attn_func"))]:
+            f, _, layout = found[name]
+            if not name.startswith("sp_attn_func"):  # Ulysses and the all-gather make no ring exchange
+                found[f"{name}[batch_isend_irecv]"] = (f, batch_p2p, layout)
+            found[f"{name}[no check]"] = (f, no_check, layout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
     for name, (_, _, layout) in found.items():
         native = (lambda t: t) if layout is None else (lambda t, f=layout: f(t).contiguous())
