@@ -377,13 +377,13 @@ def layout_setup(
                    cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, heads_k_stride=heads_k_stride, **options)
     if hit is not None:  # built before for this signature; the ranks' check still runs
-        (base, plan), group = hit, resolved
+        (base, plan, digests), group = hit, resolved
         try:
             sinks = check_sinks(sinks, base.heads_q, q.device)
         except (ValueError, TypeError) as e:
             error = e
-        join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
-                        sp_mode="allgather", **options)  # fmt: skip
+        join_rank_check(group, check_ranks, error, q, k, v, digests=digests, sinks=sinks,
+                        heads_k_stride=heads_k_stride, sp_mode="allgather", **options)  # fmt: skip
         return base, plan, group, sinks
     stride = view = None
     shard_options = {n: x for n, x in options.items() if n != "block_mask"}
@@ -404,8 +404,9 @@ def layout_setup(
             view = gathered_keys_mask(block_mask, layout, rank, world)
         except (ValueError, TypeError) as e:
             error = e
-    join_rank_check(group, check_ranks, error, q, k, v, sinks=sinks, heads_k_stride=heads_k_stride,
-                    sp_mode="allgather", **options)  # fmt: skip
+    digests: dict = {}  # the check's memo, kept with the setup
+    join_rank_check(group, check_ranks, error, q, k, v, digests=digests, sinks=sinks,
+                    heads_k_stride=heads_k_stride, sp_mode="allgather", **options)  # fmt: skip
     doc_lens = full_document_lengths(layout, q.shape[1], world, cu_seqlens)
     bounds = None if cu_seqlens is None else (0, *itertools.accumulate(doc_lens))
     if view is None:
@@ -415,7 +416,7 @@ def layout_setup(
     order = natural_order(layout, world, total, bounds, q.device)
     plan = gather_plan(calls, base.heads_k, stride, q.shape[1], order, view)
     weak = () if block_mask is None else (block_mask,)
-    SETUPS.put(key, (base, plan), group, alibi_slopes, cu_seqlens, weak=weak)
+    SETUPS.put(key, (base, plan, digests), group, alibi_slopes, cu_seqlens, weak=weak)
     return base, plan, group, sinks
 
 

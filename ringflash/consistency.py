@@ -12,7 +12,9 @@ the first sits in the ring's transfers while the second waits in the check: the 
 module exists to prevent. So every call makes one fixed-size exchange of a 56-bit digest of the
 signature on the host (``comm.host_values_agree``), which needs no device synchronization and
 adds no kernel to the device stream. Only when the digests differ is the full signature gathered
-to say what differs.
+to say what differs. A call that found its setup cached takes the digest from the setup's memo
+(``join_rank_check``'s ``digests``) instead of describing and hashing every argument again: the
+memo saves that work, never the exchange.
 
 Cost: it waits on the host, never on the device stream. Ranks of one host compare through a
 shared-memory mailbox (``comm.HostMailbox``: 8-14 us per call between 2 CPU ranks of the CI
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,12 +66,16 @@ def cu_seqlens_values(cu_seqlens: object) -> object:
     return describe(cu_seqlens)
 
 
+def _grad_flows(q: object, k: object, v: object) -> bool:
+    """Whether gradients will flow through this call (its backward communicates too)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+
 def call_signature(q: object, k: object, v: object, **options: object) -> dict[str, object]:
     """What every rank of a group must agree on: q/k/v shapes and dtypes, whether gradients will
     flow (the backward communicates too), every option; cu_seqlens by value."""
-    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     signature = {name: describe(t) for name, t in (("q", q), ("k", k), ("v", v))}
-    signature["grad"] = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    signature["grad"] = _grad_flows(q, k, v)
     for name, value in options.items():
         signature[name] = cu_seqlens_values(value) if name == "cu_seqlens" else describe(value)
     return signature
@@ -79,22 +86,15 @@ def _digest(signature: dict[str, object]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
-def check_ranks_agree(
-    group: dist.ProcessGroup, signature: dict[str, object], error: Exception | None = None
-) -> None:
-    """Raise ValueError on every rank of ``group`` unless every rank passed the same
-    ``signature`` (argument name -> ``describe``d value); then re-raise ``error``, the
-    argument error this rank found before the check (a rank whose arguments fail locally must
-    still join the check, or the others would wait for it forever; its error message is part
-    of its signature). Every rank of ``group`` must call this once per call."""
-    if os.environ.get("RINGFLASH_CHECK_RANKS", "1") == "0":
-        if error is not None:
-            raise error
-        return
-    if error is not None:
-        signature = {**signature, "error": f"{type(error).__name__}: {error}"}
-    if not host_values_agree(_digest(signature), group):
-        every = host_all_gather_object(signature, group)
+def _checks_off() -> bool:
+    return os.environ.get("RINGFLASH_CHECK_RANKS", "1") == "0"
+
+
+def _agree_or_raise(group: dist.ProcessGroup, digest: int, signature_of: Callable[[], dict]) -> None:
+    """Compare ``digest`` across ``group``; where ranks differ, gather every rank's full
+    signature (``signature_of()``) and raise ValueError naming what differs."""
+    if not host_values_agree(digest, group):
+        every = host_all_gather_object(signature_of(), group)
         names = sorted({n for s in every for n in s if len({repr(s.get(n)) for s in every}) > 1})
         lines = [
             f"  {n}: " + ", ".join(f"rank {r}: {s.get(n)!r}" for r, s in enumerate(every)) for n in names
@@ -103,17 +103,51 @@ def check_ranks_agree(
             "the ranks of the sequence-parallel group called with different arguments (every rank "
             "must pass the same shapes, dtype and options):\n" + "\n".join(lines)
         )
+
+
+def check_ranks_agree(
+    group: dist.ProcessGroup, signature: dict[str, object], error: Exception | None = None
+) -> None:
+    """Raise ValueError on every rank of ``group`` unless every rank passed the same
+    ``signature`` (argument name -> ``describe``d value); then re-raise ``error``, the
+    argument error this rank found before the check (a rank whose arguments fail locally must
+    still join the check, or the others would wait for it forever; its error message is part
+    of its signature). Every rank of ``group`` must call this once per call."""
+    if _checks_off():
+        if error is not None:
+            raise error
+        return
+    if error is not None:
+        signature = {**signature, "error": f"{type(error).__name__}: {error}"}
+    _agree_or_raise(group, _digest(signature), lambda: signature)
     if error is not None:
         raise error
 
 
 def join_rank_check(
     group: dist.ProcessGroup, check_ranks: bool, error: Exception | None, q: object, k: object, v: object,
-    **options: object,
+    *, digests: dict | None = None, **options: object,
 ) -> None:  # fmt: skip
     """A setup's ranks' check: ``check_ranks_agree`` on ``call_signature(q, k, v, **options)``,
-    or (a caller that checked a larger group already) just ``error``, raised if there is one."""
-    if check_ranks:
+    or (a caller that checked a larger group already) just ``error``, raised if there is one.
+
+    ``digests``: the memo of the cached setup this call found (or is building). Its key
+    stands for q/k/v's layouts, the group and every option but ``sinks`` (by type and value,
+    tensors by identity and version), so within it the signature can differ only in whether
+    gradients flow and in ``sinks``: the digest is looked up by those two and computed once,
+    instead of describing and hashing every argument on every call (32 µs on an H200 host).
+    The exchange still runs on every call."""
+    if not check_ranks:
+        if error is not None:
+            raise error
+        return
+    if digests is None or error is not None:
         check_ranks_agree(group, call_signature(q, k, v, **options), error)
-    elif error is not None:
-        raise error
+        return
+    if _checks_off():
+        return
+    memo = (_grad_flows(q, k, v), describe(options.get("sinks")))
+    digest = digests.get(memo)
+    if digest is None:
+        digest = digests[memo] = _digest(call_signature(q, k, v, **options))
+    _agree_or_raise(group, digest, lambda: call_signature(q, k, v, **options))

@@ -386,13 +386,13 @@ def ring_setup(
                    cu_seqlens=cu_seqlens, block_mask=block_mask)  # fmt: skip
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, **options)
     if hit is not None:
-        base, plan, rank, world_size = hit
+        base, plan, rank, world_size, digests = hit
         comm = RingComm.known(resolved, rank, world_size)
         try:
             sinks = check_sinks(sinks, base.heads_q, q.device)
         except (ValueError, TypeError) as e:
             error = e
-        join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
+        join_rank_check(comm.group, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
         return base, plan, comm, sinks
     shard_options = {n: x for n, x in options.items() if n != "block_mask"}
     try:
@@ -408,14 +408,16 @@ def ring_setup(
             steps = ring_step_masks(block_mask, layout, comm.rank, comm.world_size)
         except (ValueError, TypeError) as e:
             error = e
-    join_rank_check(comm.group, check_ranks, error, q, k, v, sinks=sinks, **options)
+    digests: dict = {}  # the check's memo, kept with the setup
+    join_rank_check(comm.group, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
     if block_mask is None:
         doc_lens = full_document_lengths(layout, q.shape[1], comm.world_size, cu_seqlens)
         plan = ring_plan(base, layout, comm, doc_lens, cu_seqlens is not None, q.device)
     else:
         plan = block_sparse_ring_plan(base, steps)
     weak = () if block_mask is None else (block_mask,)
-    SETUPS.put(key, (base, plan, comm.rank, comm.world_size), comm.group, alibi_slopes, cu_seqlens, weak=weak)
+    SETUPS.put(key, (base, plan, comm.rank, comm.world_size, digests), comm.group, alibi_slopes, cu_seqlens,
+               weak=weak)  # fmt: skip
     return base, plan, comm, sinks
 
 

@@ -89,6 +89,49 @@ def test_ranks_with_different_caches_all_raise(rank_pool, world):
             assert "q: rank 0: ('tensor', (1, 8, 2, 16)" in errors[name]
 
 
+def _memoized_checks():
+    """A cached setup's calls take the check's digest from its memo (no signature built); what
+    the memo is keyed by (gradients flowing, sinks) still makes disagreeing ranks raise, in the
+    ring and in the all-gather mode, after both ranks cached the setup."""
+    from unittest import mock
+
+    from ringflash import consistency
+
+    rank, device = dist.get_rank(), worker_device()
+    shape = dict(heads=2, head_dim=40)  # a signature no other test of the pool's ranks uses
+    q, k, v = _qkv(8, **shape)
+    built = []
+    real = consistency.call_signature
+    counting = lambda *a, **kw: built.append(1) or real(*a, **kw)  # noqa: E731
+    ring_call = lambda **kw: ringflash.ring_flash_attn_func(q, k, v, causal=True, **kw)  # noqa: E731
+    gather_call = lambda **kw: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="allgather", **kw)  # noqa: E731
+    grads = [t.detach().requires_grad_(rank == 0) for t in (q, k, v)]
+    sinks = torch.zeros(2, device=device) if rank == 0 else None
+    signatures = {}
+    with mock.patch.object(consistency, "call_signature", counting):
+        for name, call in (("ring", ring_call), ("allgather", gather_call)):
+            call(), call()  # the setup and its memo
+            built.clear()
+            call()
+            signatures[name] = len(built)
+        errors = errors_of({
+            "grad on rank 0 only": lambda: ringflash.ring_flash_attn_func(*grads, causal=True),
+            "sinks on rank 0 only": lambda: ring_call(sinks=sinks),
+            "allgather sinks on rank 0 only": lambda: gather_call(sinks=sinks),
+            "ring again": ring_call,
+        })  # fmt: skip
+    return signatures, errors
+
+
+def test_cached_calls_check_their_memoized_digest(rank_pool):
+    for signatures, errors in rank_pool(2).run(_memoized_checks, timeout=120):
+        assert signatures == {"ring": 0, "allgather": 0}
+        assert "grad: rank 0: True, rank 1: False" in errors["grad on rank 0 only"]
+        for name in ("sinks on rank 0 only", "allgather sinks on rank 0 only"):
+            assert "sinks: rank 0: ('tensor', (2,), 'float32'), rank 1: None" in errors[name], errors[name]
+        assert errors["ring again"] is None
+
+
 def test_cache_holds_the_group_weakly():
     """A cached setup must not keep a process group alive past destroy_process_group (its
     destruction at interpreter exit aborted a gloo rank), nor serve a new group at a reused id."""
