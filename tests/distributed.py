@@ -106,6 +106,17 @@ def recorded_transfers() -> Iterator[list[tuple[int, tuple[str, ...]]]]:
         yield trips
 
 
+@contextlib.contextmanager
+def forced_fused_backward() -> Iterator[None]:
+    """Within it, ``ring_backward`` takes the fused schedule (sm_90's) on any device, the Triton
+    kernels doing both parts; on leaving, asserts the ring asked for it exactly once."""
+    from ringflash import ring
+
+    with mock.patch.object(ring, "backward_is_fused", return_value=True) as fused:
+        yield
+    assert fused.call_count == 1
+
+
 class RankPool:
     def __init__(self, world_size: int, backend: str) -> None:
         # Ranks fork from a server that has imported torch (what spawn would import in each, ~3 s

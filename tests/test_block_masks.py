@@ -10,11 +10,10 @@ nothing, and (on two ranks) a whole ring step with nothing visible, which the pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from unittest import mock
 
 import pytest
 import torch
-from distributed import errors_of, recorded_transfers, worker_device
+from distributed import errors_of, forced_fused_backward, recorded_transfers, worker_device
 from reference import TOLERANCE, reference_attention, rel_err
 from sm90 import SM90
 
@@ -274,12 +273,8 @@ def test_ring_transfers_only_what_a_rank_needs(rank_pool, layout, transfers):
 def _run_fused_schedule(case: Case):
     """``_run`` with the ring backward's fused schedule (sm_90's), the Triton kernels doing both
     parts: on two ranks the visiting shard's dK/dV travels home in the inputs' dtype."""
-    from ringflash import ring
-
-    with mock.patch.object(ring, "backward_is_fused", return_value=True) as fused:
-        results = _run(case)
-    assert fused.call_count == 1
-    return results
+    with forced_fused_backward():
+        return _run(case)
 
 
 def test_ring_fused_schedule_under_a_block_mask(rank_pool):
