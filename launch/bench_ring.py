@@ -5,7 +5,8 @@
 
 Per total sequence length it prints per-GPU TFLOP/s (forward, forward+backward; attention FLOPs
 fwd = 4*B*H*S^2*D, half when causal, fwd+bwd = 3.5x fwd), the ring efficiency (ring per-GPU
-fwd+bwd throughput over this kernel's single-GPU fwd+bwd throughput at min(S, 64K) tokens),
+fwd+bwd throughput over this kernel's single-GPU fwd+bwd throughput at min(S, 64K) tokens;
+"eff (rank)": over its throughput at S / world tokens, the length each rank holds; one document),
 the share of time left to exposed communication (1 - time of the same ring schedule with the
 transfers removed / ring time) and peak memory per GPU; then the same for
 torch.distributed.tensor.experimental.context_parallel with SDPA's cuDNN and flash backends.
@@ -305,6 +306,9 @@ def main() -> None:
             single = single_gpu_fwd_bwd_tflops(args, S)
             row["single_gpu_fwd_bwd"] = single
             row["ringflash"]["efficiency"] = row["ringflash"]["fwd_bwd"] / single
+            if args.docs == 1:  # the kernel at the length one rank holds
+                row["single_gpu_fwd_bwd_rank"] = single = single_gpu_fwd_bwd_tflops(args, S // world)
+                row["ringflash"]["efficiency_rank"] = row["ringflash"]["fwd_bwd"] / single
         rows.append(row)
 
     if rank == 0:
@@ -317,7 +321,7 @@ def main() -> None:
             f"(TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY', 'unset')}), "
             f"causal={not args.no_causal}, bf16; per-GPU TFLOP/s fwd / fwd+bwd, median of {args.iters}"
         )
-        cols = ["S", "ringflash", "eff", "exposed comm", "peak GiB"]
+        cols = ["S", "ringflash", "eff", "eff (rank)", "exposed comm", "peak GiB"]
         for m in args.modes:
             cols += [m, f"peak GiB ({m})"]
         for b in args.baselines:
@@ -327,7 +331,8 @@ def main() -> None:
         for row in rows:
             rf = row["ringflash"]
             cells = [str(row["S"]), f"{fmt(rf, 'fwd')} / {fmt(rf, 'fwd_bwd')}", fmt(rf, "efficiency", ".0%"),
-                     fmt(rf, "exposed_comm", ".1%"), fmt(rf, "peak_gib", ".1f")]  # fmt: skip
+                     fmt(rf, "efficiency_rank", ".0%"), fmt(rf, "exposed_comm", ".1%"),
+                     fmt(rf, "peak_gib", ".1f")]  # fmt: skip
             for m in args.modes:
                 cells += [f"{fmt(row[m], 'fwd')} / {fmt(row[m], 'fwd_bwd')}", fmt(row[m], "peak_gib", ".1f")]
             for b in args.baselines:

@@ -224,7 +224,8 @@ def sp_attn_func(
     check_ranks_agree(group, signature, error)
     mesh = ulysses_ring_mesh(group, u)
     out, lse = mesh_attention(q, k, v, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-                               sinks=sinks, block_mask=block_mask, **options)  # fmt: skip
+                               sinks=sinks, block_mask=block_mask, with_lse=return_lse or return_attn_probs,
+                               **options)  # fmt: skip
     return attention_returns(out, lse, return_attn_probs, return_lse)
 
 

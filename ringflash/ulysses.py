@@ -40,8 +40,9 @@ def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[
     u = dist.get_world_size(group)
     b, n, _, d = tensors[0].shape
     per_rank = [t.shape[2] // u for t in tensors]
-    x = torch.cat([t.reshape(b, n, u, h, d) for t, h in zip(tensors, per_rank)], dim=3)
-    y = all_to_all(x.permute(2, 0, 1, 3, 4), group)  # (U source ranks, B, n, sum h, D)
+    # Concatenated straight into the all-to-all's layout (destination rank first): one copy.
+    x = torch.cat([t.reshape(b, n, u, h, d).permute(2, 0, 1, 3, 4) for t, h in zip(tensors, per_rank)], dim=3)
+    y = all_to_all(x, group)  # (U source ranks, B, n, sum h, D)
     y = y.permute(1, 0, 2, 3, 4).reshape(b, u * n, sum(per_rank), d)
     return list(torch.split(y, per_rank, dim=2))
 
@@ -104,12 +105,14 @@ def _head_slice(x: torch.Tensor | None, mesh: UlyssesRingMesh) -> torch.Tensor |
 
 
 def mesh_attention(
-    q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_slopes, sinks, block_mask=None, **options
-):
+    q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_slopes, sinks, block_mask=None,
+    with_lse=True, **options,
+):  # fmt: skip
     """(out, lse) of Ulysses or hybrid attention over ``mesh`` (eager): the all-to-all to heads,
     single-device attention or the ring across the ring group, the all-to-all back.
     ``block_mask``: a checked TileMask over the full sequence (``block_masks.check_block_mask``);
-    each rank takes its query heads' part of it."""
+    each rank takes its query heads' part of it. ``with_lse=False``: lse is None (the sinks are
+    applied inside the attention, so only a caller returning the LSE needs its all-to-all)."""
     u = mesh.ulysses_size
     if block_mask is not None and block_mask.heads > 1:
         per_rank = q.shape[2] // u
@@ -135,4 +138,4 @@ def mesh_attention(
             q, k, v, group=mesh.ring_group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
             sinks=sinks, check_ranks=False, block_mask=block_mask, **options,
         )  # fmt: skip
-    return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group)
+    return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group) if with_lse else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from distributed import errors_of, worker_device
 from reference import TOLERANCE, reference_attention, reference_attention_packed, rel_err
 
 import ringflash
+from ringflash import ulysses as ulysses_engine
 from ringflash.layouts import layout_indices
 
 
@@ -95,6 +97,33 @@ def test_ulysses_and_hybrid_match_full_attention(rank_pool, ulysses, causal, kv_
 def test_packed_documents_in_every_mode(rank_pool, ulysses, layout):
     """Documents of 8, 24 and 16 tokens over 4 ranks as ring (U=1), hybrid 2x2 and Ulysses 4x1."""
     check_sp(rank_pool, Case(4, ulysses, True, 2, layout, seqlen=48, cu_seqlens=(0, 8, 32, 48)))
+
+
+def _all_to_alls(ulysses: int, return_lse: bool):
+    """(all-to-alls in the forward, out, dq) of one call on 4 ranks."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 8, 4, 16, generator=g).to(worker_device()).requires_grad_() for _ in range(3))
+    real, shapes = ulysses_engine.all_to_all, []
+    counting = lambda x, group: shapes.append(x.shape) or real(x, group)  # noqa: E731
+    mode = "ulysses" if ulysses == 4 else "hybrid"
+    with mock.patch.object(ulysses_engine, "all_to_all", side_effect=counting):
+        res = ringflash.sp_attn_func(
+            q, k, v, causal=True, sp_mode=mode, ulysses_size=ulysses, return_lse=return_lse
+        )
+    out = res[0] if return_lse else res
+    out.sum().backward()
+    return len(shapes), out.detach().cpu(), q.grad.cpu()
+
+
+@pytest.mark.parametrize("ulysses", [4, 2])
+def test_lse_crosses_back_only_when_returned(rank_pool, ulysses):
+    """The LSE's all-to-all runs only for a caller that asks for the LSE (the sinks are applied
+    inside the attention); the results do not change."""
+    without = rank_pool(4).run(_all_to_alls, ulysses, False)
+    with_lse = rank_pool(4).run(_all_to_alls, ulysses, True)
+    for (n0, out0, dq0), (n1, out1, dq1) in zip(without, with_lse):
+        assert (n0, n1) == (2, 3)  # q/k/v there and out back; the LSE back
+        assert torch.equal(out0, out1) and torch.equal(dq0, dq1)
 
 
 def _bad_calls():
