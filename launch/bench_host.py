@@ -23,7 +23,8 @@ per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``
 (``attention_delta`` then ``attention_backward``: the general path, a dQ fill of its own).
 ``--ab-comm`` adds the sequence-parallel entries with the ring's exchange through
 ``dist.batch_isend_irecv`` instead of the process group's own send/recv (``comm.group_p2p``), and
-without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``).
+without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). ``--ab-graphs`` adds the ring
+entries replayed from the graphs ringflash captures itself (``RINGFLASH_RING_GRAPHS=1``).
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
@@ -252,6 +253,11 @@ def main() -> None:
         help="also run the sequence-parallel entries with the ring's exchange through batch_isend_irecv "
         "([batch_isend_irecv]) and without the ranks' check ([no check], RINGFLASH_CHECK_RANKS=0)",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-graphs", action="store_true",
+        help="also run the ring entries replayed from ringflash's own graphs ([graphs], "
+        "RINGFLASH_RING_GRAPHS=1)",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
@@ -302,6 +308,11 @@ def main() -> None:
             if not name.startswith("sp_attn_func"):  # Ulysses and the all-gather make no ring exchange
                 found[f"{name}[batch_isend_irecv]"] = (f, batch_p2p, layout)
             found[f"{name}[no check]"] = (f, no_check, layout)
+    if args.ab_graphs:
+        graphs = lambda: mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "1"})  # noqa: E731
+        for name in [n for n in found if n.startswith(("ring_", "zigzag_")) and "[" not in n]:
+            f, _, layout = found[name]
+            found[f"{name}[graphs]"] = (f, graphs, layout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
     for name, (_, _, layout) in found.items():
         native = (lambda t: t) if layout is None else (lambda t, f=layout: f(t).contiguous())

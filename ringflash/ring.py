@@ -14,6 +14,7 @@ custom op under torch.compile, are in ``ring_functions.py``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from .block_masks import MaskedCall, check_block_mask, converted_block_mask, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
 from .consistency import join_rank_check
+from .graph_replay import GraphReplay, replay_wanted
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -308,12 +310,54 @@ def ring_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@dataclass(eq=False)
+class _RingReplays:
+    """A plan's forward and backward as ``GraphReplay``s (``graph_replay.py``), shared by the
+    calls (layers) that share the plan; ``plan`` and ``group`` are held so their ids stay theirs."""
+
+    plan: RingPlan
+    group: dist.ProcessGroup
+    forward: GraphReplay
+    backward: GraphReplay
+
+
+# By (plan, group): a cached setup's plan lives as long as its setup entry, at most 64 of them;
+# the graphs (and their memory pools) of the least recently used beyond this are dropped.
+_REPLAYS: OrderedDict[tuple[int, int], _RingReplays] = OrderedDict()
+_MAX_REPLAYS = 16
+
+
+def ring_replays(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: RingPlan, comm: RingComm
+) -> _RingReplays | None:
+    """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``; a ring
+    that moves), else None."""
+    if comm.world_size == 1 or not replay_wanted(q, k, v):
+        return None
+    key = (id(plan), id(comm.group))
+    hit = _REPLAYS.get(key)
+    if hit is not None and hit.plan is plan and hit.group is comm.group:
+        _REPLAYS.move_to_end(key)
+        return hit
+    hit = _RingReplays(
+        plan, comm.group,
+        GraphReplay(lambda q, k, v: ring_forward(q, k, v, plan, comm)),
+        GraphReplay(lambda dout, q, k, v, out, lse: ring_backward(dout, q, k, v, out, lse, base, plan, comm)),
+    )  # fmt: skip
+    _REPLAYS[key] = hit
+    if len(_REPLAYS) > _MAX_REPLAYS:
+        _REPLAYS.popitem(last=False)
+    return hit
+
+
 class _RingFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, base: AttentionProblem, plan: RingPlan, comm: RingComm):
-        out, lse = ring_forward(q, k, v, plan, comm)
+        replays = ring_replays(q, k, v, base, plan, comm)
+        out, lse = ring_forward(q, k, v, plan, comm) if replays is None else replays.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (base, plan, comm)
+        ctx.replays = replays
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -321,7 +365,10 @@ class _RingFlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
+        if ctx.replays is not None and dlse is None and not torch.cuda.is_current_stream_capturing():
+            dq, dk, dv = ctx.replays.backward(dout, q, k, v, out, lse)
+        else:  # the LSE's gradient (sinks) enters the backward: not what the graph holds
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
 
 
