@@ -321,10 +321,11 @@ class _RingReplays:
     backward: GraphReplay
 
 
-# By (plan, group): a cached setup's plan lives as long as its setup entry, at most 64 of them;
-# the graphs (and their memory pools) of the least recently used beyond this are dropped.
+# By (plan, group). Each holds static copies of its inputs and its graphs' memory pools (about
+# half a GiB at 4K tokens per rank, 32/8 heads, head_dim 128, by its buffers' sizes); those of
+# the least recently used beyond this are dropped. A model has one or a few attention shapes.
 _REPLAYS: OrderedDict[tuple[int, int], _RingReplays] = OrderedDict()
-_MAX_REPLAYS = 16
+_MAX_REPLAYS = 8
 
 
 def ring_replays(
