@@ -59,13 +59,16 @@ class GraphReplay:
         if self.calls == 1:
             return self._fn(*inputs)
         if self.graph is None:
-            self._inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-            for static, t in zip(self._inputs, inputs):
-                static.copy_(t)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: NCCL's watchdog thread queries earlier work's events during the capture.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._outputs = tuple(self._fn(*self._inputs))
+            # Plain tensors even when captured under inference mode: later calls outside it copy
+            # into the static inputs, which an inference tensor would refuse.
+            with torch.inference_mode(False):
+                self._inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+                for static, t in zip(self._inputs, inputs):
+                    static.copy_(t)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: NCCL's watchdog thread queries earlier work's events during capture.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._outputs = tuple(self._fn(*self._inputs))
             self.graph = graph
         else:
             for static, t in zip(self._inputs, inputs):

@@ -55,6 +55,18 @@ def test_graph_replay_runs_captures_then_replays_fresh_outputs():
         torch.testing.assert_close(inc, x + 1)
 
 
+@pytest.mark.gpu
+def test_graph_captured_under_inference_mode_replays_outside_it():
+    """Evaluation first (inference mode), training after: the static inputs stay plain tensors."""
+    replay = GraphReplay(lambda x: (x + 1,))
+    with torch.inference_mode():
+        for _ in range(2):  # eager, then captured
+            replay(torch.randn(8, device="cuda"))
+    y = torch.randn(8, device="cuda")
+    (out,) = replay(y)
+    torch.testing.assert_close(out, y + 1)
+
+
 def _layers_on_rank(seed: int):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps,
     with the graphs and eagerly; returns the largest difference and whether both graphs exist."""
