@@ -43,6 +43,9 @@ _CHUNK_PAIRS = 1 << 26  # query/key pairs evaluated at once by ``from_mask_mod``
 _CHUNK_PAIRS_GPU = 1 << 28
 # A block whose list holds more than this many times the mean is long (``TileMask.q_order``).
 LONG_LIST = 4
+# A mask is local when its lists span (first to last listed block) at most this fraction of the
+# blocks on average: its walks then keep the blocks in order (``_walk_order``).
+LOCAL_SPAN = 0.25
 _INVISIBLE, _FULL = -2, -1  # kinds in the (Bm, Hm, NQ, NK) grid; partials are numbered from 0
 
 
@@ -85,10 +88,11 @@ class TileMask:
             "q_count": (*lead, nk, 2), "q_index": (*lead, nk, nq), "q_kind": (*lead, nk, nq),
             "kv_order": (nq + 1,), "q_order": (nk + 1,),
         }  # fmt: skip
-        derived = {"kv_order": self.kv_count, "q_order": self.q_count}  # checked before they are read
+        # Derived from lists checked before they are read.
+        derived = {"kv_order": (self.kv_count, self.kv_index), "q_order": (self.q_count, self.q_index)}
         for name, shape in shapes.items():
             if getattr(self, name) is None and name in derived:
-                object.__setattr__(self, name, _walk_order(derived[name]))
+                object.__setattr__(self, name, _walk_order(*derived[name]))
             t = getattr(self, name)
             ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == torch.int32
             if not ok or not t.is_contiguous() or t.device != self.kv_count.device:
@@ -401,14 +405,33 @@ def _from_lists(
                     q_kind, bits.contiguous())  # fmt: skip
 
 
-def _walk_order(count: torch.Tensor) -> torch.Tensor:
-    """(N + 1,) int32 of (Bm, Hm, N, 2) counts: the N blocks by descending number of listed
-    blocks summed over the batch and heads (ties in order), then how many of them are long (more
-    than ``LONG_LIST`` times the mean). Computed on the device: nothing is read back."""
+def _walk_order(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(N + 1,) int32 of (Bm, Hm, N, 2) counts and (Bm, Hm, N, M) lists: the order in which a
+    walk takes the N blocks, then how many of them are long (more than ``LONG_LIST`` times the
+    mean, listed first, most visible blocks first). The others follow by descending number of
+    listed blocks summed over the batch and heads (ties in order: a short list last cannot run on
+    alone at the end), unless the mask is local (its lists span at most ``LOCAL_SPAN`` of the M
+    blocks on average): then in order, so that the programs at work together read neighbouring
+    blocks from L2. Descending, Llama-4's 8K chunks at 128K tokens interleaved all 16 chunks'
+    queries and ran the Hopper backward 5% slower (docs/experiments.md §71). Computed on the
+    device: nothing is read back."""
     work = count.sum((0, 1, 3))
-    order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
-    long = (work * work.numel() > LONG_LIST * work.sum()).sum(dtype=torch.int32).reshape(1)
-    return torch.cat([order, long])
+    n, m = work.numel(), index.shape[-1]
+    long = work * n > LONG_LIST * work.sum()
+    descending = torch.sort(work, descending=True, stable=True).indices
+    if n == 0 or m == 0:
+        return torch.cat([descending.to(torch.int32), long.sum(dtype=torch.int32).reshape(1)])
+    listed = torch.arange(m, device=index.device) < count.sum(-1, keepdim=True)
+    first = torch.where(listed, index, m).amin(-1)
+    last = torch.where(listed, index, -1).amax(-1)
+    rows = (count.sum(-1) > 0).sum()
+    local = (last - first + 1).clamp(min=0).sum() <= LOCAL_SPAN * m * rows.clamp(min=1)
+    # In order: the long blocks first (most first), then the rest by number.
+    rank = torch.empty_like(descending)
+    rank[descending] = torch.arange(n, device=work.device)
+    in_order = torch.sort(torch.where(long, rank - n, torch.arange(n, device=work.device)), stable=True).indices
+    order = torch.where(local, in_order, descending).to(torch.int32)
+    return torch.cat([order, long.sum(dtype=torch.int32).reshape(1)])
 
 
 def _block_sizes(block_size: object) -> tuple[int, int]:

@@ -268,6 +268,29 @@ def test_key_blocks_longest_list_first(device):
             TileMask(*sizes, **{**tensors, "q_order": wrong})
 
 
+def test_local_masks_keep_their_blocks_in_order(device):
+    """A local mask (lists spanning at most a quarter of the blocks on average: Llama-4's chunks,
+    a band) is walked in block order, the long blocks still first, so that the programs at work
+    together share their neighbours' blocks in L2; a mask whose lists span the sequence (random
+    blocks) keeps the descending order."""
+    s = 2560  # twenty blocks of 128, chunks of five
+    chunks = TileMask.from_ranges([(i, i + 640, i, i + 640, "causal") for i in range(0, s, 640)], s, s,
+                                  device=device)  # fmt: skip
+    assert chunks.q_order.tolist() == [*range(20), 0]  # descending: 0, 5, 10, 15, 1, 6, ...
+    assert chunks.kv_order.tolist() == [*range(20), 0]
+    # A band with a global key block 13 (long: 20 blocks against 4 x 3.8): first, then in order.
+    band = lambda b, h, q, kv: ((q // 128 - kv // 128).abs() <= 1) | (kv // 128 == 13)  # noqa: E731
+    banded = TileMask.from_mask_mod(band, 1, 1, s, s, device=device)
+    assert banded.q_order.tolist() == [13, *range(13), *range(14, 20), 1]
+    # Lists of random blocks span the sequence: by descending length, ties in order.
+    g = torch.Generator().manual_seed(0)
+    blocks = (torch.rand(20, 20, generator=g) < 0.3).to(device)
+    rand = TileMask.from_mask_mod(lambda b, h, q, kv: blocks[q // 128, kv // 128], 1, 1, s, s, device=device)
+    work = rand.q_count.sum((0, 1, 3)).cpu()
+    assert rand.q_order[:-1].tolist() == torch.sort(work, descending=True, stable=True).indices.tolist()
+    assert rand.q_order[:-1].tolist() != list(range(20))
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
 )
