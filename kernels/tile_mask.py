@@ -427,9 +427,10 @@ def _walk_order(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rows = (count.sum(-1) > 0).sum()
     local = (last - first + 1).clamp(min=0).sum() <= LOCAL_SPAN * m * rows.clamp(min=1)
     # In order: the long blocks first (most first), then the rest by number.
+    blocks = torch.arange(n, device=work.device)
     rank = torch.empty_like(descending)
-    rank[descending] = torch.arange(n, device=work.device)
-    in_order = torch.sort(torch.where(long, rank - n, torch.arange(n, device=work.device)), stable=True).indices
+    rank[descending] = blocks
+    in_order = torch.sort(torch.where(long, rank - n, blocks), stable=True).indices
     order = torch.where(local, in_order, descending).to(torch.int32)
     return torch.cat([order, long.sum(dtype=torch.int32).reshape(1)])
 
