@@ -346,6 +346,7 @@ def main() -> None:
         with context():
             extras(args, name, f, *inputs[name], line, lead)
     if dist.is_initialized():
+        ringflash.release_graphs()  # before NCCL's shutdown, which waits for captured graphs
         dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ compressive memory, sequence parallel by a prefix sum or a relay of the memory).
 from .batch import shard_batch
 from .block_masks import balanced_layout, layout_work
 from .comm import use_high_priority_comm
+from .graph_replay import release_graphs
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
 from .infini import InfiniAttention, InfiniMemory, infini_attention
 from .integrations.hf import substitute_hf_flash_attn, update_ring_flash_attn_params
@@ -98,6 +99,7 @@ __all__ = [
     "llama3_flash_attn_varlen_qkvpacked_func",
     "merge_partial",
     "reduce_gradients",
+    "release_graphs",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",

@@ -14,6 +14,11 @@ makes the same calls of the same setups (the ranks' check enforces the arguments
 captures at the same call (a rank that replays while its peer runs eagerly should still match,
 since NCCL pairs point-to-point operations by their order; not tested).
 
+Before ``torch.distributed.destroy_process_group()``, call ``release_graphs()``: NCCL waits, in
+the communicator's shutdown, for every graph that captured its operations to be destroyed, so a
+process still holding them hangs there (PyTorch issue #115388; measured with this module's graphs,
+docs/experiments.md §71). ``release_graphs`` also runs at interpreter exit.
+
 Opt-in while it is measured: ``RINGFLASH_RING_GRAPHS=1``. Not used while the caller itself
 captures a graph (its capture records the eager call), for tensors off the GPU, or above
 ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the kernels and the copies would
@@ -22,7 +27,9 @@ cost more than they save).
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -41,6 +48,26 @@ def replay_wanted(*tensors: torch.Tensor) -> bool:
     if max(t.numel() * t.element_size() for t in tensors) > MAX_REPLAY_BYTES:
         return False
     return not torch.cuda.is_current_stream_capturing()
+
+
+# Every GraphReplay holding a captured graph (autograd's saved contexts may hold one too).
+_CAPTURED: weakref.WeakSet[GraphReplay] = weakref.WeakSet()
+
+
+def release_graphs() -> None:
+    """Destroys every graph the library captured (``RINGFLASH_RING_GRAPHS=1``) and frees its
+    buffers; a later call of the same setup runs eagerly, then captures again. Call it before
+    ``torch.distributed.destroy_process_group()``, which otherwise waits forever for NCCL's
+    captured operations to be released."""
+    if not _CAPTURED:
+        return
+    torch.cuda.synchronize()  # no replay in flight when its graph goes
+    for replay in list(_CAPTURED):
+        replay.release()
+    torch.cuda.synchronize()
+
+
+atexit.register(release_graphs)
 
 
 class GraphReplay:
@@ -70,8 +97,17 @@ class GraphReplay:
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self._outputs = tuple(self._fn(*self._inputs))
             self.graph = graph
+            _CAPTURED.add(self)
         else:
             for static, t in zip(self._inputs, inputs):
                 static.copy_(t)
         self.graph.replay()
         return tuple(t.clone() for t in self._outputs)
+
+    def release(self) -> None:
+        """Drops the graph and its static buffers: the next call runs eagerly, the one after
+        captures again."""
+        self.graph = None
+        self._inputs, self._outputs = [], ()
+        self.calls = 0
+        _CAPTURED.discard(self)

@@ -12,7 +12,7 @@ import torch
 from distributed import worker_device
 
 import ringflash
-from ringflash import ring
+from ringflash import graph_replay, ring
 from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, replay_wanted
 
 ON = {"RINGFLASH_RING_GRAPHS": "1"}
@@ -67,6 +67,36 @@ def test_graph_captured_under_inference_mode_replays_outside_it():
     torch.testing.assert_close(out, y + 1)
 
 
+@pytest.mark.gpu
+def test_released_graph_runs_eagerly_then_captures_again():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x * 2,)
+
+    replay = GraphReplay(fn)
+    for _ in range(3):
+        replay(torch.randn(8, device="cuda"))
+    assert replay.graph is not None and replay in graph_replay._CAPTURED and len(calls) == 2
+    ringflash.release_graphs()
+    assert replay.graph is None and replay not in graph_replay._CAPTURED
+    for _ in range(3):  # eager, captured, replayed
+        x = torch.randn(8, device="cuda")
+        (out,) = replay(x)
+        torch.testing.assert_close(out, x * 2)
+    assert len(calls) == 4 and replay.graph is not None
+    replay.release()
+
+
+def test_release_without_graphs_touches_nothing():
+    """``release_graphs`` runs at every interpreter exit: with nothing captured it must not
+    initialize CUDA (a CPU-only process, or one whose device is gone)."""
+    assert not graph_replay._CAPTURED
+    with mock.patch.object(torch.cuda, "synchronize", side_effect=AssertionError("touched CUDA")):
+        ringflash.release_graphs()
+
+
 def _layers_on_rank(seed: int):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps,
     with the graphs and eagerly; returns the largest difference and whether both graphs exist."""
@@ -105,3 +135,24 @@ def test_ring_replays_equal_eager_calls_on_gpus(rank_pool):
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 0):
         assert worst < 2e-2
         assert graphs == [(True, True)]
+
+
+def _destroy_after_release_on_rank():
+    """The ring replayed over a group of its own, the graphs released, then the group destroyed:
+    NCCL's shutdown waits for every graph that captured its operations (PyTorch #115388), so
+    without the release this hangs until the pool's timeout."""
+    dev = worker_device()
+    group = torch.distributed.new_group([0, 1])
+    q, k, v = (torch.randn(1, 512, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    with mock.patch.dict(os.environ, ON):
+        for _ in range(3):
+            ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+    captured = bool(graph_replay._CAPTURED)
+    ringflash.release_graphs()
+    torch.distributed.destroy_process_group(group)
+    return captured
+
+
+@pytest.mark.multigpu
+def test_group_destroyed_after_release_graphs(rank_pool):
+    assert rank_pool(2).run(_destroy_after_release_on_rank, timeout=120) == [True, True]
