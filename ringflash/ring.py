@@ -346,9 +346,22 @@ def ring_replays(
         GraphReplay(lambda dout, q, k, v, out, lse: ring_backward(dout, q, k, v, out, lse, base, plan, comm)),
     )  # fmt: skip
     _REPLAYS[key] = hit
-    if len(_REPLAYS) > _MAX_REPLAYS:
-        _REPLAYS.popitem(last=False)
+    _evict_replays(_REPLAYS, _MAX_REPLAYS)
     return hit
+
+
+def _evict_replays(replays: OrderedDict[tuple[int, int], _RingReplays], limit: int) -> None:
+    """Drops entries past ``limit``, the newest kept: the least recently used of those that never
+    captured first. A setup the cache cannot hold (``SetupCache.key`` None) plans anew on every
+    call, so its entries are never called twice; they must not push out the graphs of the setups
+    that are."""
+    while len(replays) > limit:
+        older = list(replays.items())[:-1]
+        idle = [k for k, r in older if r.forward.graph is None and r.backward.graph is None]
+        if idle:
+            del replays[idle[0]]
+        else:
+            replays.popitem(last=False)
 
 
 class _RingFlashAttention(torch.autograd.Function):

@@ -156,3 +156,25 @@ def _destroy_after_release_on_rank():
 @pytest.mark.multigpu
 def test_group_destroyed_after_release_graphs(rank_pool):
     assert rank_pool(2).run(_destroy_after_release_on_rank, timeout=120) == [True, True]
+
+
+def test_setups_called_once_do_not_evict_captured_graphs():
+    """Entries past the limit go least recently used first, but those that never captured (a
+    setup planned anew on every call) before any that did; the entry just made always stays."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    def entry(captured):
+        graph = object() if captured else None
+        replay = SimpleNamespace(graph=graph)
+        return ring._RingReplays(plan=None, group=None, forward=replay, backward=replay)
+
+    replays = OrderedDict((k, entry(captured=True)) for k in range(3))
+    for k in range(3, 9):  # six setups called once, one after another
+        replays[k] = entry(captured=False)
+        ring._evict_replays(replays, 4)
+        assert list(replays) == [0, 1, 2, k]  # each pushes out the one before it, no graph
+    replays[9] = entry(captured=False)
+    del replays[8]
+    ring._evict_replays(replays, 3)  # only captured ones left behind the new entry: LRU goes
+    assert list(replays) == [1, 2, 9]
