@@ -421,9 +421,15 @@ def _walk_order(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     descending = torch.sort(work, descending=True, stable=True).indices
     if n == 0 or m == 0:
         return torch.cat([descending.to(torch.int32), long.sum(dtype=torch.int32).reshape(1)])
-    listed = torch.arange(m, device=index.device) < count.sum(-1, keepdim=True)
-    first = torch.where(listed, index, m).amin(-1)
-    last = torch.where(listed, index, -1).amax(-1)
+    # Each list's first and last block: its partial blocks and its full ones are each in order,
+    # so the ends of the two runs hold them (four gathers, not a pass over the lists).
+    partial, full = count[..., :1].long(), count[..., 1:].long()
+
+    def listed(pos: torch.Tensor, present: torch.Tensor, absent: int) -> torch.Tensor:
+        return torch.where(present, index.gather(-1, pos.clamp(0, m - 1)), absent)
+
+    first = torch.minimum(listed(partial * 0, partial > 0, m), listed(partial, full > 0, m))
+    last = torch.maximum(listed(partial - 1, partial > 0, -1), listed(partial + full - 1, full > 0, -1))
     rows = (count.sum(-1) > 0).sum()
     local = (last - first + 1).clamp(min=0).sum() <= LOCAL_SPAN * m * rows.clamp(min=1)
     # In order: the long blocks first (most first), then the rest by number.
