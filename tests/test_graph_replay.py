@@ -5,6 +5,7 @@ inputs, and that layers sharing a setup (and so its graphs) get their own result
 from __future__ import annotations
 
 import os
+import weakref
 from unittest import mock
 
 import pytest
@@ -92,8 +93,9 @@ def test_released_graph_runs_eagerly_then_captures_again():
 def test_release_without_graphs_touches_nothing():
     """``release_graphs`` runs at every interpreter exit: with nothing captured it must not
     initialize CUDA (a CPU-only process, or one whose device is gone)."""
-    assert not graph_replay._CAPTURED
-    with mock.patch.object(torch.cuda, "synchronize", side_effect=AssertionError("touched CUDA")):
+    nothing = mock.patch.object(graph_replay, "_CAPTURED", weakref.WeakSet())
+    touched = mock.patch.object(torch.cuda, "synchronize", side_effect=AssertionError("touched CUDA"))
+    with nothing, touched:
         ringflash.release_graphs()
 
 
