@@ -99,14 +99,16 @@ def test_release_without_graphs_touches_nothing():
         ringflash.release_graphs()
 
 
-def _layers_on_rank(seed: int):
-    """Two layers of one setup, forward A, forward B, backward through both, over a few steps,
-    with the graphs and eagerly; returns the largest difference and whether both graphs exist."""
+def _layers_on_rank(seed: int, lengths: tuple[int, ...]):
+    """Two layers of one setup, forward A, forward B, backward through both, over a few steps
+    (new values each step, the shard's length taking ``lengths`` in turn), with the graphs and
+    eagerly; returns the largest difference and which graphs exist per setup."""
+    ring._REPLAYS.clear()  # the pool's ranks outlive a test: only this test's setups
     dev = worker_device()
     g = torch.Generator(device=dev).manual_seed(seed + 10 * torch.distributed.get_rank())
 
-    def mk(h):
-        return torch.randn(1, 512, h, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    def mk(n, h):
+        return torch.randn(1, n, h, 64, device=dev, dtype=torch.bfloat16, generator=g)
 
     def step(xs):
         leaves = [t.clone().requires_grad_() for t in xs[:6]]
@@ -117,8 +119,9 @@ def _layers_on_rank(seed: int):
         return [out_a.detach(), out_b.detach()] + [t.grad for t in leaves]
 
     worst = 0.0
-    for _ in range(4):
-        xs = [mk(8), mk(2), mk(2), mk(8), mk(2), mk(2), mk(8), mk(8)]
+    for i in range(4 * len(lengths)):
+        n = lengths[i % len(lengths)]
+        xs = [mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 8)]
         with mock.patch.dict(os.environ, ON):
             replayed = step(xs)
         eager = step(xs)
@@ -134,9 +137,17 @@ def test_ring_replays_equal_eager_calls_on_gpus(rank_pool):
     """Two ranks over NCCL: the zigzag ring's forward and backward, captured at the second call of
     their setup, give what eager calls give on the same inputs, for two layers that share the
     graphs (the dQ kernels add with atomics: not bit for bit)."""
-    for worst, graphs in rank_pool(2).run(_layers_on_rank, 0):
+    for worst, graphs in rank_pool(2).run(_layers_on_rank, 0, (512,)):
         assert worst < 2e-2
         assert graphs == [(True, True)]
+
+
+@pytest.mark.multigpu
+def test_ring_replays_follow_alternating_shapes(rank_pool):
+    """Two shard lengths in turn: each its own setup and graphs, every call equal to eager."""
+    for worst, graphs in rank_pool(2).run(_layers_on_rank, 1, (512, 768)):
+        assert worst < 2e-2
+        assert graphs == [(True, True), (True, True)]
 
 
 def _destroy_after_release_on_rank():
@@ -151,6 +162,7 @@ def _destroy_after_release_on_rank():
             ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
     captured = bool(graph_replay._CAPTURED)
     ringflash.release_graphs()
+    ring._REPLAYS.clear()  # no entry keeps the destroyed group
     torch.distributed.destroy_process_group(group)
     return captured
 
