@@ -23,9 +23,12 @@ from .kernels.tile_mask import TileMask
 from .layouts import ChunkLayout
 
 _SCALARS = (bool, int, float, str, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def _option_key(value: object) -> object:
+    if type(value) in _SCALAR_TYPES:  # most options: first, a call pays this for every option
+        return (type(value), value)
     if isinstance(value, torch.Tensor):
         return identity_key(value)
     if isinstance(value, TileMask):  # immutable: its identity stands for it (held weakly: ``put``)
@@ -51,8 +54,10 @@ class SetupCache:
         """The call's key, or None where it cannot be cached (tensor subclasses, inference
         tensors among the options, values of other types)."""
         try:
-            parts = (layout_key(q), layout_key(k), layout_key(v), id(group))
-            return parts + tuple((name, _option_key(value)) for name, value in sorted(options.items()))
+            # The options in the caller's order: a call site passes them in one order (another
+            # order only misses the cache).
+            options_key = tuple(map(_option_key, options.values()))
+            return (layout_key(q), layout_key(k), layout_key(v), id(group), tuple(options), options_key)
         except TypeError:
             return None
 

@@ -15,6 +15,7 @@ from distributed import worker_device
 import ringflash
 from ringflash import graph_replay, ring
 from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, replay_wanted
+from ringflash.kernels.tile_mask import TileMask
 
 ON = {"RINGFLASH_RING_GRAPHS": "1"}
 
@@ -99,22 +100,62 @@ def test_release_without_graphs_touches_nothing():
         ringflash.release_graphs()
 
 
-def _layers_on_rank(seed: int, lengths: tuple[int, ...]):
+def _prefix_window(b, h, q, kv):
+    """A block mask that is neither causal nor a window: a 128-token prefix seen by all, else a
+    causal window of 300 keys."""
+    return (kv < 128) | ((kv <= q) & (kv > q - 300))
+
+
+def _variant_call(variant: str, total: int, dev: torch.device):
+    """One ring call of ``variant`` over a full sequence of ``total`` tokens: the layouts, the
+    options that change the plan's kernel calls (window, softcap, ALiBi, packed documents, a
+    block mask) and sinks (whose LSE gradient sends the backward down the eager path)."""
+    heads = 8
+    if variant == "zigzag":
+        return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True)
+    if variant == "contiguous":
+        return lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=True)
+    if variant == "stripe":
+        return lambda q, k, v: ringflash.stripe_flash_attn_func(q, k, v, causal=True)
+    if variant == "window_softcap":
+        return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(
+            q, k, v, causal=True, window_size=(200, 0), softcap=20.0
+        )
+    if variant == "alibi":
+        slopes = torch.linspace(0.01, 0.3, heads, device=dev)
+        return lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, alibi_slopes=slopes)
+    if variant == "packed":
+        cu = [0, total // 4, total]  # each document a multiple of 2 * world tokens
+        return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, cu_seqlens=cu)
+    if variant == "sinks":
+        sinks = torch.linspace(-1.0, 2.0, heads, device=dev)
+        return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, sinks=sinks)
+    if variant == "block_mask":
+        mask = TileMask.from_mask_mod(_prefix_window, 1, 1, total, total, device=dev)
+        return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, block_mask=mask)
+    raise AssertionError(variant)
+
+
+def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps
     (new values each step, the shard's length taking ``lengths`` in turn), with the graphs and
     eagerly; returns the largest difference and which graphs exist per setup."""
     ring._REPLAYS.clear()  # the pool's ranks outlive a test: only this test's setups
     dev = worker_device()
+    world = torch.distributed.get_world_size()
     g = torch.Generator(device=dev).manual_seed(seed + 10 * torch.distributed.get_rank())
+    calls = {n: _variant_call(variant, n * world, dev) for n in set(lengths)}
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16  # the interpreter's bf16 is wrong
 
     def mk(n, h):
-        return torch.randn(1, n, h, 64, device=dev, dtype=torch.bfloat16, generator=g)
+        return torch.randn(1, n, h, 64, device=dev, dtype=dtype, generator=g)
 
-    def step(xs):
+    def step(n, xs):
         leaves = [t.clone().requires_grad_() for t in xs[:6]]
         qa, ka, va, qb, kb, vb = leaves
-        out_a = ringflash.zigzag_ring_flash_attn_func(qa, ka, va, causal=True)
-        out_b = ringflash.zigzag_ring_flash_attn_func(qb, kb, vb, causal=True)
+        out_a = calls[n](qa, ka, va)
+        out_b = calls[n](qb, kb, vb)
         torch.autograd.backward([out_a, out_b], [xs[6], xs[7]])
         return [out_a.detach(), out_b.detach()] + [t.grad for t in leaves]
 
@@ -123,8 +164,8 @@ def _layers_on_rank(seed: int, lengths: tuple[int, ...]):
         n = lengths[i % len(lengths)]
         xs = [mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 8)]
         with mock.patch.dict(os.environ, ON):
-            replayed = step(xs)
-        eager = step(xs)
+            replayed = step(n, xs)
+        eager = step(n, xs)
         for a, b in zip(replayed, eager):
             assert torch.isfinite(a).all()
             worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
@@ -148,6 +189,18 @@ def test_ring_replays_follow_alternating_shapes(rank_pool):
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 1, (512, 768)):
         assert worst < 2e-2
         assert graphs == [(True, True), (True, True)]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "variant", ["contiguous", "stripe", "window_softcap", "alibi", "packed", "block_mask", "sinks"]
+)
+def test_ring_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
+    """Each layout and each option that shapes the plan replays as its eager call runs; with
+    sinks the LSE's gradient takes the eager backward, so only the forward is captured."""
+    for worst, graphs in rank_pool(2).run(_layers_on_rank, 2, (512,), variant):
+        assert worst < 2e-2
+        assert graphs == [(True, variant != "sinks")]
 
 
 def _destroy_after_release_on_rank():
