@@ -39,11 +39,16 @@ MAX_REPLAY_BYTES = 32 << 20
 
 
 def replay_wanted(*tensors: torch.Tensor) -> bool:
-    """Whether a call on ``tensors`` should go through ``GraphReplay``: opted in, on a GPU, not
-    inside the caller's own capture, dense and small enough."""
+    """Whether a call on ``tensors`` should go through ``GraphReplay``: opted in, on the current
+    GPU, not inside the caller's own capture, dense and small enough."""
     if os.environ.get("RINGFLASH_RING_GRAPHS", "0") != "1":
         return False
     if not all(t.is_cuda and t.is_contiguous() for t in tensors):
+        return False
+    # A capture records the current device's stream: kernels for tensors on another device
+    # would run once during the capture and never replay (stale outputs after).
+    current = torch.cuda.current_device()
+    if any(t.device.index != current for t in tensors):
         return False
     if max(t.numel() * t.element_size() for t in tensors) > MAX_REPLAY_BYTES:
         return False

@@ -36,6 +36,19 @@ def test_replay_only_where_opted_in_on_gpu_tensors_of_bounded_size():
             assert not replay_wanted(torch.zeros(4, 2, device="cuda").t())  # not dense
 
 
+def test_no_replay_for_tensors_off_the_current_device():
+    """A capture records the current device's stream only: tensors on another GPU run eagerly
+    (their kernels would run once during the capture and never replay)."""
+    on_gpu1 = mock.Mock(is_cuda=True, device=torch.device("cuda", 1), element_size=lambda: 2)
+    on_gpu1.is_contiguous.return_value, on_gpu1.numel.return_value = True, 16
+    capturing = mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=False)
+    with mock.patch.dict(os.environ, ON), capturing:
+        with mock.patch.object(torch.cuda, "current_device", return_value=1):
+            assert replay_wanted(on_gpu1)
+        with mock.patch.object(torch.cuda, "current_device", return_value=0):
+            assert not replay_wanted(on_gpu1)
+
+
 @pytest.mark.gpu
 def test_graph_replay_runs_captures_then_replays_fresh_outputs():
     calls = []
