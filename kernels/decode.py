@@ -38,20 +38,25 @@ PAGED_PROGRAMS_PER_SM = 4
 PAGED_BLOCK_N, PAGED_STAGES = 64, 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
+# The split kernel's integer arguments that follow the caches' length come first (after its
+# tensors), this many: a launch over keys whose number changes call by call keys them by
+# Triton's specialization of them, not their values (``launcher.SizedLaunch``).
+SIZED_INTS = 9
 
 
 @triton.jit
 def _split_kv_kernel(
     Q, K, V, OUT, LSE, SEQLENS, BATCH_IDX, BLOCK_TABLE, SLOPES, LEFTPAD,
-    seqlen_q, seqlen_new, key_offset, local_capacity, group, heads_k, keys_per_split, page_size, table_stride,
-    slopes_stride, lse_base, spread_from, spread_rank, spread_world, slots,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    # The SIZED_INTS: what follows the caches' length (few_queries.py passes them per call).
+    seqlen_new, local_capacity, keys_per_split, slots, page_size, stride_kb, stride_kh, stride_vb, stride_vh,
+    seqlen_q, key_offset, group, heads_k, table_stride, slopes_stride, lse_base, spread_from, spread_rank,
+    spread_world, stride_qb, stride_qs, stride_qh, stride_ks, stride_vs,
     stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
     qk_scale, softcap_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, WHOLE_TILES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPREAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPREAD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     bk = tl.program_id(1)
@@ -64,7 +69,10 @@ def _split_kv_kernel(
     h = hk * group + rows % group
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    seqlen_k = tl.load(SEQLENS + b) + seqlen_new  # the cache's keys, then the appended ones
+    if HAS_SEQLENS:
+        seqlen_k = tl.load(SEQLENS + b) + seqlen_new  # the cache's keys, then the appended ones
+    else:  # keys given whole (few_queries.py): seqlen_new of them, every sequence alike
+        seqlen_k = seqlen_new
     q_pos = seqlen_k - seqlen_q + t  # bottom-right aligned, in the sequence's positions
     # This cache holds the keys at positions key_offset .. key_offset + local_capacity - 1 (all
     # of them on one device; a shard of them with sequence parallelism); j below is local. With
@@ -95,15 +103,16 @@ def _split_kv_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + b64 * slopes_stride + h, mask=row_ok, other=0.0) * 1.4426950408889634
+    hk64 = hk.to(tl.int64)  # a head stride may be a whole sequence's (keys given as (b, h, s, d) views)
     if PAGED:
-        k_base = K + hk * stride_kh
-        v_base = V + hk * stride_vh
+        k_base = K + hk64 * stride_kh
+        v_base = V + hk64 * stride_vh
     else:
         row = b64
         if HAS_BATCH_IDX:
             row = tl.load(BATCH_IDX + b).to(tl.int64)
-        k_base = K + row * stride_kb + hk * stride_kh
-        v_base = V + row * stride_vb + hk * stride_vh
+        k_base = K + row * stride_kb + hk64 * stride_kh
+        v_base = V + row * stride_vb + hk64 * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -234,6 +243,7 @@ def plan_split_kv(
     held: int,
     out_dtype: torch.dtype,
     spread: tuple[int, int, int, int] | None = None,
+    seqlens: bool = True,
 ) -> SplitKVPlan:
     """The launch of ``_split_kv_kernel`` (and of the merge) for q of ``q_shape`` (batch,
     seqlen_q, heads_q, head_dim) over caches of ``cache_shape``; arguments as
@@ -242,7 +252,9 @@ def plan_split_kv(
     ``table_stride`` (None: a dense cache), whether ``batch_idx``/``leftpad`` are given.
     ``spread``: None, or (spread_from, rank, world, slots): the cache's slots past ``held``
     (up to ``slots``) hold the positions from spread_from on that fall to ``rank`` of ``world``
-    when they are dealt out round-robin (position p on rank (p - spread_from) % world)."""
+    when they are dealt out round-robin (position p on rank (p - spread_from) % world).
+    ``seqlens=False``: no cache_seqlens tensor (the launch passes None for it): every sequence
+    has ``seqlen_new`` keys, all in the cache."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_k = cache_shape[2]
     group = heads_q // heads_k
@@ -271,10 +283,10 @@ def plan_split_kv(
         (softmax_scale / softcap, softcap * LOG2E) if softcap else (softmax_scale * LOG2E, None)
     )
     ints = (
-        seqlen_q, seqlen_new, key_offset, held, group, heads_k, keys_per_split, page_size, table_stride or 0,
-        alibi_batch_stride or 0, lse_base, spread_from, spread_rank, spread_world, slots, *q_stride[:3],
-        *k_stride[:3], *v_stride[:3], *part_strides, *lse_strides, qk_scale, softcap_log2, left or 0,
-        right or 0,
+        seqlen_new, held, keys_per_split, slots, page_size, k_stride[0], k_stride[2], v_stride[0],
+        v_stride[2], seqlen_q, key_offset, group, heads_k, table_stride or 0, alibi_batch_stride or 0,
+        lse_base, spread_from, spread_rank, spread_world, *q_stride[:3], k_stride[1], v_stride[1],
+        *part_strides, *lse_strides, qk_scale, softcap_log2, left or 0, right or 0,
     )  # fmt: skip
     meta = (
         ("HEAD_DIM", head_dim), ("BLOCK_D", block_d(head_dim)), ("BLOCK_M", block_m), ("BLOCK_N", tile),
@@ -282,6 +294,7 @@ def plan_split_kv(
         ("HAS_ALIBI", alibi_batch_stride is not None), ("PAGED", paged),
         ("WHOLE_TILES", paged and page_size % tile == 0), ("HAS_BATCH_IDX", batch_idx),
         ("HAS_LEFTPAD", leftpad), ("DOT_PRECISION", dot_precision(dtype)), ("SPREAD", spread is not None),
+        ("HAS_SEQLENS", seqlens),
         ("num_warps", NUM_WARPS), ("num_stages", stages),
     )  # fmt: skip
     merge = None

@@ -210,6 +210,43 @@ class PreparedLaunch:
         _run(self.kernel, grid, args, self.kwargs, key, hit, binding)
 
 
+class SizedLaunch(PreparedLaunch):
+    """A ``PreparedLaunch`` whose leading arguments also hold ints that change call by call
+    (sizes and strides that follow a sequence's length): the launch key takes each such int by
+    the class Triton specializes it on (== 1, divisible by 16, its integer type), not by its
+    value, so that a new length reuses the compiled kernel of its class instead of compiling or
+    binding anew. ``SizedLaunch(kernel, tail, kwargs)(grid, *lead)`` is still ``launch(kernel,
+    grid, *lead, *tail, **kwargs)``."""
+
+    __slots__ = ()
+
+    def __call__(self, grid: tuple[int, ...], *lead: object) -> None:
+        binding = _binding()
+        if binding == "1" or self._fixed is None:
+            launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
+            return
+        try:
+            key = (self.kernel, _current_device(), _classes_key(lead), self._fixed)
+            hit = _COMPILED.get(key)
+        except TypeError:
+            self.kernel[grid](*lead, *self.tail, **self.kwargs)
+            return
+        _run(self.kernel, grid, (*lead, *self.tail), self.kwargs, key, hit, binding)
+
+
+def int_class(a: int) -> tuple[bool, bool, str]:
+    """What Triton specializes an int argument on: == 1 (a constant), divisibility by 16, and
+    its type (i32, i64 or u64 by range). Ints of one class share a compiled kernel."""
+    kind = "i32" if -(2**31) <= a < 2**31 else "i64" if a < 2**63 else "u64"
+    return (a == 1, a % 16 == 0, kind)
+
+
+def _classes_key(args: tuple) -> tuple:
+    """``_args_key`` with ints by ``int_class``."""
+    return tuple([int_class(a) if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
+                  else _arg_key(a) for a in args])  # fmt: skip
+
+
 def _args_key(args: tuple) -> tuple:
     """The arguments' part of a launch key: ints and tensors inline (``_arg_key``'s keys without
     its call), anything else through ``_arg_key``; TypeError for an argument not keyed on."""

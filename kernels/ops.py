@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .backward import attention_gradients
+from .few_queries import few_query_attention
 from .forward import attention_forward
 from .plans import cached_problem
 from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
@@ -45,9 +46,13 @@ def _forward_op(
     alibi_slopes: Tensor | None,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    problem = cached_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                       causal, window_left, window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
-    return attention_forward(q, k, v, problem)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, deterministic)  # fmt: skip
+    # Its backward needs only out and the LSE, which the few-query path gives as the general one.
+    routed = few_query_attention(q, k, v, *args)
+    if routed is not None:
+        return routed
+    return attention_forward(q, k, v, cached_problem(q, k, v, *args))
 
 
 @_forward_op.register_fake
@@ -195,6 +200,10 @@ def flash_attention(
                       max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
     if use_ops(q):
         return _forward_op(q, k, v, *args)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        routed = few_query_attention(q, k, v, *args)  # no backward: plans every length at once
+        if routed is not None:
+            return routed
     return _FlashAttention.apply(q, k, v, cached_problem(q, k, v, *args))
 
 

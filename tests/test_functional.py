@@ -102,6 +102,7 @@ def test_positional_order_is_flash_attns(device, monkeypatch):
     """flash_attn_func(q, k, v, 0.0, None, True) is causal attention, (..., 0.0, 0.3) scales by
     0.3, and deterministic (10th) reaches the kernels, as in flash-attn; varlen likewise."""
     q, k, v, _, _ = _inputs(1, 12, 12, 2, 1, 16, device)
+    q.requires_grad_()  # the general path (without gradients, 12 rows take kernels/few_queries.py)
     problems = []
     forward = kernel_ops.attention_forward  # the launcher behind flash_attn_func
     monkeypatch.setattr(kernel_ops, "attention_forward", lambda *a: problems.append(a[3]) or forward(*a))
@@ -342,7 +343,7 @@ def test_sinks_on_the_merge_boundaries_match_float64(device, varlen):
         ]
         return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 2)
 
-    lse = run(q, k, v, None)[1]
+    lse = run(q.detach().requires_grad_(), k, v, None)[1].detach()  # the kernels of the calls below
     assert torch.isneginf(lse).any()  # rows that see no key
     tie = lse[0, 2][torch.isfinite(lse[0, 2])][-1].item()
     sinks = torch.tensor([float("-inf"), -1e4, tie, 2.5], device=device)

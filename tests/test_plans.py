@@ -14,8 +14,10 @@ from ringflash.kernels.plans import problem_builds
 
 
 def _qkv(s=24, h=3, d=24, seed=0):  # shapes no other test uses: the counts start clean
+    """Inputs that ask for gradients, as in training: without them, calls of this few rows go
+    to kernels/few_queries.py, which plans on its own (tests/test_few_queries.py)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, s, h, d, generator=g).to(DEVICE) for _ in range(3)]
+    return [torch.randn(1, s, h, d, generator=g).to(DEVICE).requires_grad_() for _ in range(3)]
 
 
 def test_same_signature_builds_once():
