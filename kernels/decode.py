@@ -244,6 +244,7 @@ def plan_split_kv(
     out_dtype: torch.dtype,
     spread: tuple[int, int, int, int] | None = None,
     seqlens: bool = True,
+    out_stride: tuple[int, ...] | None = None,
 ) -> SplitKVPlan:
     """The launch of ``_split_kv_kernel`` (and of the merge) for q of ``q_shape`` (batch,
     seqlen_q, heads_q, head_dim) over caches of ``cache_shape``; arguments as
@@ -254,7 +255,8 @@ def plan_split_kv(
     (up to ``slots``) hold the positions from spread_from on that fall to ``rank`` of ``world``
     when they are dealt out round-robin (position p on rank (p - spread_from) % world).
     ``seqlens=False``: no cache_seqlens tensor (the launch passes None for it): every sequence
-    has ``seqlen_new`` keys, all in the cache."""
+    has ``seqlen_new`` keys, all in the cache. ``out_stride``: the output's strides (unit
+    stride in head_dim; default contiguous)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_k = cache_shape[2]
     group = heads_q // heads_k
@@ -270,8 +272,11 @@ def plan_split_kv(
     keys_per_split = -(-slots // (num_splits * tile)) * tile
     lse_shape = (batch, heads_q, seqlen_q)
     n_out, n_lse = batch * seqlen_q * heads_q * head_dim, batch * heads_q * seqlen_q
+    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+    if out_stride is not None:
+        out_strides = tuple(out_stride[:3])
     if num_splits == 1:  # the kernel writes the result (out, lse): strides of those
-        part_strides = (0, seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+        part_strides = (0, *out_strides)
         lse_strides = (0, heads_q * seqlen_q, seqlen_q)
         lse_base, parts = 0, 0
     else:  # float32 partials (splits, *q_shape), then their LSEs (splits, *lse_shape), one buffer
@@ -299,7 +304,6 @@ def plan_split_kv(
     )  # fmt: skip
     merge = None
     if num_splits > 1:
-        out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
         merge_grid, merge_ints, merge_meta = _merge_launch(
             num_splits, q_shape, part_strides, lse_base, lse_strides, out_strides,
             (heads_q * seqlen_q, seqlen_q),

@@ -44,6 +44,7 @@ class _Splits(NamedTuple):
 class _Route(NamedTuple):
     shape: tuple[int, ...]  # q's (batch, seqlen_q, heads_q, head_dim)
     q_stride: tuple[int, ...]
+    out_stride: tuple[int, ...]  # torch.empty_like(q)'s
     plan_args: dict  # plan_split_kv's options for this key
     fitting: int  # programs that fit one wave, over the (sequence, KV head) pairs
     tile: int  # keys per tile
@@ -137,7 +138,7 @@ def few_query_attention(
     if planned is None:
         planned = route.by_splits[splits] = _plan_splits(route, splits, k, v)
     plan = planned.plan
-    out = torch.empty(plan.out_shape, device=q.device, dtype=plan.out_dtype)
+    out = torch.empty_like(q)  # q's strides, as the general path's and the op's fake give it
     if plan.parts:  # the splits' partials, then the LSE (16-byte aligned): one allocation, both small
         start = -(-plan.parts // 4) * 4
         work = torch.empty(start + route.lse_size, device=q.device, dtype=torch.float32)
@@ -183,7 +184,8 @@ def _plan(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, determi
     # default_splits' count for a cache long enough never to limit it: the programs that fit.
     fitting = default_splits(batch, heads_k, rows, MAX_SPLITS * MIN_KEYS_PER_SPLIT, q.device)
     tile = split_block_n(head_dim, q.element_size())
-    return _Route(tuple(q.shape), q.stride(), plan_args, fitting, tile, batch * heads_q * seqlen_q, {})
+    out_stride, lse_size = torch.empty_like(q).stride(), batch * heads_q * seqlen_q
+    return _Route(tuple(q.shape), q.stride(), out_stride, plan_args, fitting, tile, lse_size, {})
 
 
 def _plan_splits(route: _Route, splits: int, k: torch.Tensor, v: torch.Tensor) -> _Splits:
@@ -192,7 +194,7 @@ def _plan_splits(route: _Route, splits: int, k: torch.Tensor, v: torch.Tensor) -
     _PLANNED[1] += 1
     plan = plan_split_kv(
         route.shape, route.q_stride, k.dtype, tuple(k.shape), k.stride(), v.stride(), k.shape[1],
-        num_splits=splits, held=k.shape[1], **route.plan_args,
+        num_splits=splits, held=k.shape[1], out_stride=route.out_stride, **route.plan_args,
     )  # fmt: skip
     split = plan.split
     return _Splits(plan, SizedLaunch(split.kernel, split.tail[SIZED_INTS:], split.kwargs))
