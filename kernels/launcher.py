@@ -226,7 +226,7 @@ class SizedLaunch(PreparedLaunch):
             launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
             return
         try:
-            key = (self.kernel, _current_device(), _classes_key(lead), self._fixed)
+            key = (self.kernel, _current_device(), classes_key(lead), self._fixed)
             hit = _COMPILED.get(key)
         except TypeError:
             self.kernel[grid](*lead, *self.tail, **self.kwargs)
@@ -234,17 +234,20 @@ class SizedLaunch(PreparedLaunch):
         _run(self.kernel, grid, (*lead, *self.tail), self.kwargs, key, hit, binding)
 
 
-def int_class(a: int) -> tuple[bool, bool, str]:
-    """What Triton specializes an int argument on: == 1 (a constant), divisibility by 16, and
-    its type (i32, i64 or u64 by range). Ints of one class share a compiled kernel."""
-    kind = "i32" if -(2**31) <= a < 2**31 else "i64" if a < 2**63 else "u64"
-    return (a == 1, a % 16 == 0, kind)
+_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 
 
-def _classes_key(args: tuple) -> tuple:
-    """``_args_key`` with ints by ``int_class``."""
-    return tuple([int_class(a) if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
-                  else _arg_key(a) for a in args])  # fmt: skip
+def classes_key(args: tuple) -> tuple:
+    """``_args_key`` with each int by the class Triton specializes it on, as a small int: bit 0
+    divisibility by 16, bit 1 == 1 (a constant), bits 2-3 its type (i32, i64 or u64 by range).
+    Ints of one class share a compiled kernel. (Inline: a function call per int cost more
+    than the rest of the key.)"""
+    return tuple([
+        (a & 15 == 0) + 2 * (a == 1) + 4 * (not _I32_MIN <= a <= _I32_MAX) + 4 * (a > _I64_MAX)
+        if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
+        else None if a is None else _arg_key(a)
+        for a in args
+    ])  # fmt: skip
 
 
 def _args_key(args: tuple) -> tuple:

@@ -202,9 +202,9 @@ def test_bad_input_raises_as_the_general_path_does():
 
 
 def test_int_classes_are_tritons():
-    """The launch key of a ``SizedLaunch`` takes ints by ``int_class``: it must tell apart every
-    two ints that Triton compiles differently, or a kernel would run with another's assumptions
-    (a length taken for divisible by 16)."""
+    """The launch key of a ``SizedLaunch`` takes ints by their class (``classes_key``): it must
+    tell apart every two ints that Triton compiles differently, or a kernel would run with
+    another's assumptions (a length taken for divisible by 16)."""
     libtriton = pytest.importorskip("triton._C.libtriton")
     specialize = getattr(libtriton, "native_specialize_impl", None)
     if specialize is None:
@@ -215,7 +215,7 @@ def test_int_classes_are_tritons():
               -(2**31), -(2**31) - 1]  # fmt: skip
     for a in values:
         for b in values:
-            if launcher.int_class(a) == launcher.int_class(b):
+            if launcher.classes_key((a,)) == launcher.classes_key((b,)):
                 assert specialize(BaseBackend, a, False, True, True) == specialize(
                     BaseBackend, b, False, True, True
                 ), (a, b)
