@@ -115,6 +115,8 @@ def few_query_attention(
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
+    if not k.shape[2] or q.shape[1] * (q.shape[2] // k.shape[2]) > MAX_ROWS:  # no key needed to say
+        return None
     alibi = None
     if alibi_slopes is not None:
         if type(alibi_slopes) is not torch.Tensor:
