@@ -140,6 +140,11 @@ def flash_attn_func(
         1 1
     A window lets query i see keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
 
+    A call that asks for no gradients with at most 64 query rows per K/V head (seqlen_q x
+    heads_q / heads_k: a decode step over a cache the model keeps) runs the split-KV decoding
+    kernel, planned once for every seqlen_k (``kernels/few_queries.py``; its rounding differs
+    from the training path's in the last bits; ``RINGFLASH_SPLIT_KV_QUERIES=0`` turns it off).
+
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), float16/bfloat16/float32, CUDA (or CPU with
             TRITON_INTERPRET=1 set before import; float16/float32 there).
