@@ -19,12 +19,12 @@ needs only out and the LSE, which are the same).
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
+from .configs import environment_value
 from .decode import MAX_SPLITS, MIN_KEYS_PER_SPLIT, SIZED_INTS, SplitKVPlan, default_splits, plan_split_kv
 from .decode import block_n as split_block_n
 from .launcher import SizedLaunch
@@ -75,17 +75,6 @@ def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: tuple) -> t
 
 
 _MISSING = object()
-try:  # os.environ's own dict: a lookup there is 0.1 us, os.environ.get 1 us (launcher.py reads it so too)
-    _ENVIRON, _SWITCH_KEY = os.environ._data, os.environ.encodekey(SWITCH)
-except AttributeError:
-    _ENVIRON = None
-
-
-def _switched_off() -> bool:
-    if _ENVIRON is None:
-        return os.environ.get(SWITCH) == "0"
-    value = _ENVIRON.get(_SWITCH_KEY)
-    return value is not None and os.environ.decodevalue(value) == "0"
 
 
 def few_query_attention(
@@ -109,7 +98,7 @@ def few_query_attention(
     caller then takes the general one, which also raises on bad input): varlen, tensor
     subclasses, rows over ``MAX_ROWS``, no keys, too many (sequence, KV head) pairs for the
     grid, or ``RINGFLASH_SPLIT_KV_QUERIES=0``."""
-    if cu_seqlens_q is not None or cu_seqlens_k is not None or _switched_off():
+    if cu_seqlens_q is not None or cu_seqlens_k is not None or environment_value(SWITCH) == "0":
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None

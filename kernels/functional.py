@@ -43,11 +43,8 @@ def pad_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     Raises:
         ValueError: head_dim outside [1, 256].
     """
-    if type(q) is type(k) is type(v) is torch.Tensor and q.dim() and k.dim() and v.dim():
-        head_dim = q.shape[-1]
-        if head_dim % 8 == 0 and k.shape[-1] == v.shape[-1] == head_dim and 8 <= head_dim <= MAX_HEAD_DIM:
-            return q, k, v  # the usual case, without the general checks below (host time per call)
-    if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in (q, k, v)):
+    tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not (tensors and q.dim() and k.dim() and v.dim()):  # no all(generator): every call pays this
         return q, k, v
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:

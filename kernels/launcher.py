@@ -30,7 +30,6 @@ addresses (and their TMA descriptors' encodings, kept by address) into it.
 from __future__ import annotations
 
 import inspect
-import os
 from collections import OrderedDict
 from typing import Any
 
@@ -39,7 +38,7 @@ import triton
 from triton import knobs
 from triton.runtime import driver
 
-from .configs import INTERPRET
+from .configs import INTERPRET, environment_value
 
 # Compiled kernels by launch key; bounded: a key holds only values, never a tensor.
 _MAX_KEYS = 4096
@@ -88,10 +87,6 @@ DIRECT_RELEASES = ("3.6.",)
 
 
 _BINDING_VARIABLE = "RINGFLASH_TRITON_BINDING"
-try:  # os.environ's own dict (bytes on POSIX): a lookup there is 0.1 us, os.environ.get 1 us
-    _ENVIRON, _BINDING_KEY = os.environ._data, os.environ.encodekey(_BINDING_VARIABLE)
-except AttributeError:
-    _ENVIRON = None
 
 
 def _binding() -> str:
@@ -100,10 +95,8 @@ def _binding() -> str:
     every launch (tests and benchmarks change it at run time)."""
     if INTERPRET:
         return "1"
-    if _ENVIRON is None:
-        return os.environ.get(_BINDING_VARIABLE, "0")
-    value = _ENVIRON.get(_BINDING_KEY)
-    return "0" if value is None else os.environ.decodevalue(value)
+    value = environment_value(_BINDING_VARIABLE)
+    return "0" if value is None else value
 
 
 # The current device and its current stream, straight from torch's C bindings where they exist
@@ -177,63 +170,6 @@ def launch(kernel, grid: tuple[int, ...], *args: object, **kwargs: object) -> No
     _run(kernel, grid, args, kwargs, key, hit, binding)
 
 
-class PreparedLaunch:
-    """``launch`` of one kernel whose trailing arguments and keyword arguments are fixed (a
-    plan's sizes, strides, scales and constexprs): their part of the launch key is made once,
-    and a call keys only its leading arguments (its tensors).
-
-    ``PreparedLaunch(kernel, tail, kwargs)(grid, *lead)`` is ``launch(kernel, grid, *lead,
-    *tail, **kwargs)``."""
-
-    __slots__ = ("kernel", "tail", "kwargs", "_fixed")
-
-    def __init__(self, kernel, tail: tuple, kwargs: dict[str, object]) -> None:
-        self.kernel, self.tail, self.kwargs = kernel, tuple(tail), dict(kwargs)
-        try:
-            self._fixed = (_args_key(self.tail), tuple(self.kwargs.items()))
-            hash(self._fixed)
-        except TypeError:  # keyed per call by ``launch`` (or bound by Triton)
-            self._fixed = None
-
-    def __call__(self, grid: tuple[int, ...], *lead: object) -> None:
-        binding = _binding()
-        if binding == "1" or self._fixed is None:
-            launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
-            return
-        args = (*lead, *self.tail)
-        try:
-            key = (self.kernel, _current_device(), _args_key(lead), self._fixed)
-            hit = _COMPILED.get(key)
-        except TypeError:
-            self.kernel[grid](*args, **self.kwargs)
-            return
-        _run(self.kernel, grid, args, self.kwargs, key, hit, binding)
-
-
-class SizedLaunch(PreparedLaunch):
-    """A ``PreparedLaunch`` whose leading arguments also hold ints that change call by call
-    (sizes and strides that follow a sequence's length): the launch key takes each such int by
-    the class Triton specializes it on (== 1, divisible by 16, its integer type), not by its
-    value, so that a new length reuses the compiled kernel of its class instead of compiling or
-    binding anew. ``SizedLaunch(kernel, tail, kwargs)(grid, *lead)`` is still ``launch(kernel,
-    grid, *lead, *tail, **kwargs)``."""
-
-    __slots__ = ()
-
-    def __call__(self, grid: tuple[int, ...], *lead: object) -> None:
-        binding = _binding()
-        if binding == "1" or self._fixed is None:
-            launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
-            return
-        try:
-            key = (self.kernel, _current_device(), classes_key(lead), self._fixed)
-            hit = _COMPILED.get(key)
-        except TypeError:
-            self.kernel[grid](*lead, *self.tail, **self.kwargs)
-            return
-        _run(self.kernel, grid, (*lead, *self.tail), self.kwargs, key, hit, binding)
-
-
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 
 
@@ -255,6 +191,52 @@ def _args_key(args: tuple) -> tuple:
     its call), anything else through ``_arg_key``; TypeError for an argument not keyed on."""
     return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
                   else _arg_key(a) for a in args])  # fmt: skip
+
+
+class PreparedLaunch:
+    """``launch`` of one kernel whose trailing arguments and keyword arguments are fixed (a
+    plan's sizes, strides, scales and constexprs): their part of the launch key is made once,
+    and a call keys only its leading arguments (its tensors).
+
+    ``PreparedLaunch(kernel, tail, kwargs)(grid, *lead)`` is ``launch(kernel, grid, *lead,
+    *tail, **kwargs)``."""
+
+    __slots__ = ("kernel", "tail", "kwargs", "_fixed")
+    _lead_key = staticmethod(_args_key)  # the leading arguments' part of the launch key
+
+    def __init__(self, kernel, tail: tuple, kwargs: dict[str, object]) -> None:
+        self.kernel, self.tail, self.kwargs = kernel, tuple(tail), dict(kwargs)
+        try:
+            self._fixed = (_args_key(self.tail), tuple(self.kwargs.items()))
+            hash(self._fixed)
+        except TypeError:  # keyed per call by ``launch`` (or bound by Triton)
+            self._fixed = None
+
+    def __call__(self, grid: tuple[int, ...], *lead: object) -> None:
+        binding = _binding()
+        if binding == "1" or self._fixed is None:
+            launch(self.kernel, grid, *lead, *self.tail, **self.kwargs)
+            return
+        args = (*lead, *self.tail)
+        try:
+            key = (self.kernel, _current_device(), self._lead_key(lead), self._fixed)
+            hit = _COMPILED.get(key)
+        except TypeError:
+            self.kernel[grid](*args, **self.kwargs)
+            return
+        _run(self.kernel, grid, args, self.kwargs, key, hit, binding)
+
+
+class SizedLaunch(PreparedLaunch):
+    """A ``PreparedLaunch`` whose leading arguments also hold ints that change call by call
+    (sizes and strides that follow a sequence's length): the launch key takes each such int by
+    the class Triton specializes it on (== 1, divisible by 16, its integer type), not by its
+    value, so that a new length reuses the compiled kernel of its class instead of compiling or
+    binding anew. ``SizedLaunch(kernel, tail, kwargs)(grid, *lead)`` is still ``launch(kernel,
+    grid, *lead, *tail, **kwargs)``."""
+
+    __slots__ = ()
+    _lead_key = staticmethod(classes_key)
 
 
 def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple, hit: tuple | None, binding: str) -> None:
