@@ -23,8 +23,9 @@ per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``
 (``attention_delta`` then ``attention_backward``: the general path, a dQ fill of its own).
 ``--ab-comm`` adds the sequence-parallel entries with the ring's exchange through
 ``dist.batch_isend_irecv`` instead of the process group's own send/recv (``comm.group_p2p``), and
-without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). ``--ab-graphs`` adds the ring
-entries replayed from the graphs ringflash captures itself (``RINGFLASH_RING_GRAPHS=1``).
+without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). The ring entries replay from
+the graphs ringflash captures itself (the default, ``graph_replay.py``); ``--ab-graphs`` adds
+them run eagerly (``RINGFLASH_RING_GRAPHS=0``).
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
@@ -255,8 +256,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--ab-graphs", action="store_true",
-        help="also run the ring entries replayed from ringflash's own graphs ([graphs], "
-        "RINGFLASH_RING_GRAPHS=1)",
+        help="also run the ring entries eagerly, without ringflash's own graphs ([eager], "
+        "RINGFLASH_RING_GRAPHS=0)",
     )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
@@ -309,10 +310,10 @@ def main() -> None:
                 found[f"{name}[batch_isend_irecv]"] = (f, batch_p2p, layout)
             found[f"{name}[no check]"] = (f, no_check, layout)
     if args.ab_graphs:
-        graphs = lambda: mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "1"})  # noqa: E731
+        eager = lambda: mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "0"})  # noqa: E731
         for name in [n for n in found if n.startswith(("ring_", "zigzag_")) and "[" not in n]:
             f, _, layout = found[name]
-            found[f"{name}[graphs]"] = (f, graphs, layout)
+            found[f"{name}[eager]"] = (f, eager, layout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
     for name, (_, _, layout) in found.items():
         native = (lambda t: t) if layout is None else (lambda t, f=layout: f(t).contiguous())
@@ -346,7 +347,6 @@ def main() -> None:
         with context():
             extras(args, name, f, *inputs[name], line, lead)
     if dist.is_initialized():
-        ringflash.release_graphs()  # before NCCL's shutdown, which waits for captured graphs
         dist.destroy_process_group()
 
 

@@ -369,7 +369,6 @@ def main() -> None:
             ax.grid(alpha=0.3)
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
-    ringflash.release_graphs()  # before NCCL's shutdown, which waits for captured graphs
     dist.destroy_process_group()
 
 

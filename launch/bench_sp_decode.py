@@ -149,7 +149,6 @@ def main() -> None:
         _decode_row(args, length, device)
         if not args.no_prefill:
             _prefill_row(args, length, device)
-    ringflash.release_graphs()  # before NCCL's shutdown, which waits for captured graphs
     dist.destroy_process_group()
 
 

@@ -470,7 +470,6 @@ def main() -> None:
                 f"{args.model}, seq {args.seq_len}, SP {summary['sp_size']} ({summary['sp_impl']})",
             )
         print(json.dumps(summary), flush=True)
-    ringflash.release_graphs()  # before NCCL's shutdown, which waits for captured graphs
     dist.destroy_process_group()
 
 

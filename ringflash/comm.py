@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .graph_replay import Deferred, host_call
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -281,23 +283,27 @@ class RingComm:
 
     def exchange(
         self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], offset: int = 1
-    ) -> PendingExchange:
+    ) -> PendingExchange | Deferred:
         """Send ``send`` to rank + offset and receive into ``recv`` from rank - offset, asynchronously.
 
         Every rank of the group must call this with the same offset and matching shapes. Issue
         it *before* the compute it should overlap: NCCL orders a new exchange after the work
-        already queued on the current stream.
+        already queued on the current stream. Inside a ``GraphReplay``'s capture the transfer is
+        left out of the graphs and issued by each replay (``graph_replay.host_call``): the
+        handle is then a ``Deferred``, whose ``wait`` is all the caller may use.
         """
         if self.world_size == 1 or offset % self.world_size == 0:
             for r, s in zip(recv, send):
                 r.copy_(s)
             return PendingExchange([])
         to_rank, from_rank = (self.rank + offset) % self.world_size, (self.rank - offset) % self.world_size
+        send, recv = tuple(send), tuple(recv)  # as they are now, for a replay's transfer
         if not _GROUP_P2P:
             ops = [dist.P2POp(dist.isend, s, self._global(to_rank), self.group) for s in send]
             ops += [dist.P2POp(dist.irecv, r, self._global(from_rank), self.group) for r in recv]
-            return PendingExchange(dist.batch_isend_irecv(ops))
-        return PendingExchange(group_p2p(self.group, send, recv, to_rank, from_rank))
+            return host_call(lambda: PendingExchange(dist.batch_isend_irecv(ops)))
+        # Never inside a CUDA graph that ringflash captures (graph_replay: its replays issue it).
+        return host_call(lambda: PendingExchange(group_p2p(self.group, send, recv, to_rank, from_rank)))
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x`` (same shape on all ranks), in group-rank order."""

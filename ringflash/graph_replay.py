@@ -1,34 +1,40 @@
-"""Replaying a function of fixed-shape CUDA tensors from a CUDA graph the library captures itself.
+"""Replaying a function of fixed-shape CUDA tensors from CUDA graphs the library captures itself.
 
 An eager ring call issues tens of kernel launches and NCCL calls from Python: about 2 ms of host
 time per forward+backward on two ranks, which the device outruns below ~8K tokens per rank
 (docs/experiments.md §69, §70). A cached ring setup runs the same kernels and transfers on every
 call, so its forward and its backward can each be captured once and replayed: a call copies its
-inputs into the graph's static buffers, replays, and copies the outputs out. The copies are what
-makes it safe for layers that share a setup (and so a graph): nothing a later replay overwrites
-is handed to the caller.
+inputs into static buffers, replays, and copies the outputs out. The copies are what makes it
+safe for layers that share a setup (and so its graphs): nothing a later replay overwrites is
+handed to the caller.
 
 ``GraphReplay(fn)`` runs ``fn`` eagerly on its first call (which compiles the kernels and sets up
-NCCL's communicator), captures it on its second and replays it from then on. Every rank of a ring
-makes the same calls of the same setups (the ranks' check enforces the arguments), so every rank
-captures at the same call (a rank that replays while its peer runs eagerly should still match,
-since NCCL pairs point-to-point operations by their order; not tested).
+NCCL's communicator), captures it on its second and replays it from then on.
 
-Before ``torch.distributed.destroy_process_group()``, call ``release_graphs()``: NCCL waits, in
-the communicator's shutdown, for every graph that captured its operations to be destroyed, so a
-process still holding them hangs there (PyTorch issue #115388; measured with this module's graphs,
-docs/experiments.md §71). ``release_graphs`` also runs at interpreter exit.
+**No NCCL operation is captured.** A graph that holds one keeps its communicator from being
+destroyed: ``destroy_process_group()`` waits for it forever (PyTorch issue #115388; measured
+with whole-call graphs, docs/experiments.md §71). So the transfers go through ``host_call``:
+inside a capture it ends the graph being captured, records the transfer, and starts the next
+graph; a replay runs the graphs and, between them, the transfers from the host, in the order the
+capture met them. The transfers of a captured call are issued only by its replay (none during the
+capture), so every rank issues exactly one set of transfers per call whether it runs eagerly,
+captures or replays: NCCL pairs point-to-point operations by their order, and ranks in different
+states (one replaying, one eager after a cache miss) still pair.
 
-Opt-in while it is measured: ``RINGFLASH_RING_GRAPHS=1``. Not used while the caller itself
-captures a graph (its capture records the eager call), for tensors off the GPU, or above
-``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the kernels and the copies would
-cost more than they save).
+On by default for the ring's dense setups (no packed documents, no block mask), whose shapes
+recur call after call; ``RINGFLASH_RING_GRAPHS=1`` also replays those, ``=0`` never replays. Not
+used while the caller itself captures a graph (its capture records the eager call), for tensors
+off the current GPU, or above ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the
+kernels and the copies would cost more than they save). ``release_graphs()`` frees every graph's
+memory.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -37,11 +43,23 @@ import torch
 # Larger inputs run eagerly: at 8K tokens per rank and above the host keeps ahead of the device.
 MAX_REPLAY_BYTES = 32 << 20
 
+_VARIABLE = "RINGFLASH_RING_GRAPHS"
 
-def replay_wanted(*tensors: torch.Tensor) -> bool:
-    """Whether a call on ``tensors`` should go through ``GraphReplay``: opted in, on the current
-    GPU, not inside the caller's own capture, dense and small enough."""
-    if os.environ.get("RINGFLASH_RING_GRAPHS", "0") != "1":
+
+def replay_mode() -> str:
+    """``RINGFLASH_RING_GRAPHS``: "auto" (unset: dense setups), "1" (every setup) or "0" (none)."""
+    value = os.environ.get(_VARIABLE, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{_VARIABLE} must be 0, 1 or auto (unset), got {value!r}")
+    return value
+
+
+def replay_wanted(*tensors: torch.Tensor, dense: bool = True) -> bool:
+    """Whether a call on ``tensors`` should go through ``GraphReplay``: replays on (``dense``: a
+    setup without packed documents or a block mask, which "auto" replays), on the current GPU,
+    not inside the caller's own capture, dense and small enough."""
+    mode = replay_mode()
+    if mode == "0" or (mode == "auto" and not dense):
         return False
     if not all(t.is_cuda and t.is_contiguous() for t in tensors):
         return False
@@ -55,15 +73,105 @@ def replay_wanted(*tensors: torch.Tensor) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-# Every GraphReplay holding a captured graph (autograd's saved contexts may hold one too).
+_ACTIVE = threading.local()  # .capture: the _Capture running on this thread, if any
+
+
+def host_call(fn: Callable[[], object]) -> object:
+    """``fn()``: host work that no graph may capture (an NCCL operation). Inside a
+    ``GraphReplay``'s capture ``fn`` does not run then: it runs at its place in every replay, and
+    what this returns is a ``Deferred`` whose ``wait()`` (the one method a caller may use on it)
+    takes its own place in the replays."""
+    capture = getattr(_ACTIVE, "capture", None)
+    return fn() if capture is None else capture.host_call(fn)
+
+
+class Deferred:
+    """What ``host_call`` returns inside a capture: the value ``fn()`` will have in a replay."""
+
+    def __init__(self, capture: _Capture) -> None:
+        self._capture = capture
+        self.value: object = None
+
+    def wait(self) -> None:
+        self._capture.host_step(lambda: self.value.wait())
+
+
+class _Capture:
+    """A function captured as a sequence of graphs (sharing one memory pool) and host steps
+    between them; ``steps`` replays it."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.steps: list[Callable[[], object]] = []
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread queries earlier work's events during the capture.
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self) -> None:
+        graph, self._graph = self._graph, None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph.capture_end()
+        empty = False
+        for w in caught:  # a graph with no work (allocations only, or two host steps in a row)
+            if "CUDA Graph is empty" in str(w.message):
+                empty = True
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.graphs.append(graph)  # kept even empty: the pool lives only while its graphs do
+        if not empty:
+            self.steps.append(graph.replay)
+
+    def host_step(self, step: Callable[[], object]) -> None:
+        self.end()
+        self.steps.append(step)
+        self.begin()
+
+    def host_call(self, fn: Callable[[], object]) -> Deferred:
+        deferred = Deferred(self)
+
+        def step() -> None:
+            deferred.value = fn()
+
+        self.host_step(step)
+        return deferred
+
+
+def capture(fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> tuple[_Capture, tuple]:
+    """(the capture of ``fn(*inputs)``, its outputs): nothing has run yet; replaying the capture's
+    steps computes the outputs."""
+    torch.cuda.synchronize()  # nothing of earlier calls in flight while the capture starts
+    recording = _Capture()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        recording.begin()
+        _ACTIVE.capture = recording
+        try:
+            outputs = tuple(fn(*inputs))
+        except BaseException:
+            _ACTIVE.capture = None
+            try:
+                recording.end()
+            except Exception:  # the capture is invalid already; the first error is the one to see
+                pass
+            raise
+        _ACTIVE.capture = None
+        recording.end()
+    return recording, outputs
+
+
+# Every GraphReplay holding a capture (autograd's saved contexts may hold one too).
 _CAPTURED: weakref.WeakSet[GraphReplay] = weakref.WeakSet()
 
 
 def release_graphs() -> None:
-    """Destroys every graph the library captured (``RINGFLASH_RING_GRAPHS=1``) and frees its
-    buffers; a later call of the same setup runs eagerly, then captures again. Call it before
-    ``torch.distributed.destroy_process_group()``, which otherwise waits forever for NCCL's
-    captured operations to be released."""
+    """Destroys every graph the library captured and frees its buffers; a later call of the same
+    setup runs eagerly, then captures again. The graphs hold no NCCL operation, so
+    ``torch.distributed.destroy_process_group()`` does not need this first."""
     if not _CAPTURED:
         return
     torch.cuda.synchronize()  # no replay in flight when its graph goes
@@ -82,7 +190,7 @@ class GraphReplay:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         self._fn = fn
         self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captured: _Capture | None = None
         self._inputs: list[torch.Tensor] = []
         self._outputs: tuple[torch.Tensor, ...] = ()
 
@@ -90,29 +198,26 @@ class GraphReplay:
         self.calls += 1
         if self.calls == 1:
             return self._fn(*inputs)
-        if self.graph is None:
+        if self.captured is None:
             # Plain tensors even when captured under inference mode: later calls outside it copy
             # into the static inputs, which an inference tensor would refuse.
             with torch.inference_mode(False):
                 self._inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
                 for static, t in zip(self._inputs, inputs):
                     static.copy_(t)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: NCCL's watchdog thread queries earlier work's events during capture.
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._outputs = tuple(self._fn(*self._inputs))
-            self.graph = graph
+                self.captured, self._outputs = capture(self._fn, self._inputs)
             _CAPTURED.add(self)
         else:
             for static, t in zip(self._inputs, inputs):
                 static.copy_(t)
-        self.graph.replay()
+        for step in self.captured.steps:
+            step()
         return tuple(t.clone() for t in self._outputs)
 
     def release(self) -> None:
-        """Drops the graph and its static buffers: the next call runs eagerly, the one after
+        """Drops the graphs and their static buffers: the next call runs eagerly, the one after
         captures again."""
-        self.graph = None
+        self.captured = None
         self._inputs, self._outputs = [], ()
         self.calls = 0
         _CAPTURED.discard(self)

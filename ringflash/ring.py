@@ -332,8 +332,10 @@ def ring_replays(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: RingPlan, comm: RingComm
 ) -> _RingReplays | None:
     """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``; a ring
-    that moves), else None."""
-    if comm.world_size == 1 or not replay_wanted(q, k, v):
+    that moves), else None. Dense plans (no packed documents, no block mask) replay by default:
+    the others are built anew wherever the documents or the mask change, often every batch, and
+    would capture as often."""
+    if comm.world_size == 1 or not replay_wanted(q, k, v, dense=_dense(plan)):
         return None
     key = (id(plan), id(comm.group))
     hit = _REPLAYS.get(key)
@@ -350,6 +352,10 @@ def ring_replays(
     return hit
 
 
+def _dense(plan: RingPlan) -> bool:
+    return all(c.mask is None and c.problem.cu_seqlens_q is None for step in plan for c in step)
+
+
 def _evict_replays(replays: OrderedDict[tuple[int, int], _RingReplays], limit: int) -> None:
     """Drops entries past ``limit``, the newest kept: the least recently used of those that never
     captured first. A setup the cache cannot hold (``SetupCache.key`` None) plans anew on every
@@ -357,7 +363,7 @@ def _evict_replays(replays: OrderedDict[tuple[int, int], _RingReplays], limit: i
     that are."""
     while len(replays) > limit:
         older = list(replays.items())[:-1]
-        idle = [k for k, r in older if r.forward.graph is None and r.backward.graph is None]
+        idle = [k for k, r in older if r.forward.captured is None and r.backward.captured is None]
         if idle:
             del replays[idle[0]]
         else:

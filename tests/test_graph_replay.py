@@ -1,6 +1,7 @@
-"""The ring's calls replayed from the graphs ringflash captures itself (``RINGFLASH_RING_GRAPHS=1``,
-``graph_replay.py``): when they replay, that the replay equals an eager call on the same
-inputs, and that layers sharing a setup (and so its graphs) get their own results."""
+"""The ring's calls replayed from the graphs ringflash captures itself (``graph_replay.py``, on by
+default for dense setups): when they replay, that the replay equals an eager call on the same
+inputs, that layers sharing a setup (and so its graphs) get their own results, and that no graph
+holds an NCCL operation (a group is destroyed with the graphs alive)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,31 @@ from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, replay_wanted
 from ringflash.kernels.tile_mask import TileMask
 
 ON = {"RINGFLASH_RING_GRAPHS": "1"}
+OFF = {"RINGFLASH_RING_GRAPHS": "0"}
 
 
-def test_replay_only_where_opted_in_on_gpu_tensors_of_bounded_size():
+def test_replay_by_default_for_dense_setups_on_gpu_tensors_of_bounded_size():
     cpu = torch.zeros(4)
     with mock.patch.dict(os.environ, ON):
         assert not replay_wanted(cpu)  # off the GPU
+    with (
+        mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "yes"}),
+        pytest.raises(ValueError, match="0, 1"),
+    ):
+        replay_wanted(cpu)
     if torch.cuda.is_available():
         small, big = (
             torch.zeros(4, device="cuda"),
             torch.empty(MAX_REPLAY_BYTES + 4, dtype=torch.uint8, device="cuda"),
         )
-        assert not replay_wanted(small)  # not opted in
+        with mock.patch.dict(os.environ):
+            os.environ.pop("RINGFLASH_RING_GRAPHS", None)
+            assert replay_wanted(small)  # the default: dense setups replay
+            assert not replay_wanted(small, dense=False)  # packed documents, block masks: opt in
+        with mock.patch.dict(os.environ, OFF):
+            assert not replay_wanted(small)
         with mock.patch.dict(os.environ, ON):
-            assert replay_wanted(small)
+            assert replay_wanted(small) and replay_wanted(small, dense=False)
             assert not replay_wanted(big)
             assert not replay_wanted(torch.zeros(4, 2, device="cuda").t())  # not dense
 
@@ -49,6 +61,94 @@ def test_no_replay_for_tensors_off_the_current_device():
             assert not replay_wanted(on_gpu1)
 
 
+class _FakeGraph:
+    """A CUDAGraph stand-in that logs captures into ``log`` (an empty capture warns as torch's)."""
+
+    def __init__(self, log):
+        self.log, self.index = log, None
+
+    def capture_begin(self, pool, capture_error_mode):
+        self.log.append("begin")
+        self.start = len(self.log)
+
+    def capture_end(self):
+        work = [e for e in self.log[self.start :] if e.startswith("kernel")]
+        self.log.append("end")
+        if not work:
+            import warnings
+
+            warnings.warn("The CUDA Graph is empty. This usually means ...", UserWarning, stacklevel=1)
+        self.work = work
+
+    def replay(self):
+        self.log.append(f"replay {self.work}")
+
+
+def _fake_cuda(log):
+    """torch.cuda's graph capture replaced by ``_FakeGraph``s logging into ``log`` (no GPU)."""
+    return mock.patch.multiple(
+        torch.cuda, CUDAGraph=lambda: _FakeGraph(log), graph_pool_handle=lambda: None,
+        synchronize=lambda: None, Stream=lambda: None, stream=lambda s: mock.MagicMock(),
+    )  # fmt: skip
+
+
+def test_transfers_stay_out_of_the_graphs_and_run_at_their_place_in_each_replay():
+    """Inside a capture ``host_call`` runs nothing: the graph ends, the transfer is recorded and the
+    next graph begins; a replay runs graphs and transfers in the capture's order, each transfer
+    once, and a graph that captured no work is left out."""
+    log = []
+
+    class Pending:
+        def __init__(self, n):
+            self.n = n
+
+        def wait(self):
+            log.append(f"wait {self.n}")
+
+    def fn(x):
+        pending = graph_replay.host_call(lambda: log.append("send 1") or Pending(1))  # before any kernel
+        log.append("kernel a")
+        pending.wait()
+        log.append("kernel b")
+        pending = graph_replay.host_call(lambda: log.append("send 2") or Pending(2))
+        pending.wait()  # two host steps in a row: the graph between them is empty
+        log.append("kernel c")
+        return (x,)
+
+    fakes = _fake_cuda(log)
+    with fakes:
+        recording, outputs = graph_replay.capture(fn, ["x"])
+    assert outputs == ("x",)
+    assert "send 1" not in log and "send 2" not in log  # nothing transferred during the capture
+    assert getattr(graph_replay._ACTIVE, "capture", None) is None
+    log.clear()
+    for _ in range(2):
+        for step in recording.steps:
+            step()
+    once = ["send 1", "replay ['kernel a']", "wait 1", "replay ['kernel b']", "send 2", "wait 2",
+            "replay ['kernel c']"]  # fmt: skip
+    assert log == once + once
+    assert len(recording.graphs) == 5  # the empty ones kept: their pool must outlive the capture
+
+
+def test_a_failed_capture_ends_the_capture_and_raises_the_first_error():
+    log = []
+
+    def fn(x):
+        graph_replay.host_call(lambda: None)
+        raise RuntimeError("inside the capture")
+
+    fakes = _fake_cuda(log)
+    with fakes, pytest.raises(RuntimeError, match="inside the capture"):
+        graph_replay.capture(fn, ["x"])
+    assert log[-1] == "end" and log.count("begin") == log.count("end")
+    assert getattr(graph_replay._ACTIVE, "capture", None) is None
+
+
+def test_host_call_outside_a_capture_runs_at_once():
+    assert graph_replay.host_call(lambda: 7) == 7
+
+
 @pytest.mark.gpu
 def test_graph_replay_runs_captures_then_replays_fresh_outputs():
     calls = []
@@ -64,7 +164,7 @@ def test_graph_replay_runs_captures_then_replays_fresh_outputs():
         x, y = (torch.randn(64, 64, device="cuda", generator=g) for _ in range(2))
         results.append(((x, y), replay(x, y)))
     assert len(calls) == 2  # the eager call, then the capture; the last two replayed
-    assert replay.graph is not None
+    assert replay.captured is not None
     for (x, y), (prod, inc) in results:  # every result its own: later replays overwrote nothing
         torch.testing.assert_close(prod, x @ y)
         torch.testing.assert_close(inc, x + 1)
@@ -93,14 +193,14 @@ def test_released_graph_runs_eagerly_then_captures_again():
     replay = GraphReplay(fn)
     for _ in range(3):
         replay(torch.randn(8, device="cuda"))
-    assert replay.graph is not None and replay in graph_replay._CAPTURED and len(calls) == 2
+    assert replay.captured is not None and replay in graph_replay._CAPTURED and len(calls) == 2
     ringflash.release_graphs()
-    assert replay.graph is None and replay not in graph_replay._CAPTURED
+    assert replay.captured is None and replay not in graph_replay._CAPTURED
     for _ in range(3):  # eager, captured, replayed
         x = torch.randn(8, device="cuda")
         (out,) = replay(x)
         torch.testing.assert_close(out, x * 2)
-    assert len(calls) == 4 and replay.graph is not None
+    assert len(calls) == 4 and replay.captured is not None
     replay.release()
 
 
@@ -178,11 +278,14 @@ def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"
         xs = [mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 2), mk(n, 2), mk(n, 8), mk(n, 8)]
         with mock.patch.dict(os.environ, ON):
             replayed = step(n, xs)
-        eager = step(n, xs)
+        with mock.patch.dict(os.environ, OFF):
+            eager = step(n, xs)
         for a, b in zip(replayed, eager):
             assert torch.isfinite(a).all()
             worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
-    graphs = [(r.forward.graph is not None, r.backward.graph is not None) for r in ring._REPLAYS.values()]
+    graphs = [
+        (r.forward.captured is not None, r.backward.captured is not None) for r in ring._REPLAYS.values()
+    ]
     return worst, graphs
 
 
@@ -216,26 +319,56 @@ def test_ring_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
         assert graphs == [(True, variant != "sinks")]
 
 
-def _destroy_after_release_on_rank():
-    """The ring replayed over a group of its own, the graphs released, then the group destroyed:
-    NCCL's shutdown waits for every graph that captured its operations (PyTorch #115388), so
-    without the release this hangs until the pool's timeout."""
+def _destroy_with_graphs_alive_on_rank():
+    """The ring replayed over a group of its own, then the group destroyed with the graphs still
+    held: NCCL's shutdown would wait forever for a graph that captured one of its operations
+    (PyTorch #115388, what whole-call graphs did), so this also shows that none did."""
     dev = worker_device()
     group = torch.distributed.new_group([0, 1])
     q, k, v = (torch.randn(1, 512, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    with mock.patch.dict(os.environ, ON):
-        for _ in range(3):
-            ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-    captured = bool(graph_replay._CAPTURED)
-    ringflash.release_graphs()
-    ring._REPLAYS.clear()  # no entry keeps the destroyed group
+    for _ in range(3):  # eager, captured, replayed: the default
+        ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+    captured = any(r.group is group and r.forward.captured is not None for r in ring._REPLAYS.values())
     torch.distributed.destroy_process_group(group)
+    ring._REPLAYS.clear()  # no entry keeps the destroyed group
     return captured
 
 
 @pytest.mark.multigpu
-def test_group_destroyed_after_release_graphs(rank_pool):
-    assert rank_pool(2).run(_destroy_after_release_on_rank, timeout=120) == [True, True]
+def test_group_destroyed_with_the_graphs_alive(rank_pool):
+    assert rank_pool(2).run(_destroy_with_graphs_alive_on_rank, timeout=120) == [True, True]
+
+
+def _mixed_states_on_rank(seed: int):
+    """Rank 0 never replays, rank 1 replays: each issues one set of transfers per call either way,
+    so the two pair, and both get what eager calls give."""
+    ring._REPLAYS.clear()
+    dev = worker_device()
+    rank = torch.distributed.get_rank()
+    g = torch.Generator(device=dev).manual_seed(seed + rank)
+    worst = 0.0
+    for _ in range(4):
+        q, k, v, dout = (
+            torch.randn(1, 512, h, 64, device=dev, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2, 8)
+        )
+        results = []
+        for env in (ON if rank == 1 else OFF, OFF):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with mock.patch.dict(os.environ, env):
+                out = ringflash.zigzag_ring_flash_attn_func(*leaves, causal=True)
+                out.backward(dout)
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for a, b in zip(*results):
+            assert torch.isfinite(a).all()
+            worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
+    return worst, any(r.forward.captured is not None for r in ring._REPLAYS.values())
+
+
+@pytest.mark.multigpu
+def test_a_replaying_rank_pairs_with_an_eager_one(rank_pool):
+    (worst0, captured0), (worst1, captured1) = rank_pool(2).run(_mixed_states_on_rank, 3)
+    assert worst0 < 2e-2 and worst1 < 2e-2
+    assert not captured0 and captured1
 
 
 def test_setups_called_once_do_not_evict_captured_graphs():
@@ -245,8 +378,7 @@ def test_setups_called_once_do_not_evict_captured_graphs():
     from types import SimpleNamespace
 
     def entry(captured):
-        graph = object() if captured else None
-        replay = SimpleNamespace(graph=graph)
+        replay = SimpleNamespace(captured=object() if captured else None)
         return ring._RingReplays(plan=None, group=None, forward=replay, backward=replay)
 
     replays = OrderedDict((k, entry(captured=True)) for k in range(3))
