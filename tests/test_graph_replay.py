@@ -390,3 +390,19 @@ def test_setups_called_once_do_not_evict_captured_graphs():
     del replays[8]
     ring._evict_replays(replays, 3)  # only captured ones left behind the new entry: LRU goes
     assert list(replays) == [1, 2, 9]
+
+
+def test_only_dense_plans_replay_by_default():
+    """What ``RINGFLASH_RING_GRAPHS`` unset replays: plans without packed documents or a block
+    mask (those are rebuilt, and would be captured, whenever the documents or the mask change)."""
+    from ringflash.block_masks import ring_step_masks
+
+    q = torch.zeros(1, 256, 2, 16)
+    base = ringflash.kernels.build_problem(q, q, q, None, True, (-1, -1))
+    comm = ring.RingComm.known(None, 0, 2)
+    dense = ring.ring_plan(base, "zigzag", comm, (512,), False, q.device)
+    packed = ring.ring_plan(base, "zigzag", comm, (128, 384), True, q.device)
+    mask = TileMask.from_mask_mod(_prefix_window, 1, 1, 512, 512)
+    masked = ring.block_sparse_ring_plan(base, ring_step_masks(mask, "zigzag", 0, 2))
+    assert ring._dense(dense)
+    assert not ring._dense(packed) and not ring._dense(masked)
