@@ -21,8 +21,9 @@ capture), so every rank issues exactly one set of transfers per call whether it 
 captures or replays: NCCL pairs point-to-point operations by their order, and ranks in different
 states (one replaying, one eager after a cache miss) still pair.
 
-On by default for the ring's dense setups (no packed documents, no block mask), whose shapes
-recur call after call; ``RINGFLASH_RING_GRAPHS=1`` also replays those, ``=0`` never replays. Not
+On by default for the ring's dense setups (no packed documents, no block mask), which recur call
+after call; ``RINGFLASH_RING_GRAPHS=1`` also replays packed documents and block masks (whose
+setups change with every new ``cu_seqlens`` or mask), ``=0`` never replays. Not
 used while the caller itself captures a graph (its capture records the eager call), for tensors
 off the current GPU, or above ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the
 kernels and the copies would cost more than they save). ``release_graphs()`` frees every graph's
