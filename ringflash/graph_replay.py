@@ -200,13 +200,16 @@ class GraphReplay:
         if self.calls == 1:
             return self._fn(*inputs)
         if self.captured is None:
-            # Plain tensors even when captured under inference mode: later calls outside it copy
-            # into the static inputs, which an inference tensor would refuse.
-            with torch.inference_mode(False):
-                self._inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-                for static, t in zip(self._inputs, inputs):
-                    static.copy_(t)
-                self.captured, self._outputs = capture(self._fn, self._inputs)
+            try:
+                self._capture(inputs)
+            except Exception as error:
+                # Not eagerly instead: a failed capture leaves torch's CUDA generators in capture
+                # mode (the next torch.randn on the device raises), seen on an H200.
+                self._inputs = []
+                raise RuntimeError(
+                    f"ringflash could not capture a ring call in CUDA graphs ({type(error).__name__}: "
+                    f"{error}); set RINGFLASH_RING_GRAPHS=0 on every rank to run the ring eagerly"
+                ) from error
             _CAPTURED.add(self)
         else:
             for static, t in zip(self._inputs, inputs):
@@ -214,6 +217,15 @@ class GraphReplay:
         for step in self.captured.steps:
             step()
         return tuple(t.clone() for t in self._outputs)
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        # Plain tensors even when captured under inference mode: later calls outside it copy
+        # into the static inputs, which an inference tensor would refuse.
+        with torch.inference_mode(False):
+            self._inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+            for static, t in zip(self._inputs, inputs):
+                static.copy_(t)
+            self.captured, self._outputs = capture(self._fn, self._inputs)
 
     def release(self) -> None:
         """Drops the graphs and their static buffers: the next call runs eagerly, the one after

@@ -145,6 +145,30 @@ def test_a_failed_capture_ends_the_capture_and_raises_the_first_error():
     assert getattr(graph_replay._ACTIVE, "capture", None) is None
 
 
+def test_a_call_that_cannot_be_captured_raises_naming_the_switch():
+    """A capture that fails (here: the function raises only while captured, as a host sync
+    would) raises a RuntimeError that says how to run eagerly, from the original error, having
+    issued no transfer. Not eagerly instead: a failed capture leaves torch's CUDA generators in
+    capture mode (on an H200 the next ``torch.randn`` on the device raised)."""
+    log = []
+
+    def fn(x):
+        if getattr(graph_replay._ACTIVE, "capture", None) is not None:
+            graph_replay.host_call(lambda: log.append("sent during the capture"))
+            raise ValueError("operation not permitted when stream is capturing")
+        return (x + 1,)
+
+    replay = GraphReplay(fn)
+    x = torch.zeros(3)
+    with _fake_cuda(log):
+        torch.testing.assert_close(replay(x)[0], x + 1)  # the first call: eager
+        with pytest.raises(RuntimeError, match="RINGFLASH_RING_GRAPHS=0") as caught:
+            replay(x)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert "sent during the capture" not in log
+    assert replay.captured is None and replay not in graph_replay._CAPTURED
+
+
 def test_host_call_outside_a_capture_runs_at_once():
     assert graph_replay.host_call(lambda: 7) == 7
 
