@@ -6,6 +6,7 @@ holds an NCCL operation (a group is destroyed with the graphs alive)."""
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from unittest import mock
 
@@ -65,7 +66,7 @@ class _FakeGraph:
     """A CUDAGraph stand-in that logs captures into ``log`` (an empty capture warns as torch's)."""
 
     def __init__(self, log):
-        self.log, self.index = log, None
+        self.log = log
 
     def capture_begin(self, pool, capture_error_mode):
         self.log.append("begin")
@@ -75,8 +76,6 @@ class _FakeGraph:
         work = [e for e in self.log[self.start :] if e.startswith("kernel")]
         self.log.append("end")
         if not work:
-            import warnings
-
             warnings.warn("The CUDA Graph is empty. This usually means ...", UserWarning, stacklevel=1)
         self.work = work
 
@@ -115,8 +114,7 @@ def test_transfers_stay_out_of_the_graphs_and_run_at_their_place_in_each_replay(
         log.append("kernel c")
         return (x,)
 
-    fakes = _fake_cuda(log)
-    with fakes:
+    with _fake_cuda(log):
         recording, outputs = graph_replay.capture(fn, ["x"])
     assert outputs == ("x",)
     assert "send 1" not in log and "send 2" not in log  # nothing transferred during the capture
@@ -138,8 +136,7 @@ def test_a_failed_capture_ends_the_capture_and_raises_the_first_error():
         graph_replay.host_call(lambda: None)
         raise RuntimeError("inside the capture")
 
-    fakes = _fake_cuda(log)
-    with fakes, pytest.raises(RuntimeError, match="inside the capture"):
+    with _fake_cuda(log), pytest.raises(RuntimeError, match="inside the capture"):
         graph_replay.capture(fn, ["x"])
     assert log[-1] == "end" and log.count("begin") == log.count("end")
     assert getattr(graph_replay._ACTIVE, "capture", None) is None
