@@ -33,6 +33,7 @@ memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import warnings
@@ -154,13 +155,12 @@ def capture(fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> tuple[_Capt
         try:
             outputs = tuple(fn(*inputs))
         except BaseException:
-            _ACTIVE.capture = None
-            try:
+            # The capture is invalid already: the first error is the one to see.
+            with contextlib.suppress(Exception):
                 recording.end()
-            except Exception:  # the capture is invalid already; the first error is the one to see
-                pass
             raise
-        _ACTIVE.capture = None
+        finally:
+            _ACTIVE.capture = None
         recording.end()
     return recording, outputs
 
