@@ -14,6 +14,9 @@ backward), but in collectives rather than W-1 dependent steps, and each rank hol
 (W x shard) x ``heads_k_stride`` K/V heads at a time (two such buffers where there are several
 strides) instead of two shards of all heads. ``llama3.py`` runs ring-flash-attn's llama3 forms
 on the same engine.
+
+Dense setups replay their forward and backward from CUDA graphs with the collectives issued
+between them (``graph_replay.py``, as the ring's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from .block_masks import MaskedCall, check_block_mask, converted_block_mask, gathered_keys_mask
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
 from .consistency import join_rank_check
+from .graph_replay import ReplayCache, Replays, replay_wanted
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -219,7 +223,7 @@ class _Gather:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup) -> None:
         self.k, self.v, self.plan, self.group = k, v, plan, group
-        w = dist.get_world_size(group)
+        self.world = w = dist.get_world_size(group)
         b, n, _, d = k.shape
         copies = min(2, len(plan.steps))  # double-buffered where there is a next stride to gather
         self.bufs = [[k.new_empty((w, b, n, plan.stride, d)) for _ in range(2)] for _ in range(copies)]
@@ -229,14 +233,12 @@ class _Gather:
         s = self.plan.stride
         heads = slice(i * s, (i + 1) * s)
         buf = self.bufs[i % 2]
-        return [all_gather_async(buf[0], self.k[:, :, heads], self.group),
-                all_gather_async(buf[1], self.v[:, :, heads], self.group)]  # fmt: skip
+        return all_gather_async(buf, (self.k[:, :, heads], self.v[:, :, heads]), self.group, self.world)
 
     def take(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stride i's gathered K/V in natural order; starts stride i + 1's gather first."""
-        for p in self.pending:
-            p.wait()
-        self.pending = self._start(i + 1) if i + 1 < len(self.plan.steps) else []
+        self.pending.wait()
+        self.pending = self._start(i + 1) if i + 1 < len(self.plan.steps) else None
         buf = self.bufs[i % 2]
         return _gathered_natural(buf[0], self.plan.order), _gathered_natural(buf[1], self.plan.order)
 
@@ -296,8 +298,7 @@ def gather_backward(
     gather = _Gather(k, v, plan, group)
 
     def finish(i: int) -> None:
-        for p in pending[i % 2]:
-            p.wait()
+        pending[i % 2].wait()
         heads = slice(i * s, (i + 1) * s)
         dk[:, :, heads].copy_(mine[i % 2][0])
         dv[:, :, heads].copy_(mine[i % 2][1])
@@ -313,20 +314,43 @@ def gather_backward(
             qi, li = c.q_index, c.lse_index
             c.backward(dout[qi], q[qi], k_all[c.k_index], v_all[c.k_index], lse[li], delta[li], dq=dq[qi],
                        dk=grads[0][c.k_index], dv=grads[1][c.k_index], accumulate=True)  # fmt: skip
-        pending[i % 2] = [
-            reduce_scatter_async(m, _to_shards(t, plan.order, w), group) for m, t in zip(mine[i % 2], grads)
-        ]
+        shards = [_to_shards(t, plan.order, w) for t in grads]
+        pending[i % 2] = reduce_scatter_async(mine[i % 2], shards, group, w)
     for i in range(max(0, len(plan.steps) - 2), len(plan.steps)):
         finish(i)
     return dq.to(q.dtype), dk, dv
 
 
+# The all-gather mode's graphs by (plan, group), as the ring's (``ring.REPLAYS``).
+REPLAYS = ReplayCache()
+
+
+def gather_replays(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: GatherPlan, group
+) -> Replays | None:
+    """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``; more than
+    one rank), else None; dense plans (no packed documents, no block mask) by default, as the
+    ring's (``ring.ring_replays``)."""
+    if not replay_wanted(q, k, v, dense=_dense(plan)) or dist.get_world_size(group) == 1:
+        return None
+    return REPLAYS.get(plan, group, lambda: (
+        lambda q, k, v: gather_forward(q, k, v, plan, group),
+        lambda dout, q, k, v, out, lse: gather_backward(dout, q, k, v, out, lse, base, plan, group),
+    ))  # fmt: skip
+
+
+def _dense(plan: GatherPlan) -> bool:
+    return all(c.mask is None and c.problem.cu_seqlens_q is None for calls in plan.steps for c in calls)
+
+
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, base: AttentionProblem, plan: GatherPlan, group):
-        out, lse = gather_forward(q, k, v, plan, group)
+        replays = gather_replays(q, k, v, base, plan, group)
+        out, lse = gather_forward(q, k, v, plan, group) if replays is None else replays.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (base, plan, group)
+        ctx.replays = replays
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -334,7 +358,10 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = gather_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
+        if ctx.replays is not None and dlse is None and not torch.cuda.is_current_stream_capturing():
+            dq, dk, dv = ctx.replays.backward(dout, q, k, v, out, lse)
+        else:  # the LSE's gradient (sinks) enters the backward: not what the graph holds
+            dq, dk, dv = gather_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
 
 

@@ -1,12 +1,13 @@
 """Replaying a function of fixed-shape CUDA tensors from CUDA graphs the library captures itself.
 
-An eager ring call issues tens of kernel launches and NCCL calls from Python: about 2 ms of host
-time per forward+backward on two ranks, which the device outruns below ~8K tokens per rank
-(docs/experiments.md §69, §70). A cached ring setup runs the same kernels and transfers on every
-call, so its forward and its backward can each be captured once and replayed: a call copies its
-inputs into static buffers, replays, and copies the outputs out. The copies are what makes it
-safe for layers that share a setup (and so its graphs): nothing a later replay overwrites is
-handed to the caller.
+An eager ring or all-gather call issues tens of kernel launches and NCCL calls from Python: about
+2 ms of host time per forward+backward on two ranks, which the device outruns below ~8K tokens
+per rank (docs/experiments.md §69, §70). A cached setup runs the same kernels and transfers on
+every call, so its forward and its backward can each be captured once and replayed: a call
+copies its inputs into static buffers, replays, and copies the outputs out. The copies are what
+makes it safe for layers that share a setup (and so its graphs): nothing a later replay
+overwrites is handed to the caller. ``ReplayCache`` holds them by setup: the ring's
+(``ring.REPLAYS``) and the all-gather mode's (``allgather.REPLAYS``).
 
 ``GraphReplay(fn)`` runs ``fn`` eagerly on its first call (which compiles the kernels and sets up
 NCCL's communicator), captures it on its second and replays it from then on.
@@ -18,16 +19,15 @@ inside a capture it ends the graph being captured, records the transfer, and sta
 graph; a replay runs the graphs and, between them, the transfers from the host, in the order the
 capture met them. The transfers of a captured call are issued only by its replay (none during the
 capture), so every rank issues exactly one set of transfers per call whether it runs eagerly,
-captures or replays: NCCL pairs point-to-point operations by their order, and ranks in different
-states (one replaying, one eager after a cache miss) still pair.
+captures or replays: NCCL pairs point-to-point operations and collectives by their order, and
+ranks in different states (one replaying, one eager after a cache miss) still pair.
 
-On by default for the ring's dense setups (no packed documents, no block mask), which recur call
-after call; ``RINGFLASH_RING_GRAPHS=1`` also replays packed documents and block masks (whose
-setups change with every new ``cu_seqlens`` or mask), ``=0`` never replays. Not
-used while the caller itself captures a graph (its capture records the eager call), for tensors
-off the current GPU, or above ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the
-kernels and the copies would cost more than they save). ``release_graphs()`` frees every graph's
-memory.
+On by default for dense setups (no packed documents, no block mask), which recur call after
+call; ``RINGFLASH_RING_GRAPHS=1`` also replays packed documents and block masks (whose setups
+change with every new ``cu_seqlens`` or mask), ``=0`` never replays. Not used while the caller
+itself captures a graph (its capture records the eager call), for tensors off the current GPU,
+or above ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the kernels and the
+copies would cost more than they save). ``release_graphs()`` frees every graph's memory.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import os
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -207,8 +209,9 @@ class GraphReplay:
                 # mode (the next torch.randn on the device raises), seen on an H200.
                 self._inputs = []
                 raise RuntimeError(
-                    f"ringflash could not capture a ring call in CUDA graphs ({type(error).__name__}: "
-                    f"{error}); set RINGFLASH_RING_GRAPHS=0 on every rank to run the ring eagerly"
+                    f"ringflash could not capture a sequence-parallel call in CUDA graphs "
+                    f"({type(error).__name__}: {error}); set RINGFLASH_RING_GRAPHS=0 on every rank to run "
+                    "it eagerly"
                 ) from error
             _CAPTURED.add(self)
         else:
@@ -234,3 +237,55 @@ class GraphReplay:
         self._inputs, self._outputs = [], ()
         self.calls = 0
         _CAPTURED.discard(self)
+
+
+@dataclass(eq=False)
+class Replays:
+    """A setup's forward and backward as ``GraphReplay``s, shared by the calls (layers) that share
+    the setup; ``setup`` and ``group`` are held so that their ids stay theirs."""
+
+    setup: object
+    group: object
+    forward: GraphReplay
+    backward: GraphReplay
+
+
+class ReplayCache:
+    """``Replays`` by (setup, process group), the least recently used beyond ``limit`` dropped.
+    Each entry holds static copies of its inputs and its graphs' memory pools (about half a GiB at
+    4K tokens per rank, 32/8 heads, head_dim 128, for the ring); a model has one or a few
+    attention shapes."""
+
+    def __init__(self, limit: int = 8) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[tuple[int, int], Replays] = OrderedDict()
+
+    def get(self, setup: object, group: object, make: Callable[[], tuple[Callable, Callable]]) -> Replays:
+        """The entry of (setup, group); a new one holds ``make()``'s (forward, backward)."""
+        key = (id(setup), id(group))
+        hit = self.entries.get(key)
+        if hit is not None and hit.setup is setup and hit.group is group:
+            self.entries.move_to_end(key)
+            return hit
+        forward, backward = make()
+        hit = Replays(setup, group, GraphReplay(forward), GraphReplay(backward))
+        self.entries[key] = hit
+        self.entries.move_to_end(key)
+        self.evict()
+        return hit
+
+    def evict(self) -> None:
+        """Drops entries past ``limit``, the newest kept: the least recently used of those that
+        never captured first. A setup that a setup cache cannot hold plans anew on every call, so
+        its entries are never called twice; they must not push out the graphs of the setups that
+        are."""
+        while len(self.entries) > self.limit:
+            older = list(self.entries.items())[:-1]
+            idle = [k for k, r in older if r.forward.captured is None and r.backward.captured is None]
+            if idle:
+                del self.entries[idle[0]]
+            else:
+                self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()

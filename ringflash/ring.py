@@ -14,7 +14,6 @@ custom op under torch.compile, are in ``ring_functions.py``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from .block_masks import MaskedCall, check_block_mask, converted_block_mask, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
 from .consistency import join_rank_check
-from .graph_replay import GraphReplay, replay_wanted
+from .graph_replay import ReplayCache, Replays, replay_wanted
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -310,64 +309,27 @@ def ring_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-@dataclass(eq=False)
-class _RingReplays:
-    """A plan's forward and backward as ``GraphReplay``s (``graph_replay.py``), shared by the
-    calls (layers) that share the plan; ``plan`` and ``group`` are held so their ids stay theirs."""
-
-    plan: RingPlan
-    group: dist.ProcessGroup
-    forward: GraphReplay
-    backward: GraphReplay
-
-
-# By (plan, group). Each holds static copies of its inputs and its graphs' memory pools (about
-# half a GiB at 4K tokens per rank, 32/8 heads, head_dim 128, by its buffers' sizes); those of
-# the least recently used beyond this are dropped. A model has one or a few attention shapes.
-_REPLAYS: OrderedDict[tuple[int, int], _RingReplays] = OrderedDict()
-_MAX_REPLAYS = 8
+# The ring's graphs by (plan, group).
+REPLAYS = ReplayCache()
 
 
 def ring_replays(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: RingPlan, comm: RingComm
-) -> _RingReplays | None:
+) -> Replays | None:
     """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``; a ring
     that moves), else None. Dense plans (no packed documents, no block mask) replay by default:
     the others are built anew wherever the documents or the mask change, often every batch, and
     would capture as often."""
     if comm.world_size == 1 or not replay_wanted(q, k, v, dense=_dense(plan)):
         return None
-    key = (id(plan), id(comm.group))
-    hit = _REPLAYS.get(key)
-    if hit is not None and hit.plan is plan and hit.group is comm.group:
-        _REPLAYS.move_to_end(key)
-        return hit
-    hit = _RingReplays(
-        plan, comm.group,
-        GraphReplay(lambda q, k, v: ring_forward(q, k, v, plan, comm)),
-        GraphReplay(lambda dout, q, k, v, out, lse: ring_backward(dout, q, k, v, out, lse, base, plan, comm)),
-    )  # fmt: skip
-    _REPLAYS[key] = hit
-    _evict_replays(_REPLAYS, _MAX_REPLAYS)
-    return hit
+    return REPLAYS.get(plan, comm.group, lambda: (
+        lambda q, k, v: ring_forward(q, k, v, plan, comm),
+        lambda dout, q, k, v, out, lse: ring_backward(dout, q, k, v, out, lse, base, plan, comm),
+    ))  # fmt: skip
 
 
 def _dense(plan: RingPlan) -> bool:
     return all(c.mask is None and c.problem.cu_seqlens_q is None for step in plan for c in step)
-
-
-def _evict_replays(replays: OrderedDict[tuple[int, int], _RingReplays], limit: int) -> None:
-    """Drops entries past ``limit``, the newest kept: the least recently used of those that never
-    captured first. A setup the cache cannot hold (``SetupCache.key`` None) plans anew on every
-    call, so its entries are never called twice; they must not push out the graphs of the setups
-    that are."""
-    while len(replays) > limit:
-        older = list(replays.items())[:-1]
-        idle = [k for k, r in older if r.forward.captured is None and r.backward.captured is None]
-        if idle:
-            del replays[idle[0]]
-        else:
-            replays.popitem(last=False)
 
 
 class _RingFlashAttention(torch.autograd.Function):

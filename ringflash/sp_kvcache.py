@@ -116,7 +116,7 @@ def sp_flash_attn_with_kvcache(
     check_ranks_agree(group, signature, error)
     out, lse = partial
     gathered = torch.empty(world, send.numel(), device=out.device, dtype=torch.float32)
-    all_gather_async(gathered, send, group).wait()
+    all_gather_async([gathered], [send], group, world).wait()
     parts = gathered[:, : out.numel()].view(world, *out.shape)
     lses = gathered[:, out.numel() :].view(world, *lse.shape)
     merged = torch.empty(out.shape, device=out.device, dtype=q.dtype)

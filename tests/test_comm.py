@@ -101,3 +101,36 @@ def test_ring_exchange_moves_each_tensor_to_its_peer(rank_pool, group_p2p):
         assert got[:3] == expected
     assert results[0][3] == [102.0, 102.0] and results[2][3] == [100.0, 100.0]
     assert len(results[1]) == 3
+
+
+def _collectives():
+    """On 3 ranks: two tensors of different sizes gathered by one call, then their transposes
+    summed back by one call, over the world and over the subgroup of global ranks 0 and
+    2; returns (gathered, reduced) per group."""
+    rank, device = dist.get_rank(), worker_device()
+    sub = dist.new_group([0, 2])
+    got = []
+    for group in (dist.group.WORLD, sub) if rank != 1 else (dist.group.WORLD,):
+        w = dist.get_world_size(group)
+        xs = [torch.full((3,), 10.0 * rank, device=device), torch.full((2, 2), 1.0 + rank, device=device)]
+        outs = [torch.empty(w, *x.shape, device=device) for x in xs]
+        comm.all_gather_async(outs, xs, group, w).wait()
+        sums = [torch.empty(x.shape, device=device) for x in xs]
+        # rank r's slot j holds (r + 1) * (j + 1): the owner of slot j gets (j + 1) * sum(r + 1)
+        slots = (rank + 1.0) * torch.arange(1.0, w + 1, device=device)
+        parts = [slots.view(w, *[1] * x.dim()).expand(w, *x.shape).contiguous() for x in xs]
+        comm.reduce_scatter_async(sums, parts, group, w).wait()
+        got.append(([o.flatten().tolist() for o in outs], [s.flatten().tolist() for s in sums]))
+    return got
+
+
+def test_all_gather_and_reduce_scatter_of_several_tensors(rank_pool):
+    results = rank_pool(3).run(_collectives)
+    for rank, got in enumerate(results):
+        for (gathered, summed), members in zip(got, ([0, 1, 2], [0, 2])):
+            assert gathered[0] == [10.0 * r for r in members for _ in range(3)]
+            assert gathered[1] == [1.0 + r for r in members for _ in range(4)]
+            j = members.index(rank)
+            assert summed[0] == [(j + 1.0) * sum(r + 1 for r in members)] * 3
+            assert summed[1] == [(j + 1.0) * sum(r + 1 for r in members)] * 4
+    assert len(results[1]) == 1

@@ -1,7 +1,7 @@
-"""The ring's calls replayed from the graphs ringflash captures itself (``graph_replay.py``, on by
-default for dense setups): when they replay, that the replay equals an eager call on the same
-inputs, that layers sharing a setup (and so its graphs) get their own results, and that no graph
-holds an NCCL operation (a group is destroyed with the graphs alive)."""
+"""The ring's and the all-gather mode's calls replayed from the graphs ringflash captures itself
+(``graph_replay.py``, on by default for dense setups): when they replay, that the replay equals an
+eager call on the same inputs, that layers sharing a setup (and so its graphs) get their own
+results, and that no graph holds an NCCL operation (a group is destroyed with the graphs alive)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from distributed import worker_device
 
 import ringflash
-from ringflash import graph_replay, ring
-from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, replay_wanted
+from ringflash import allgather, graph_replay, ring
+from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, ReplayCache, Replays, replay_wanted
 from ringflash.kernels.tile_mask import TileMask
 
 ON = {"RINGFLASH_RING_GRAPHS": "1"}
@@ -267,14 +267,37 @@ def _variant_call(variant: str, total: int, dev: torch.device):
     if variant == "block_mask":
         mask = TileMask.from_mask_mod(_prefix_window, 1, 1, total, total, device=dev)
         return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, block_mask=mask)
+    gather = dict(sp_mode="allgather", causal=True)
+    if variant == "allgather_zigzag":
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, **gather)
+    if variant == "allgather_contiguous":
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, layout="contiguous", **gather)
+    if variant == "allgather_strides":  # two K/V head strides: the double-buffered gathers
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, heads_k_stride=1, **gather)
+    if variant == "allgather_packed":
+        cu = [0, total // 4, total]
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, cu_seqlens=cu, **gather)
+    if variant == "allgather_sinks":
+        sinks = torch.linspace(-1.0, 2.0, heads, device=dev)
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, sinks=sinks, **gather)
     raise AssertionError(variant)
+
+
+def _clear_replays() -> None:
+    """The pool's ranks outlive a test: only this test's setups."""
+    ring.REPLAYS.clear()
+    allgather.REPLAYS.clear()
+
+
+def _replays() -> list[Replays]:
+    return [*ring.REPLAYS.entries.values(), *allgather.REPLAYS.entries.values()]
 
 
 def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps
     (new values each step, the shard's length taking ``lengths`` in turn), with the graphs and
     eagerly; returns the largest difference and which graphs exist per setup."""
-    ring._REPLAYS.clear()  # the pool's ranks outlive a test: only this test's setups
+    _clear_replays()
     dev = worker_device()
     world = torch.distributed.get_world_size()
     g = torch.Generator(device=dev).manual_seed(seed + 10 * torch.distributed.get_rank())
@@ -304,9 +327,7 @@ def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"
         for a, b in zip(replayed, eager):
             assert torch.isfinite(a).all()
             worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
-    graphs = [
-        (r.forward.captured is not None, r.backward.captured is not None) for r in ring._REPLAYS.values()
-    ]
+    graphs = [(r.forward.captured is not None, r.backward.captured is not None) for r in _replays()]
     return worst, graphs
 
 
@@ -330,40 +351,47 @@ def test_ring_replays_follow_alternating_shapes(rank_pool):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    "variant", ["contiguous", "stripe", "window_softcap", "alibi", "packed", "block_mask", "sinks"]
-)
-def test_ring_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
-    """Each layout and each option that shapes the plan replays as its eager call runs; with
-    sinks the LSE's gradient takes the eager backward, so only the forward is captured."""
+    "variant",
+    ["contiguous", "stripe", "window_softcap", "alibi", "packed", "block_mask", "sinks", "allgather_zigzag",
+     "allgather_contiguous", "allgather_strides", "allgather_packed", "allgather_sinks"],
+)  # fmt: skip
+def test_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
+    """Each layout and each option that shapes the plan replays as its eager call runs, in the
+    ring and in the all-gather mode; with sinks the LSE's gradient takes the eager backward, so
+    only the forward is captured."""
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 2, (512,), variant):
         assert worst < 2e-2
-        assert graphs == [(True, variant != "sinks")]
+        assert graphs == [(True, not variant.endswith("sinks"))]
 
 
 def _destroy_with_graphs_alive_on_rank():
-    """The ring replayed over a group of its own, then the group destroyed with the graphs still
-    held: NCCL's shutdown would wait forever for a graph that captured one of its operations
-    (PyTorch #115388, what whole-call graphs did), so this also shows that none did."""
+    """The ring and the all-gather mode replayed over a group of their own, then the group
+    destroyed with the graphs still held: NCCL's shutdown would wait forever for a graph that
+    captured one of its operations (PyTorch #115388, what whole-call graphs did), so this also
+    shows that none did."""
     dev = worker_device()
     group = torch.distributed.new_group([0, 1])
     q, k, v = (torch.randn(1, 512, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
     for _ in range(3):  # eager, captured, replayed: the default
         ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-    captured = any(r.group is group and r.forward.captured is not None for r in ring._REPLAYS.values())
+    for _ in range(3):
+        ringflash.sp_attn_func(q, k, v, causal=True, group=group, sp_mode="allgather")
+    captured = [any(r.group is group and r.forward.captured is not None for r in c.entries.values())
+                for c in (ring.REPLAYS, allgather.REPLAYS)]  # fmt: skip
     torch.distributed.destroy_process_group(group)
-    ring._REPLAYS.clear()  # no entry keeps the destroyed group
+    _clear_replays()  # no entry keeps the destroyed group
     return captured
 
 
 @pytest.mark.multigpu
 def test_group_destroyed_with_the_graphs_alive(rank_pool):
-    assert rank_pool(2).run(_destroy_with_graphs_alive_on_rank, timeout=120) == [True, True]
+    assert rank_pool(2).run(_destroy_with_graphs_alive_on_rank, timeout=120) == [[True, True]] * 2
 
 
-def _mixed_states_on_rank(seed: int):
+def _mixed_states_on_rank(seed: int, mode: str):
     """Rank 0 never replays, rank 1 replays: each issues one set of transfers per call either way,
     so the two pair, and both get what eager calls give."""
-    ring._REPLAYS.clear()
+    _clear_replays()
     dev = worker_device()
     rank = torch.distributed.get_rank()
     g = torch.Generator(device=dev).manual_seed(seed + rank)
@@ -376,41 +404,63 @@ def _mixed_states_on_rank(seed: int):
         for env in (ON if rank == 1 else OFF, OFF):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             with mock.patch.dict(os.environ, env):
-                out = ringflash.zigzag_ring_flash_attn_func(*leaves, causal=True)
+                out = ringflash.sp_attn_func(*leaves, causal=True, sp_mode=mode)
                 out.backward(dout)
             results.append([out.detach()] + [t.grad for t in leaves])
         for a, b in zip(*results):
             assert torch.isfinite(a).all()
             worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
-    return worst, any(r.forward.captured is not None for r in ring._REPLAYS.values())
+    return worst, any(r.forward.captured is not None for r in _replays())
 
 
 @pytest.mark.multigpu
-def test_a_replaying_rank_pairs_with_an_eager_one(rank_pool):
-    (worst0, captured0), (worst1, captured1) = rank_pool(2).run(_mixed_states_on_rank, 3)
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_a_replaying_rank_pairs_with_an_eager_one(rank_pool, mode):
+    (worst0, captured0), (worst1, captured1) = rank_pool(2).run(_mixed_states_on_rank, 3, mode)
     assert worst0 < 2e-2 and worst1 < 2e-2
     assert not captured0 and captured1
+
+
+def test_replay_cache_hits_by_setup_and_group():
+    """The same (setup, group) finds its entry without making new functions; another setup or
+    group gets its own."""
+    cache = ReplayCache()
+    made = []
+
+    def make():
+        made.append(1)
+        return (lambda: (), lambda: ())
+
+    setup, other, group = object(), object(), object()
+    first = cache.get(setup, group, make)
+    assert cache.get(setup, group, make) is first and len(made) == 1
+    assert cache.get(other, group, make) is not first
+    assert cache.get(setup, object(), make) is not first
+    assert len(made) == 3 and isinstance(first.forward, GraphReplay)
 
 
 def test_setups_called_once_do_not_evict_captured_graphs():
     """Entries past the limit go least recently used first, but those that never captured (a
     setup planned anew on every call) before any that did; the entry just made always stays."""
-    from collections import OrderedDict
-    from types import SimpleNamespace
+    cache = ReplayCache(limit=4)
+    group = object()
+    setups = [object() for _ in range(10)]
 
-    def entry(captured):
-        replay = SimpleNamespace(captured=object() if captured else None)
-        return ring._RingReplays(plan=None, group=None, forward=replay, backward=replay)
+    def make():
+        return (lambda: (), lambda: ())
 
-    replays = OrderedDict((k, entry(captured=True)) for k in range(3))
-    for k in range(3, 9):  # six setups called once, one after another
-        replays[k] = entry(captured=False)
-        ring._evict_replays(replays, 4)
-        assert list(replays) == [0, 1, 2, k]  # each pushes out the one before it, no graph
-    replays[9] = entry(captured=False)
-    del replays[8]
-    ring._evict_replays(replays, 3)  # only captured ones left behind the new entry: LRU goes
-    assert list(replays) == [1, 2, 9]
+    def entries():
+        return [setups.index(r.setup) for r in cache.entries.values()]
+
+    for i in range(3):
+        cache.get(setups[i], group, make).forward.captured = object()
+    for i in range(3, 9):  # six setups called once, one after another
+        cache.get(setups[i], group, make)
+        assert entries() == [0, 1, 2, i]  # each pushes out the one before it, no graph
+    cache.limit = 3
+    cache.entries.popitem()  # setup 8's
+    cache.get(setups[9], group, make)  # only captured ones left behind the new entry: LRU goes
+    assert entries() == [1, 2, 9]
 
 
 def test_only_dense_plans_replay_by_default():
@@ -427,3 +477,9 @@ def test_only_dense_plans_replay_by_default():
     masked = ring.block_sparse_ring_plan(base, ring_step_masks(mask, "zigzag", 0, 2))
     assert ring._dense(dense)
     assert not ring._dense(packed) and not ring._dense(masked)
+    gathered = [
+        allgather.gather_plan(allgather.layout_calls(base, "zigzag", 0, 2, lens, varlen, q.device), 2, 2, 256,
+                              allgather.natural_order("zigzag", 2, 512, bounds, q.device))
+        for lens, varlen, bounds in (((512,), False, None), ((128, 384), True, (0, 128, 512)))
+    ]  # fmt: skip
+    assert allgather._dense(gathered[0]) and not allgather._dense(gathered[1])
