@@ -29,10 +29,10 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .block_masks import MaskedCall, check_block_mask, converted_block_mask, gathered_keys_mask
+from .block_masks import MaskedCall, check_block_mask, converted_block_mask, dense_calls, gathered_keys_mask
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
 from .consistency import join_rank_check
-from .graph_replay import ReplayCache, Replays, replay_wanted
+from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -331,16 +331,12 @@ def gather_replays(
     """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``; more than
     one rank), else None; dense plans (no packed documents, no block mask) by default, as the
     ring's (``ring.ring_replays``)."""
-    if not replay_wanted(q, k, v, dense=_dense(plan)) or dist.get_world_size(group) == 1:
+    if not replay_wanted(q, k, v, dense=dense_calls(plan.steps)) or dist.get_world_size(group) == 1:
         return None
     return REPLAYS.get(plan, group, lambda: (
         lambda q, k, v: gather_forward(q, k, v, plan, group),
         lambda dout, q, k, v, out, lse: gather_backward(dout, q, k, v, out, lse, base, plan, group),
     ))  # fmt: skip
-
-
-def _dense(plan: GatherPlan) -> bool:
-    return all(c.mask is None and c.problem.cu_seqlens_q is None for calls in plan.steps for c in calls)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -358,9 +354,10 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        if ctx.replays is not None and dlse is None and not torch.cuda.is_current_stream_capturing():
-            dq, dk, dv = ctx.replays.backward(dout, q, k, v, out, lse)
-        else:  # the LSE's gradient (sinks) enters the backward: not what the graph holds
+        replay = backward_replay(ctx.replays, dlse)
+        if replay is not None:
+            dq, dk, dv = replay(dout, q, k, v, out, lse)
+        else:
             dq, dk, dv = gather_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
 

@@ -17,6 +17,7 @@ each rank's visible blocks per ring step, to compare layouts.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -58,6 +59,13 @@ class MaskedCall:
             attention_backward(dout, q, k, v, lse, delta, self.problem, **buffers)
         else:
             sparse_gradients(dout, q, k, v, lse, delta, self.mask, self.problem, **buffers)
+
+
+def dense_calls(steps: Iterable[Iterable[MaskedCall]]) -> bool:
+    """Whether a plan's kernel calls (its steps, each a few calls) hold no packed documents and no
+    block mask: the setups that recur call after call, which ``graph_replay`` replays by default
+    (the others are built anew wherever the documents or the mask change)."""
+    return all(c.mask is None and c.problem.cu_seqlens_q is None for calls in steps for c in calls)
 
 
 def converted_block_mask(block_mask: object, error: Exception | None) -> tuple[object, Exception | None]:

@@ -250,6 +250,15 @@ class Replays:
     backward: GraphReplay
 
 
+def backward_replay(replays: Replays | None, dlse: torch.Tensor | None) -> GraphReplay | None:
+    """The backward replay of an autograd Function whose forward took ``replays``, where it
+    applies: not with an LSE gradient (sinks: the graph holds the backward without one), nor
+    inside the caller's own capture (which records the eager backward)."""
+    if replays is None or dlse is not None or torch.cuda.is_current_stream_capturing():
+        return None
+    return replays.backward
+
+
 class ReplayCache:
     """``Replays`` by (setup, process group), the least recently used beyond ``limit`` dropped.
     Each entry holds static copies of its inputs and its graphs' memory pools (about half a GiB at

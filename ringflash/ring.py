@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .block_masks import MaskedCall, check_block_mask, converted_block_mask, ring_step_masks
+from .block_masks import MaskedCall, check_block_mask, converted_block_mask, dense_calls, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
 from .consistency import join_rank_check
-from .graph_replay import ReplayCache, Replays, replay_wanted
+from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
 from .kernels import (
     AttentionProblem,
     MaskBounds,
@@ -320,16 +320,12 @@ def ring_replays(
     that moves), else None. Dense plans (no packed documents, no block mask) replay by default:
     the others are built anew wherever the documents or the mask change, often every batch, and
     would capture as often."""
-    if comm.world_size == 1 or not replay_wanted(q, k, v, dense=_dense(plan)):
+    if comm.world_size == 1 or not replay_wanted(q, k, v, dense=dense_calls(plan)):
         return None
     return REPLAYS.get(plan, comm.group, lambda: (
         lambda q, k, v: ring_forward(q, k, v, plan, comm),
         lambda dout, q, k, v, out, lse: ring_backward(dout, q, k, v, out, lse, base, plan, comm),
     ))  # fmt: skip
-
-
-def _dense(plan: RingPlan) -> bool:
-    return all(c.mask is None and c.problem.cu_seqlens_q is None for step in plan for c in step)
 
 
 class _RingFlashAttention(torch.autograd.Function):
@@ -347,9 +343,10 @@ class _RingFlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        if ctx.replays is not None and dlse is None and not torch.cuda.is_current_stream_capturing():
-            dq, dk, dv = ctx.replays.backward(dout, q, k, v, out, lse)
-        else:  # the LSE's gradient (sinks) enters the backward: not what the graph holds
+        replay = backward_replay(ctx.replays, dlse)
+        if replay is not None:
+            dq, dk, dv = replay(dout, q, k, v, out, lse)
+        else:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq, dk, dv, None, None, None
 

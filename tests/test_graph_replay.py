@@ -466,7 +466,7 @@ def test_setups_called_once_do_not_evict_captured_graphs():
 def test_only_dense_plans_replay_by_default():
     """What ``RINGFLASH_RING_GRAPHS`` unset replays: plans without packed documents or a block
     mask (those are rebuilt, and would be captured, whenever the documents or the mask change)."""
-    from ringflash.block_masks import ring_step_masks
+    from ringflash.block_masks import dense_calls, ring_step_masks
 
     q = torch.zeros(1, 256, 2, 16)
     base = ringflash.kernels.build_problem(q, q, q, None, True, (-1, -1))
@@ -475,11 +475,22 @@ def test_only_dense_plans_replay_by_default():
     packed = ring.ring_plan(base, "zigzag", comm, (128, 384), True, q.device)
     mask = TileMask.from_mask_mod(_prefix_window, 1, 1, 512, 512)
     masked = ring.block_sparse_ring_plan(base, ring_step_masks(mask, "zigzag", 0, 2))
-    assert ring._dense(dense)
-    assert not ring._dense(packed) and not ring._dense(masked)
+    assert dense_calls(dense)
+    assert not dense_calls(packed) and not dense_calls(masked)
     gathered = [
         allgather.gather_plan(allgather.layout_calls(base, "zigzag", 0, 2, lens, varlen, q.device), 2, 2, 256,
                               allgather.natural_order("zigzag", 2, 512, bounds, q.device))
         for lens, varlen, bounds in (((512,), False, None), ((128, 384), True, (0, 128, 512)))
     ]  # fmt: skip
-    assert allgather._dense(gathered[0]) and not allgather._dense(gathered[1])
+    assert dense_calls(gathered[0].steps) and not dense_calls(gathered[1].steps)
+
+
+def test_backward_replays_only_without_an_lse_gradient_and_outside_a_capture():
+    """The autograd Functions' backward: the forward's replays unless the LSE has a gradient
+    (sinks: the graph holds the backward without one) or the caller itself is capturing."""
+    replays = Replays(None, None, GraphReplay(lambda: ()), GraphReplay(lambda: ()))
+    assert graph_replay.backward_replay(None, None) is None
+    assert graph_replay.backward_replay(replays, torch.zeros(1)) is None
+    for capturing in (False, True):
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=capturing):
+            assert graph_replay.backward_replay(replays, None) is (None if capturing else replays.backward)
