@@ -342,9 +342,10 @@ def test_ring_replays_equal_eager_calls_on_gpus(rank_pool):
 
 
 @pytest.mark.multigpu
-def test_ring_replays_follow_alternating_shapes(rank_pool):
+@pytest.mark.parametrize("variant", ["zigzag", "allgather_zigzag"])
+def test_replays_follow_alternating_shapes(rank_pool, variant):
     """Two shard lengths in turn: each its own setup and graphs, every call equal to eager."""
-    for worst, graphs in rank_pool(2).run(_layers_on_rank, 1, (512, 768)):
+    for worst, graphs in rank_pool(2).run(_layers_on_rank, 1, (512, 768), variant):
         assert worst < 2e-2
         assert graphs == [(True, True), (True, True)]
 
