@@ -23,8 +23,8 @@ per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``
 (``attention_delta`` then ``attention_backward``: the general path, a dQ fill of its own).
 ``--ab-comm`` adds the sequence-parallel entries with the ring's exchange through
 ``dist.batch_isend_irecv`` instead of the process group's own send/recv (``comm.group_p2p``), and
-without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). The ring and all-gather entries
-replay from the graphs ringflash captures itself (the default, ``graph_replay.py``);
+without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). The ring, all-gather and Ulysses
+entries replay from the graphs ringflash captures itself (the default, ``graph_replay.py``);
 ``--ab-graphs`` adds them run eagerly (``RINGFLASH_RING_GRAPHS=0``).
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
@@ -256,8 +256,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--ab-graphs", action="store_true",
-        help="also run the ring and all-gather entries eagerly, without ringflash's own graphs ([eager], "
-        "RINGFLASH_RING_GRAPHS=0)",
+        help="also run the ring, all-gather and Ulysses entries eagerly, without ringflash's own graphs "
+        "([eager], RINGFLASH_RING_GRAPHS=0)",
     )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
@@ -311,8 +311,9 @@ def main() -> None:
             found[f"{name}[no check]"] = (f, no_check, layout)
     if args.ab_graphs:
         eager = lambda: mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "0"})  # noqa: E731
-        replaying = [n for n in found if n.startswith(("ring_", "zigzag_")) and "[" not in n]
-        for name in replaying + [n for n in found if n == "sp_attn_func[allgather]"]:
+        sp = ("sp_attn_func[allgather]", "sp_attn_func[ulysses]")
+        replaying = [n for n in found if n.startswith(("ring_", "zigzag_")) and "[" not in n or n in sp]
+        for name in replaying:
             f, _, layout = found[name]
             found[f"{name}[eager]"] = (f, eager, layout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout

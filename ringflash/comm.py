@@ -375,31 +375,17 @@ def reduce_scatter_async(
     ))  # fmt: skip
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable all-to-all over dim 0: chunk i of ``x`` goes to rank i; chunk j of the
-    result came from rank j. x: (world_size, ...) with equal chunks; returns the same shape."""
-    return _AllToAll.apply(x, group)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Equal chunks: the transpose of an all-to-all is the same all-to-all.
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    if dist.get_world_size(group) == 1:
-        return x.clone()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+def all_to_all_async(
+    out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, world_size: int
+) -> PendingExchange | Deferred:
+    """Start the all-to-all over dim 0 of ``x`` (world_size, ...), contiguous, with equal chunks:
+    chunk i goes to group rank i, and chunk j of ``out`` (like ``x``) comes from rank j. ``wait``
+    before reading ``out`` or writing ``x``. Inside a ``GraphReplay``'s capture, issued by each
+    replay instead (as ``RingComm.exchange``)."""
+    if world_size == 1:
+        out.copy_(x)
+        return PendingExchange([])
+    return host_call(lambda: PendingExchange([dist.all_to_all_single(out, x, group=group, async_op=True)]))
 
 
 class PendingPrefix:

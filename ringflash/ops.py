@@ -27,14 +27,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import group_from_name, group_name
-from .consistency import call_signature, check_ranks_agree
-from .kernels import attention_forward, attention_gradients, build_problem
 from .kernels.ops import check_scalar_args
-from .kernels.plans import cached_problem
-from .layouts import cumulative_lengths, document_lengths, layout_name
+from .layouts import layout_name
 from .mesh import check_ulysses_size, ulysses_ring_mesh
 from .ring import ring_backward, ring_forward, ring_setup
-from .ulysses import _kv_heads_for, _lse_to_seq, heads_to_seq, seq_to_heads
+from .ulysses import (
+    UlyssesPlan,
+    heads_plan,
+    kv_heads_for,
+    split_heads,
+    ulysses_backward,
+    ulysses_forward,
+    ulysses_setup,
+)
 
 
 def _cu(cu_seqlens: Tensor | None, cu_seqlens_list: list[int] | None):
@@ -234,58 +239,6 @@ def _ulysses_mesh(group: dist.ProcessGroup, ulysses_size: int):
     return ulysses_ring_mesh(group, check_ulysses_size(ulysses_size or world, world))
 
 
-def _whole_problem(q_h, k_h, v_h, layout, cu, scale, causal, window, softcap, deterministic):
-    """The problem of attention over whole sequences q_h (B, S, H, D) held by one rank, and
-    whether it is varlen over row 0 (packed documents, batch 1)."""
-    kw = dict(softcap=softcap, deterministic=deterministic)
-    if cu is None:  # built once per layout (with its bound launches), as flash_attn_func's
-        left, right = window
-        return cached_problem(q_h, k_h, v_h, None, None, 0, 0, scale, causal, left, right, softcap, None,
-                              deterministic), False  # fmt: skip
-    doc_lens = document_lengths(cu, q_h.shape[1], layout, 1)
-    cu_h, n = cumulative_lengths(doc_lens, q_h.device), max(doc_lens)
-    return build_problem(
-        q_h[0],
-        k_h[0],
-        v_h[0],
-        scale,
-        causal,
-        window,
-        cu_seqlens_q=cu_h,
-        cu_seqlens_k=cu_h,
-        max_seqlen_q=n,
-        max_seqlen_k=n,
-        **kw,
-    ), True
-
-
-def _head_split(qkv_h: Tensor, heads_q: int) -> list[Tensor]:
-    """q_h, k_h, v_h from the all-to-all's (B, U*n, hq + 2 hk, D) result."""
-    hk = (qkv_h.shape[2] - heads_q) // 2
-    return list(torch.split(qkv_h, [heads_q, hk, hk], dim=2))
-
-
-def _head_ring(q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic):
-    """The ring over ``mesh.ring_group`` in head layout: (base, plan, comm); ranks checked already."""
-    base, plan, comm, _ = ring_setup(
-        q_h,
-        k_h,
-        v_h,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window,
-        softcap=softcap,
-        alibi_slopes=None,
-        sinks=None,
-        deterministic=deterministic,
-        group=mesh.ring_group,
-        layout=layout,
-        cu_seqlens=cu,
-        check_ranks=False,
-    )
-    return base, plan, comm
-
-
 @torch.library.custom_op("ringflash::ulysses_attn_forward", mutates_args=())
 def _ulysses_forward_op(
     q: Tensor,
@@ -303,52 +256,16 @@ def _ulysses_forward_op(
     softcap: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    group = group_from_name(group_name)
-    cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
-    options = dict(
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window,
-        softcap=softcap,
-        deterministic=deterministic,
-    )
-    error = None
-    try:
-        if cu is not None and q.shape[0] != 1:
-            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
-        mesh_size = dist.get_world_size(group)
-        check_ulysses_size(ulysses_size or mesh_size, mesh_size)
-    except (ValueError, TypeError) as e:
-        error = e
-    signature = call_signature(q, k, v, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu, **options)
-    check_ranks_agree(group, signature, error)
-    mesh = _ulysses_mesh(group, ulysses_size)
-    kv_heads = _kv_heads_for(q.shape[2], k.shape[2], mesh.ulysses_size)
+    plan, _ = ulysses_setup(
+        q, k, v, group=group_from_name(group_name), sp_mode="hybrid" if ulysses_size else "ulysses",
+        ulysses_size=ulysses_size or None, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
+        alibi_slopes=None, sinks=None, block_mask=None, with_lse=True, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
+    )  # fmt: skip
     with torch.no_grad():
-        if kv_heads != k.shape[2]:
-            rep = kv_heads // k.shape[2]
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        q_h, k_h, v_h = seq_to_heads([q, k, v], mesh.ulysses_group)
-        qkv_h = torch.cat([q_h, k_h, v_h], dim=2)  # one saved tensor for the backward
-        q_h, k_h, v_h = _head_split(qkv_h, q_h.shape[2])
-        if mesh.ring_size > 1:
-            _, plan, comm = _head_ring(
-                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
-            )
-            out_h, lse_h = ring_forward(q_h, k_h.contiguous(), v_h.contiguous(), plan, comm)
-        else:
-            problem, varlen = _whole_problem(
-                q_h, k_h, v_h, layout, cu, softmax_scale, causal, window, softcap, deterministic
-            )
-            if varlen:
-                out_h, lse_h = attention_forward(q_h[0], k_h[0], v_h[0], problem)
-                out_h, lse_h = out_h[None], lse_h[None]
-            else:
-                out_h, lse_h = attention_forward(q_h, k_h, v_h, problem)
-        # Contiguous, as the fake implementation promises (the all-to-all's views may not be).
-        out = heads_to_seq(out_h, mesh.ulysses_group).contiguous()
-        lse = _lse_to_seq(lse_h, mesh.ulysses_group).contiguous()
-    return out, lse, qkv_h, out_h.contiguous(), lse_h.contiguous()
+        out, qkv_h, out_h, lse_h, lse = ulysses_forward(q, k, v, plan)
+    # Contiguous, as the fake implementation promises (views of the all-to-alls' buffers may not be).
+    return out.contiguous(), lse.contiguous(), qkv_h.contiguous(), out_h.contiguous(), lse_h.contiguous()
 
 
 @_ulysses_forward_op.register_fake
@@ -356,7 +273,7 @@ def _ulysses_forward_fake(q, k, v, group_name, layout, ulysses_size, *_):
     mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
     u = mesh.ulysses_size
     b, n, hq, d = q.shape
-    hk = _kv_heads_for(hq, k.shape[2], u)
+    hk = kv_heads_for(hq, k.shape[2], u)
     return (
         q.new_empty(q.shape),
         q.new_empty((b, hq, n), dtype=torch.float32),
@@ -364,17 +281,6 @@ def _ulysses_forward_fake(q, k, v, group_name, layout, ulysses_size, *_):
         q.new_empty((b, u * n, hq // u, d)),
         q.new_empty((b, hq // u, u * n), dtype=torch.float32),
     )
-
-
-def heads_to_seq_many(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
-    """[(B, U*n, h_i, D)] group tokens, my heads -> [(B, n, U*h_i, D)] local tokens, all heads:
-    the transpose of ``seq_to_heads``, one all-to-all for all tensors."""
-    u = dist.get_world_size(group)
-    per_rank = [t.shape[2] for t in tensors]
-    both = torch.cat(tensors, dim=2)
-    b, un, _, d = both.shape
-    y = heads_to_seq(both, group).view(b, un // u, u, sum(per_rank), d)
-    return [t.reshape(b, un // u, u * h, d) for t, h in zip(torch.split(y, per_rank, dim=3), per_rank)]
 
 
 @torch.library.custom_op("ringflash::ulysses_attn_backward", mutates_args=())
@@ -398,35 +304,15 @@ def _ulysses_backward_op(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
-    cu, window = _cu(cu_seqlens, cu_seqlens_list), (window_left, window_right)
-    q_h, k_h, v_h = _head_split(qkv_h, out_h.shape[2])
+    q_h, k_h, v_h = split_heads(qkv_h, out_h.shape[2])
+    inner = heads_plan(
+        q_h, k_h, v_h, mesh, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list), alibi_slopes=None,
+        block_mask=None, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, deterministic=deterministic,
+    )  # fmt: skip
+    plan = UlyssesPlan(mesh, heads_k, k_h.shape[2] * mesh.ulysses_size, inner)
     with torch.no_grad():
-        (dout_h,) = seq_to_heads([dout], mesh.ulysses_group)
-        dlse_h = None
-        if dlse is not None:  # (B, H, n) -> (B, H/U, U*n), as the LSE went the other way
-            (dlse_h,) = seq_to_heads([dlse.transpose(1, 2).unsqueeze(-1)], mesh.ulysses_group)
-            dlse_h = dlse_h.squeeze(-1).transpose(1, 2).contiguous()
-        if mesh.ring_size > 1:
-            base, plan, comm = _head_ring(
-                q_h, k_h, v_h, mesh, layout, cu, softmax_scale, causal, window, softcap, deterministic
-            )
-            k_h, v_h = k_h.contiguous(), v_h.contiguous()
-            grads = ring_backward(
-                dout_h.contiguous(), q_h, k_h, v_h, out_h, lse_h, base, plan, comm, dlse=dlse_h
-            )
-        else:
-            problem, varlen = _whole_problem(
-                q_h, k_h, v_h, layout, cu, softmax_scale, causal, window, softcap, deterministic
-            )
-            if varlen:
-                row0 = [None if t is None else t[0] for t in (dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h)]
-                grads = [g[None] for g in attention_gradients(*row0[:6], problem, row0[6])]
-            else:
-                grads = attention_gradients(dout_h, q_h, k_h, v_h, out_h, lse_h, problem, dlse_h)
-        dq, dk, dv = heads_to_seq_many(list(grads), mesh.ulysses_group)
-    if dk.shape[2] != heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
-        b, n, _, d = dk.shape
-        dk, dv = (g.reshape(b, n, heads_k, -1, d).sum(3) for g in (dk, dv))
+        dq, dk, dv = ulysses_backward(dout.contiguous(), qkv_h, out_h, lse_h, plan, dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

@@ -11,19 +11,15 @@ import torch
 import torch.distributed as dist
 
 from .allgather_ops import allgather_attention
-from .block_masks import check_block_mask
 from .comm import resolve_group
-from .consistency import call_signature, check_ranks_agree
 from .conventions import attention_returns, check_dropout
-from .kernels import check_sinks, check_window
 from .kernels.ops import use_ops
-from .kernels.problem import check_alibi_slopes
 from .layouts import check_layout
 from .merge import apply_sinks
-from .mesh import check_ulysses_size, check_ulysses_type, ulysses_ring_mesh
+from .mesh import check_ulysses_type, contradiction, mode_ulysses_size
 from .ops import ulysses_attention_op
 from .ring_functions import dispatch_ring_attention
-from .ulysses import mesh_attention
+from .ulysses import check_ulysses_arguments, run_ulysses_attention, ulysses_setup
 
 SP_MODES = ("ring", "ulysses", "hybrid", "allgather", "auto")
 
@@ -62,18 +58,11 @@ def check_sp_mode(sp_mode: str, ulysses_size: object) -> None:
     if sp_mode not in SP_MODES:
         raise ValueError(f"sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
     if sp_mode in ("ring", "allgather", "auto") and ulysses_size not in (None, 1):
-        raise ValueError(_contradiction(ulysses_size, sp_mode, "1 (or None)"))
+        raise ValueError(contradiction(ulysses_size, sp_mode, "1 (or None)"))
     if sp_mode == "hybrid" and ulysses_size is None:
         raise ValueError('sp_mode="hybrid" needs ulysses_size')
     if ulysses_size is not None:
         check_ulysses_type(ulysses_size)
-
-
-def _contradiction(ulysses_size: object, sp_mode: str, expected: str) -> str:
-    return (
-        f'ulysses_size={ulysses_size!r} contradicts sp_mode="{sp_mode}", whose Ulysses group size is '
-        f"{expected}: shards cut for another size hold other tokens; pass the sp_mode they were cut for"
-    )
 
 
 def sp_attn_func(
@@ -159,15 +148,10 @@ def sp_attn_func(
             raise ValueError(f'heads_k_stride={heads_k_stride!r} is for sp_mode="allgather", not "{sp_mode}"')
         if sp_mode == "auto":
             sp_mode = auto_sp_mode(q, group)
-        if sp_mode in ("ulysses", "hybrid"):
-            check_window(causal, window_size)
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                    raise ValueError(f"{name} must be a 4-D tensor (batch, local_seqlen, heads, head_dim)")
-            alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
-            sinks = check_sinks(sinks, q.shape[2], q.device)
-            if cu_seqlens is not None and q.shape[0] != 1:
-                raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+        if sp_mode in ("ulysses", "hybrid") and use_ops(q):  # the eager engine checks these in its setup
+            alibi_slopes, sinks = check_ulysses_arguments(q, k, v, causal=causal, window_size=window_size,
+                                                          alibi_slopes=alibi_slopes, sinks=sinks,
+                                                          cu_seqlens=cu_seqlens)  # fmt: skip
     except (ValueError, TypeError) as e:
         error = e
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -183,10 +167,8 @@ def sp_attn_func(
             raise error
         if alibi_slopes is not None:
             raise NotImplementedError("alibi_slopes with Ulysses/hybrid under torch.compile")
-        if sp_mode == "ulysses" and ulysses_size is not None:
-            world = dist.get_world_size(resolve_group(group))
-            if ulysses_size != world:
-                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
+        if sp_mode == "ulysses":
+            mode_ulysses_size(sp_mode, ulysses_size, dist.get_world_size(resolve_group(group)))
         u = 0 if sp_mode == "ulysses" else ulysses_size
         out, lse = ulysses_attention_op(
             q, k, v, group=group, layout=layout, ulysses_size=u, cu_seqlens=cu_seqlens, **options
@@ -197,36 +179,14 @@ def sp_attn_func(
                                   alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
                                   **options)  # fmt: skip
         return attention_returns(out, lse, return_attn_probs, return_lse)
-    try:
-        group = resolve_group(group)
-    except (RuntimeError, TypeError):
-        if error is not None:
-            raise error from None
-        raise
-    world = dist.get_world_size(group)
-    if error is None:
-        try:
-            if sp_mode == "ulysses" and ulysses_size not in (None, world):
-                raise ValueError(_contradiction(ulysses_size, sp_mode, f"the group size {world} (or None)"))
-            u = world if sp_mode == "ulysses" else check_ulysses_size(ulysses_size, world)
-            if block_mask is not None:
-                block_mask = check_block_mask(
-                    block_mask, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
-                    cu_seqlens=cu_seqlens, total=q.shape[1] * world, batch=q.shape[0], heads_q=q.shape[2],
-                    device=q.device,
-                )  # fmt: skip
-        except (ValueError, TypeError) as e:
-            error = e
-    signature = call_signature(
-        q, k, v, sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout, cu_seqlens=cu_seqlens,
-        alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask, **options,
+    with_lse = return_lse or return_attn_probs or sinks is not None
+    plan, sinks = ulysses_setup(
+        q, k, v, group=group, sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout,
+        cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes, sinks=sinks, block_mask=block_mask,
+        with_lse=with_lse, error=error, **options,
     )  # fmt: skip
-    check_ranks_agree(group, signature, error)
-    mesh = ulysses_ring_mesh(group, u)
-    out, lse = mesh_attention(q, k, v, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-                               sinks=sinks, block_mask=block_mask, with_lse=return_lse or return_attn_probs,
-                               **options)  # fmt: skip
-    return attention_returns(out, lse, return_attn_probs, return_lse)
+    out, lse = run_ulysses_attention(q, k, v, plan)
+    return attention_returns(*apply_sinks(out, lse, sinks), return_attn_probs, return_lse)
 
 
 # Traced by torch.compile, a call with a block mask runs eagerly: a graph break, as on one device.

@@ -1,27 +1,49 @@
-"""The Ulysses and hybrid (Ulysses x ring) sequence-parallel engine (eager); its entry point,
-``sp_attn_func``, is in ``sp_functions.py``.
+"""The Ulysses and hybrid (Ulysses x ring) sequence-parallel engine; its entry point,
+``sp_attn_func``, is in ``sp_functions.py``, its custom ops in ``ops.py``.
 
 Ulysses re-partitions q, k, v from "my tokens, all heads" to "my heads, the tokens of my Ulysses
 group" with one all-to-all (q, k, v batched together), runs attention there, and swaps back.
 In the hybrid, that attention is itself a ring over the ring group; with a single Ulysses group
 it is plain single-device attention (pure Ulysses), with Ulysses groups of one it is the ring.
 The token layout is ``layouts.layout_indices(layout, rank, W, S, ulysses_size)``.
+
+A call is planned once per call signature (``ulysses_setup``, ``SETUPS``) and runs as one
+autograd Function (all-to-all, attention, all-to-all), whose dense setups replay from CUDA graphs
+with the all-to-alls issued between them, as the ring's and the all-gather mode's
+(``graph_replay.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from .block_masks import heads_view
-from .comm import all_to_all
-from .kernels import flash_attn_func, flash_attn_varlen_func
+from .block_masks import check_block_mask, converted_block_mask, dense_calls, heads_view
+from .comm import RingComm, all_to_all_async, resolve_group_or_raise
+from .consistency import join_rank_check
+from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
+from .kernels import (
+    AttentionProblem,
+    attention_forward,
+    attention_gradients,
+    build_problem,
+    check_sinks,
+    check_window,
+    flash_attn_func,
+    flash_attn_varlen_func,
+)
+from .kernels.plans import cached_problem
+from .kernels.problem import check_alibi_slopes
 from .layouts import cumulative_lengths, document_lengths
-from .mesh import UlyssesRingMesh
-from .ring import ring_attention
+from .mesh import UlyssesRingMesh, mode_ulysses_size, ulysses_ring_mesh
+from .ring import RingPlan, ring_backward, ring_forward, ring_setup
+from .setup_cache import SetupCache
 
 
-def _kv_heads_for(heads_q: int, heads_k: int, u: int) -> int:
+def kv_heads_for(heads_q: int, heads_k: int, u: int) -> int:
     """K/V heads to send so each Ulysses rank gets the ones its query heads use."""
     if heads_q % u:
         raise ValueError(f"Ulysses needs q heads ({heads_q}) divisible by the Ulysses group size ({u})")
@@ -34,32 +56,390 @@ def _kv_heads_for(heads_q: int, heads_k: int, u: int) -> int:
     )
 
 
-def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """[(B, n, h_i, D)] local tokens, all heads -> [(B, U*n, h_i/U, D)] group tokens, my heads.
-    One all-to-all for all tensors."""
-    u = dist.get_world_size(group)
+# ---- the all-to-alls ---------------------------------------------------------------------
+
+
+def _exchanged(x: torch.Tensor, group: dist.ProcessGroup, u: int):
+    """(a new tensor like ``x``, the pending all-to-all into it): chunk i of ``x`` (dim 0) goes
+    to rank i, chunk j of the result came from rank j; ``wait`` before reading."""
+    out = torch.empty_like(x)
+    return out, all_to_all_async(out, x, group, u)
+
+
+def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int) -> torch.Tensor:
+    """[(B, n, h_i, D)] local tokens, all heads -> (B, U*n, sum h_i/U, D) group tokens, my heads
+    (tensor i's in its run of heads): one all-to-all for all tensors."""
     b, n, _, d = tensors[0].shape
-    per_rank = [t.shape[2] // u for t in tensors]
     # Concatenated straight into the all-to-all's layout (destination rank first): one copy.
-    x = torch.cat([t.reshape(b, n, u, h, d).permute(2, 0, 1, 3, 4) for t, h in zip(tensors, per_rank)], dim=3)
-    y = all_to_all(x, group)  # (U source ranks, B, n, sum h, D)
-    y = y.permute(1, 0, 2, 3, 4).reshape(b, u * n, sum(per_rank), d)
-    return list(torch.split(y, per_rank, dim=2))
+    x = torch.cat([t.reshape(b, n, u, t.shape[2] // u, d).permute(2, 0, 1, 3, 4) for t in tensors], dim=3)
+    y, pending = _exchanged(x, group, u)  # (U source ranks, B, n, sum h, D)
+    pending.wait()
+    return y.permute(1, 0, 2, 3, 4).reshape(b, u * n, x.shape[3], d)
 
 
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(B, U*n, h, D) group tokens, my heads -> (B, n, U*h, D) local tokens, all heads."""
-    u = dist.get_world_size(group)
-    b, un, h, d = x.shape
-    y = all_to_all(
-        x.reshape(b, u, un // u, h, d).permute(1, 0, 2, 3, 4), group
-    )  # (U head groups, B, n, h, D)
-    return y.permute(1, 2, 0, 3, 4).reshape(b, un // u, u * h, d)
+def _to_seq_start(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int):
+    """Start moving [(B, U*n, h_i, D)] (one dtype) back to local tokens: (buffer, pending)."""
+    b, un, _, d = tensors[0].shape
+    x = torch.cat([t.reshape(b, u, un // u, t.shape[2], d).permute(1, 0, 2, 3, 4) for t in tensors], dim=3)
+    return _exchanged(x, group, u)  # (U head groups, B, n, sum h, D)
 
 
-def _lse_to_seq(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(B, h, U*n) -> (B, U*h, n), like ``heads_to_seq`` for the LSE."""
-    return heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group).squeeze(-1).transpose(1, 2)
+def _to_seq_finish(y: torch.Tensor, heads: Sequence[int]) -> list[torch.Tensor]:
+    """[(B, n, U*h_i, D)] from ``_to_seq_start``'s buffer, once its all-to-all is waited for."""
+    u, b, n, _, d = y.shape
+    starts = [sum(heads[:i]) for i in range(len(heads))]
+    return [y[:, :, :, s : s + h].permute(1, 2, 0, 3, 4).reshape(b, n, u * h, d)
+            for s, h in zip(starts, heads)]  # fmt: skip
+
+
+def _lse_as_tokens(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) -> (B, S, H, 1): the LSE in the layout the all-to-alls move."""
+    return lse.transpose(1, 2).unsqueeze(-1)
+
+
+def _lse_from_tokens(x: torch.Tensor) -> torch.Tensor:
+    return x.squeeze(-1).transpose(1, 2).contiguous()
+
+
+# ---- attention over this rank's heads --------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class HeadsPlan:
+    """The attention of one Ulysses rank over its heads of its Ulysses group's tokens: one
+    dense or varlen (packed documents, row 0) kernel call of ``problem`` (one ring rank, no block
+    mask), else the ring over the ring group (``ring``: base problem, plan, comm; one ring rank
+    with a block mask is the ring's single block-sparse call)."""
+
+    problem: AttentionProblem | None
+    ring: tuple[AttentionProblem, RingPlan, RingComm] | None
+
+    @property
+    def dense(self) -> bool:
+        """No packed documents and no block mask: a setup that recurs call after call."""
+        if self.problem is not None:
+            return self.problem.cu_seqlens_q is None
+        return dense_calls(self.ring[1])
+
+
+def heads_plan(
+    q_h: torch.Tensor,
+    k_h: torch.Tensor,
+    v_h: torch.Tensor,
+    mesh: UlyssesRingMesh,
+    *,
+    layout: str,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    alibi_slopes: torch.Tensor | None,
+    block_mask: object,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    deterministic: bool,
+) -> HeadsPlan:
+    """The plan of attention over q_h (B, U*n, hq/U, D), k_h/v_h (B, U*n, kv/U, D), whose values
+    it does not read (any tensors of those shapes, dtype and device); ``alibi_slopes``: this
+    rank's (B, hq/U); ``block_mask``: this rank's heads' view of a checked TileMask. The ranks
+    have been checked already."""
+    if mesh.ring_size == 1 and block_mask is None:
+        left, right = window_size
+        if cu_seqlens is None:
+            problem = cached_problem(q_h, k_h, v_h, None, None, 0, 0, softmax_scale, causal, left, right,
+                                     softcap, alibi_slopes, deterministic)  # fmt: skip
+            return HeadsPlan(problem, None)
+        # One ring rank: every layout is the natural token order.
+        doc_lens = document_lengths(cu_seqlens, q_h.shape[1], layout, 1)
+        cu, n = cumulative_lengths(doc_lens, q_h.device), max(doc_lens)
+        if alibi_slopes is not None:  # one slope per head, the same for every document
+            alibi_slopes = alibi_slopes[0].expand(len(doc_lens), -1)
+        problem = build_problem(
+            q_h[0], k_h[0], v_h[0], softmax_scale, causal, window_size, cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=n, max_seqlen_k=n, softcap=softcap, alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+        )  # fmt: skip
+        return HeadsPlan(problem, None)
+    if mesh.ring_size == 1:  # whole chunks of the mask's blocks whatever the layout's chunks
+        layout = "contiguous"
+    base, plan, comm, _ = ring_setup(
+        q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=None, deterministic=deterministic, group=mesh.ring_group,
+        layout=layout, cu_seqlens=cu_seqlens, check_ranks=False, block_mask=block_mask,
+    )  # fmt: skip
+    return HeadsPlan(None, (base, plan, comm))
+
+
+def heads_forward(
+    q_h: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor, plan: HeadsPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_h (B, U*n, hq/U, D), lse_h float32 (B, hq/U, U*n)) of ``plan``."""
+    if plan.problem is None:
+        _, ring, comm = plan.ring
+        return ring_forward(q_h, k_h.contiguous(), v_h.contiguous(), ring, comm)
+    if plan.problem.varlen:
+        out, lse = attention_forward(q_h[0], k_h[0], v_h[0], plan.problem)
+        return out[None], lse[None]
+    return attention_forward(q_h, k_h, v_h, plan.problem)
+
+
+def heads_backward(
+    dout_h: torch.Tensor,
+    q_h: torch.Tensor,
+    k_h: torch.Tensor,
+    v_h: torch.Tensor,
+    out_h: torch.Tensor,
+    lse_h: torch.Tensor,
+    plan: HeadsPlan,
+    dlse_h: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq_h, dk_h, dv_h) of ``heads_forward``; ``dlse_h``: the LSE's gradient, or None."""
+    if plan.problem is None:
+        base, ring, comm = plan.ring
+        return ring_backward(dout_h.contiguous(), q_h, k_h.contiguous(), v_h.contiguous(), out_h, lse_h, base,
+                             ring, comm, dlse=dlse_h)  # fmt: skip
+    if plan.problem.varlen:
+        row0 = [None if t is None else t[0] for t in (dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h)]
+        return tuple(g[None] for g in attention_gradients(*row0[:6], plan.problem, row0[6]))
+    return attention_gradients(dout_h, q_h, k_h, v_h, out_h, lse_h, plan.problem, dlse_h)
+
+
+# ---- the whole call ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class UlyssesPlan:
+    """What a Ulysses or hybrid call runs: its mesh, the caller's K/V heads and the K/V heads sent
+    (replicated up to one per Ulysses rank where there are fewer), the attention over this rank's
+    heads, and whether the LSE goes back to the token layout (a caller that returns it or applies
+    sinks to it)."""
+
+    mesh: UlyssesRingMesh
+    heads_k: int
+    kv_heads: int
+    heads: HeadsPlan
+    with_lse: bool = True
+
+
+def split_heads(qkv_h: torch.Tensor, heads_q: int) -> list[torch.Tensor]:
+    """q_h, k_h, v_h from ``seq_to_heads``'s (B, U*n, hq/U + 2 kv/U, D) result."""
+    hk = (qkv_h.shape[2] - heads_q) // 2
+    return list(torch.split(qkv_h, [heads_q, hk, hk], dim=2))
+
+
+def ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan) -> tuple:
+    """(out (B, n, Hq, D), qkv_h, out_h, lse_h[, lse (B, Hq, n) float32 where ``plan.with_lse``])
+    over local shards q (B, n, Hq, D), k/v (B, n, Hk, D); the head-layout tensors are what
+    ``ulysses_backward`` takes."""
+    mesh, u = plan.mesh, plan.mesh.ulysses_size
+    if plan.kv_heads != plan.heads_k:
+        rep = plan.kv_heads // plan.heads_k
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    qkv_h = seq_to_heads([q, k, v], mesh.ulysses_group, u)
+    out_h, lse_h = heads_forward(*split_heads(qkv_h, q.shape[2] // u), plan.heads)
+    out_buf, out_pending = _to_seq_start([out_h], mesh.ulysses_group, u)
+    if plan.with_lse:
+        lse_buf, lse_pending = _to_seq_start([_lse_as_tokens(lse_h)], mesh.ulysses_group, u)
+    out_pending.wait()
+    (out,) = _to_seq_finish(out_buf, [out_h.shape[2]])
+    if not plan.with_lse:
+        return out, qkv_h, out_h, lse_h
+    lse_pending.wait()
+    (lse,) = _to_seq_finish(lse_buf, [lse_h.shape[1]])
+    return out, qkv_h, out_h, lse_h, _lse_from_tokens(lse)
+
+
+def ulysses_backward(
+    dout: torch.Tensor,
+    qkv_h: torch.Tensor,
+    out_h: torch.Tensor,
+    lse_h: torch.Tensor,
+    plan: UlyssesPlan,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the local layout from dout (B, n, Hq, D) and the LSE's gradient dlse
+    (B, Hq, n) or None; the other tensors are ``ulysses_forward``'s."""
+    mesh, u = plan.mesh, plan.mesh.ulysses_size
+    dout_h = seq_to_heads([dout], mesh.ulysses_group, u)
+    dlse_h = None
+    if dlse is not None:  # (B, H, n) -> (B, H/U, U*n), as the LSE went the other way
+        dlse_h = _lse_from_tokens(seq_to_heads([_lse_as_tokens(dlse)], mesh.ulysses_group, u))
+    grads = heads_backward(dout_h, *split_heads(qkv_h, out_h.shape[2]), out_h, lse_h, plan.heads, dlse_h)
+    buf, pending = _to_seq_start(list(grads), mesh.ulysses_group, u)
+    pending.wait()
+    dq, dk, dv = _to_seq_finish(buf, [g.shape[2] for g in grads])
+    if plan.kv_heads != plan.heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
+        b, n, _, d = dk.shape
+        dk, dv = (g.reshape(b, n, plan.heads_k, -1, d).sum(3) for g in (dk, dv))
+    return dq, dk, dv
+
+
+# The Ulysses and hybrid modes' graphs by (plan, group), as the ring's (``ring.REPLAYS``).
+REPLAYS = ReplayCache()
+
+
+def ulysses_replays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan) -> Replays | None:
+    """The graphs of this plan where its calls replay (``graph_replay.replay_wanted``: dense
+    plans by default, as the ring's), else None."""
+    if not replay_wanted(q, k, v, dense=plan.heads.dense):
+        return None
+    return REPLAYS.get(plan, plan.mesh.ulysses_group, lambda: (
+        lambda q, k, v: ulysses_forward(q, k, v, plan),
+        lambda dout, qkv_h, out_h, lse_h: ulysses_backward(dout, qkv_h, out_h, lse_h, plan),
+    ))  # fmt: skip
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: UlyssesPlan):
+        replays = ulysses_replays(q, k, v, plan)
+        outs = ulysses_forward(q, k, v, plan) if replays is None else replays.forward(q, k, v)
+        out, qkv_h, out_h, lse_h, *lse = outs
+        ctx.save_for_backward(qkv_h, out_h, lse_h)
+        ctx.plan, ctx.replays = plan, replays
+        ctx.set_materialize_grads(False)
+        return out, lse[0] if lse else None
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qkv_h, out_h, lse_h = ctx.saved_tensors
+        if dout is None:  # only the LSE was used
+            b, un, h, d = out_h.shape
+            u = ctx.plan.mesh.ulysses_size
+            dout = out_h.new_zeros((b, un // u, u * h, d))
+        dout = dout.contiguous()
+        replay = backward_replay(ctx.replays, dlse)
+        if replay is not None:
+            dq, dk, dv = replay(dout, qkv_h, out_h, lse_h)
+        else:
+            dq, dk, dv = ulysses_backward(dout, qkv_h, out_h, lse_h, ctx.plan, dlse)
+        return dq, dk, dv, None
+
+
+def run_ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse or None where the plan has no LSE) of a planned call, differentiable in q, k, v."""
+    return _UlyssesAttention.apply(q, k, v, plan)
+
+
+# ---- validation and planning, once per call signature ------------------------------------------
+
+
+def check_ulysses_arguments(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    causal: object,
+    window_size: object,
+    alibi_slopes: object,
+    sinks: object,
+    cu_seqlens: object,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What a Ulysses or hybrid call must satisfy before its all-to-all: (alibi_slopes as float32
+    (batch, heads_q), checked sinks); raises ValueError/TypeError."""
+    check_window(causal, window_size)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, local_seqlen, heads, head_dim)")
+    alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got batch {q.shape[0]}")
+    return alibi_slopes, sinks
+
+
+def _placeholder(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` with t's dtype and device that holds no memory (planning reads shapes)."""
+    return t.new_empty((1,) * (len(shape) - 1) + (shape[-1],)).expand(shape)
+
+
+def ulysses_setup(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    sp_mode: str,
+    ulysses_size: int | None,
+    layout: str,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    block_mask: object,
+    with_lse: bool,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    deterministic: bool,
+    check_ranks: bool = True,
+    error: Exception | None = None,
+) -> tuple[UlyssesPlan, torch.Tensor | None]:
+    """Validate a Ulysses (``sp_mode="ulysses"``: U = the group's size) or hybrid call and plan
+    it: (plan, checked sinks). Built once per call signature (``SETUPS``); the ranks' check runs
+    on every call. ``with_lse``: the LSE goes back to the token layout. ``error``: an argument
+    error the caller found, raised after the ranks' check, which this rank still joins."""
+    block_mask, error = converted_block_mask(block_mask, error)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic, sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout,
+                   cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes, block_mask=block_mask,
+                   with_lse=with_lse)  # fmt: skip
+    key, resolved, hit = SETUPS.lookup(q, k, v, group, error, **options)
+    if hit is not None:  # built before for this signature; the ranks' check still runs
+        plan, digests = hit
+        try:
+            sinks = check_sinks(sinks, q.shape[2], q.device)
+        except (ValueError, TypeError) as e:
+            error = e
+        join_rank_check(resolved, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
+        return plan, sinks
+    checked_alibi = u = mask = None
+    try:
+        checked_alibi, sinks = check_ulysses_arguments(q, k, v, causal=causal, window_size=window_size,
+                                                       alibi_slopes=alibi_slopes, sinks=sinks,
+                                                       cu_seqlens=cu_seqlens)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        error = error or e
+    group = resolve_group_or_raise(group, error)
+    world = dist.get_world_size(group)
+    if error is None:
+        try:
+            u = mode_ulysses_size(sp_mode, ulysses_size, world)
+            kv_heads = kv_heads_for(q.shape[2], k.shape[2], u)
+            if block_mask is not None:
+                mask = check_block_mask(
+                    block_mask, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                    cu_seqlens=cu_seqlens, total=q.shape[1] * world, batch=q.shape[0], heads_q=q.shape[2],
+                    device=q.device,
+                )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            error = e
+    digests: dict = {}  # the check's memo, kept with the setup
+    join_rank_check(group, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
+    mesh = ulysses_ring_mesh(group, u)
+    j, per_rank = dist.get_rank(mesh.ulysses_group), q.shape[2] // u
+    heads = slice(j * per_rank, (j + 1) * per_rank)  # this rank's query heads after the all-to-all
+    if mask is not None and mask.heads > 1:
+        mask = heads_view(mask, heads.start, heads.stop)
+    if checked_alibi is not None:
+        checked_alibi = checked_alibi[:, heads].contiguous()
+    b, n, _, d = q.shape
+    q_h = _placeholder(q, (b, u * n, per_rank, d))
+    k_h = _placeholder(k, (b, u * n, kv_heads // u, d))
+    inner = heads_plan(
+        q_h, k_h, k_h, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=checked_alibi,
+        block_mask=mask, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        deterministic=deterministic,
+    )  # fmt: skip
+    plan = UlyssesPlan(mesh, k.shape[2], kv_heads, inner, with_lse)
+    weak = () if block_mask is None else (block_mask,)
+    SETUPS.put(key, (plan, digests), group, alibi_slopes, cu_seqlens, weak=weak)
+    return plan, sinks
+
+
+# Ulysses and hybrid setups by call signature (ulysses_setup).
+SETUPS = SetupCache()
 
 
 def whole_sequence_attention(
@@ -77,9 +457,9 @@ def whole_sequence_attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention over a whole sequence held by one rank, (batch, seqlen, heads,
-    head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1; with one
-    ring rank every layout is the natural token order). softcap, alibi_slopes ((heads,) or
-    (batch, heads)), sinks (heads,), deterministic: as in ``ring_flash_attn_func``."""
+    head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1). softcap,
+    alibi_slopes ((heads,) or (batch, heads)), sinks (heads,), deterministic: as in
+    ``ring_flash_attn_func``. (The module wrappers' one-device path.)"""
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    deterministic=deterministic)  # fmt: skip
     if doc_lens is None:
@@ -92,50 +472,3 @@ def whole_sequence_attention(
         q[0], k[0], v[0], cu, cu, n, n, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options
     )
     return out[None], lse[None]
-
-
-def _head_slice(x: torch.Tensor | None, mesh: UlyssesRingMesh) -> torch.Tensor | None:
-    """The query heads this rank holds after ``seq_to_heads`` (a contiguous run, by Ulysses rank)
-    of a per-head tensor (..., heads_q); differentiable, so a gradient scatters back to them."""
-    if x is None:
-        return None
-    per_rank = x.shape[-1] // mesh.ulysses_size
-    j = dist.get_rank(mesh.ulysses_group)
-    return x[..., j * per_rank : (j + 1) * per_rank]
-
-
-def mesh_attention(
-    q, k, v, mesh: UlyssesRingMesh, *, layout, cu_seqlens, alibi_slopes, sinks, block_mask=None,
-    with_lse=True, **options,
-):  # fmt: skip
-    """(out, lse) of Ulysses or hybrid attention over ``mesh`` (eager): the all-to-all to heads,
-    single-device attention or the ring across the ring group, the all-to-all back.
-    ``block_mask``: a checked TileMask over the full sequence (``block_masks.check_block_mask``);
-    each rank takes its query heads' part of it. ``with_lse=False``: lse is None (the sinks are
-    applied inside the attention, so only a caller returning the LSE needs its all-to-all)."""
-    u = mesh.ulysses_size
-    if block_mask is not None and block_mask.heads > 1:
-        per_rank = q.shape[2] // u
-        j = dist.get_rank(mesh.ulysses_group)
-        block_mask = heads_view(block_mask, j * per_rank, (j + 1) * per_rank)
-    kv_heads = _kv_heads_for(q.shape[2], k.shape[2], u)
-    if kv_heads != k.shape[2]:
-        rep = kv_heads // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    alibi_slopes, sinks = _head_slice(alibi_slopes, mesh), _head_slice(sinks, mesh)
-    q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group)
-    if mesh.ring_size == 1 and block_mask is not None:  # one ring rank: the natural token order
-        out, lse = flash_attn_func(q, k, v, sinks=sinks, return_lse=True, block_mask=block_mask, **options)
-    elif mesh.ring_size == 1:
-        doc_lens = None
-        if cu_seqlens is not None:
-            doc_lens = document_lengths(cu_seqlens, q.shape[1], layout, 1)
-        out, lse = whole_sequence_attention(
-            q, k, v, doc_lens=doc_lens, alibi_slopes=alibi_slopes, sinks=sinks, **options
-        )
-    else:
-        out, lse = ring_attention(
-            q, k, v, group=mesh.ring_group, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
-            sinks=sinks, check_ranks=False, block_mask=block_mask, **options,
-        )  # fmt: skip
-    return heads_to_seq(out, mesh.ulysses_group), _lse_to_seq(lse, mesh.ulysses_group) if with_lse else None

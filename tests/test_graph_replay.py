@@ -1,4 +1,4 @@
-"""The ring's and the all-gather mode's calls replayed from the graphs ringflash captures itself
+"""The ring's, the all-gather mode's and Ulysses' calls replayed from the graphs ringflash captures itself
 (``graph_replay.py``, on by default for dense setups): when they replay, that the replay equals an
 eager call on the same inputs, that layers sharing a setup (and so its graphs) get their own
 results, and that no graph holds an NCCL operation (a group is destroyed with the graphs alive)."""
@@ -15,9 +15,10 @@ import torch
 from distributed import worker_device
 
 import ringflash
-from ringflash import allgather, graph_replay, ring
+from ringflash import allgather, graph_replay, ring, ulysses
 from ringflash.graph_replay import MAX_REPLAY_BYTES, GraphReplay, ReplayCache, Replays, replay_wanted
 from ringflash.kernels.tile_mask import TileMask
+from ringflash.mesh import ulysses_ring_mesh
 
 ON = {"RINGFLASH_RING_GRAPHS": "1"}
 OFF = {"RINGFLASH_RING_GRAPHS": "0"}
@@ -280,17 +281,35 @@ def _variant_call(variant: str, total: int, dev: torch.device):
     if variant == "allgather_sinks":
         sinks = torch.linspace(-1.0, 2.0, heads, device=dev)
         return lambda q, k, v: ringflash.sp_attn_func(q, k, v, sinks=sinks, **gather)
+    if variant == "ulysses_zigzag":
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses")
+    if variant == "ulysses_contiguous":  # DeepSpeed-Ulysses' own entry
+        return lambda q, k, v: ringflash.ulysses_attn_func(q, k, v, causal=True)
+    if variant == "ulysses_alibi":
+        slopes = torch.linspace(0.01, 0.3, heads, device=dev)
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, alibi_slopes=slopes, sp_mode="ulysses")
+    if variant == "ulysses_packed":
+        cu = [0, total // 4, total]
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses", cu_seqlens=cu)
+    if variant == "ulysses_block_mask":
+        mask = TileMask.from_mask_mod(_prefix_window, 1, 1, total, total, device=dev)
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, block_mask=mask, sp_mode="ulysses")
+    if variant == "ulysses_sinks":
+        sinks = torch.linspace(-1.0, 2.0, heads, device=dev)
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, causal=True, sinks=sinks, sp_mode="ulysses")
+    if variant == "hybrid_ring":  # Ulysses groups of one: the ring inside the Ulysses engine
+        return lambda q, k, v: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="hybrid", ulysses_size=1)
     raise AssertionError(variant)
 
 
 def _clear_replays() -> None:
     """The pool's ranks outlive a test: only this test's setups."""
-    ring.REPLAYS.clear()
-    allgather.REPLAYS.clear()
+    for mode in (ring, allgather, ulysses):
+        mode.REPLAYS.clear()
 
 
 def _replays() -> list[Replays]:
-    return [*ring.REPLAYS.entries.values(), *allgather.REPLAYS.entries.values()]
+    return [r for mode in (ring, allgather, ulysses) for r in mode.REPLAYS.entries.values()]
 
 
 def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"):
@@ -342,7 +361,7 @@ def test_ring_replays_equal_eager_calls_on_gpus(rank_pool):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("variant", ["zigzag", "allgather_zigzag"])
+@pytest.mark.parametrize("variant", ["zigzag", "allgather_zigzag", "ulysses_zigzag"])
 def test_replays_follow_alternating_shapes(rank_pool, variant):
     """Two shard lengths in turn: each its own setup and graphs, every call equal to eager."""
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 1, (512, 768), variant):
@@ -354,19 +373,21 @@ def test_replays_follow_alternating_shapes(rank_pool, variant):
 @pytest.mark.parametrize(
     "variant",
     ["contiguous", "stripe", "window_softcap", "alibi", "packed", "block_mask", "sinks", "allgather_zigzag",
-     "allgather_contiguous", "allgather_strides", "allgather_packed", "allgather_sinks"],
+     "allgather_contiguous", "allgather_strides", "allgather_packed", "allgather_sinks", "ulysses_zigzag",
+     "ulysses_contiguous", "ulysses_alibi", "ulysses_packed", "ulysses_block_mask", "ulysses_sinks",
+     "hybrid_ring"],
 )  # fmt: skip
 def test_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
     """Each layout and each option that shapes the plan replays as its eager call runs, in the
-    ring and in the all-gather mode; with sinks the LSE's gradient takes the eager backward, so
-    only the forward is captured."""
+    ring, the all-gather mode and Ulysses; with sinks the LSE's gradient takes the eager
+    backward, so only the forward is captured."""
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 2, (512,), variant):
         assert worst < 2e-2
         assert graphs == [(True, not variant.endswith("sinks"))]
 
 
 def _destroy_with_graphs_alive_on_rank():
-    """The ring and the all-gather mode replayed over a group of their own, then the group
+    """The ring, the all-gather mode and Ulysses replayed over a group of their own, then the group
     destroyed with the graphs still held: NCCL's shutdown would wait forever for a graph that
     captured one of its operations (PyTorch #115388, what whole-call graphs did), so this also
     shows that none did."""
@@ -377,16 +398,22 @@ def _destroy_with_graphs_alive_on_rank():
         ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
     for _ in range(3):
         ringflash.sp_attn_func(q, k, v, causal=True, group=group, sp_mode="allgather")
-    captured = [any(r.group is group and r.forward.captured is not None for r in c.entries.values())
-                for c in (ring.REPLAYS, allgather.REPLAYS)]  # fmt: skip
-    torch.distributed.destroy_process_group(group)
-    _clear_replays()  # no entry keeps the destroyed group
+    for _ in range(3):
+        ringflash.sp_attn_func(q, k, v, causal=True, group=group, sp_mode="ulysses")
+    # Ulysses' all-to-alls run over the Ulysses group of the group's mesh (the same ranks).
+    mesh = ulysses_ring_mesh(group, 2)
+    groups = {id(g): g for g in (group, mesh.ulysses_group, mesh.ring_group)}
+    captured = [any(id(r.group) in groups and r.forward.captured is not None for r in c.entries.values())
+                for c in (ring.REPLAYS, allgather.REPLAYS, ulysses.REPLAYS)]  # fmt: skip
+    for g in groups.values():
+        torch.distributed.destroy_process_group(g)
+    _clear_replays()  # no entry keeps the destroyed groups
     return captured
 
 
 @pytest.mark.multigpu
 def test_group_destroyed_with_the_graphs_alive(rank_pool):
-    assert rank_pool(2).run(_destroy_with_graphs_alive_on_rank, timeout=120) == [[True, True]] * 2
+    assert rank_pool(2).run(_destroy_with_graphs_alive_on_rank, timeout=120) == [[True, True, True]] * 2
 
 
 def _mixed_states_on_rank(seed: int, mode: str):
@@ -415,7 +442,7 @@ def _mixed_states_on_rank(seed: int, mode: str):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
 def test_a_replaying_rank_pairs_with_an_eager_one(rank_pool, mode):
     (worst0, captured0), (worst1, captured1) = rank_pool(2).run(_mixed_states_on_rank, 3, mode)
     assert worst0 < 2e-2 and worst1 < 2e-2

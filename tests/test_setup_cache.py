@@ -43,7 +43,8 @@ def _ulysses_op_builds():
     """Problems built by a second and third Ulysses fwd+bwd of one signature through its custom
     op (the path torch.compile takes): its whole-sequence problem comes from kernels/plans.py's
     cache, as the eager path's does, so its launches get bound too."""
-    from ringflash import ops, sp_functions
+    from ringflash import sp_functions
+    from ringflash import ulysses as ops
     from ringflash.kernels.plans import problem_builds
 
     shape = dict(heads=4, head_dim=24)  # a signature no other test of the pool's ranks uses
@@ -63,6 +64,28 @@ def _ulysses_op_builds():
 
 def test_ulysses_op_builds_its_problem_once(rank_pool):
     assert rank_pool(2).run(_ulysses_op_builds) == [0, 0]
+
+
+def _ulysses_builds():
+    """Setups built by repeated eager Ulysses calls (fwd+bwd) of one signature, then of another
+    option, and whether a repeat on other values computes anew."""
+    from ringflash import ulysses
+
+    shape = dict(heads=4, head_dim=40)  # a signature no other test of the pool's ranks uses
+    outs, builds = [], []
+    for seed, causal in ((0, True), (1, True), (0, True), (0, False)):
+        q, k, v = (t.requires_grad_() for t in _qkv(8, seed, **shape))
+        out = ringflash.sp_attn_func(q, k, v, causal=causal, sp_mode="ulysses")
+        out.sum().backward()
+        outs.append(out.detach())
+        builds.append(ulysses.SETUPS.builds)
+    return [b - builds[0] for b in builds], torch.equal(outs[0], outs[2]), torch.equal(outs[0], outs[1])
+
+
+def test_ulysses_same_signature_builds_one_setup(rank_pool):
+    for builds, repeat_equal, other_equal in rank_pool(2).run(_ulysses_builds):
+        assert builds == [0, 0, 0, 1]
+        assert repeat_equal and not other_equal
 
 
 def _caches_differ():
@@ -92,7 +115,7 @@ def test_ranks_with_different_caches_all_raise(rank_pool, world):
 def _memoized_checks():
     """A cached setup's calls take the check's digest from its memo (no signature built); what
     the memo is keyed by (gradients flowing, sinks) still makes disagreeing ranks raise, in the
-    ring and in the all-gather mode, after both ranks cached the setup."""
+    ring, the all-gather mode and Ulysses, after both ranks cached the setup."""
     from unittest import mock
 
     from ringflash import consistency
@@ -105,11 +128,12 @@ def _memoized_checks():
     counting = lambda *a, **kw: built.append(1) or real(*a, **kw)  # noqa: E731
     ring_call = lambda **kw: ringflash.ring_flash_attn_func(q, k, v, causal=True, **kw)  # noqa: E731
     gather_call = lambda **kw: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="allgather", **kw)  # noqa: E731
+    ulysses_call = lambda **kw: ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses", **kw)  # noqa: E731
     grads = [t.detach().requires_grad_(rank == 0) for t in (q, k, v)]
     sinks = torch.zeros(2, device=device) if rank == 0 else None
     signatures = {}
     with mock.patch.object(consistency, "call_signature", counting):
-        for name, call in (("ring", ring_call), ("allgather", gather_call)):
+        for name, call in (("ring", ring_call), ("allgather", gather_call), ("ulysses", ulysses_call)):
             for _ in range(2):  # the setup, then its memo
                 call()
             built.clear()
@@ -119,6 +143,7 @@ def _memoized_checks():
             "grad on rank 0 only": lambda: ringflash.ring_flash_attn_func(*grads, causal=True),
             "sinks on rank 0 only": lambda: ring_call(sinks=sinks),
             "allgather sinks on rank 0 only": lambda: gather_call(sinks=sinks),
+            "ulysses sinks on rank 0 only": lambda: ulysses_call(sinks=sinks),
             "ring again": ring_call,
         })  # fmt: skip
     return signatures, errors
@@ -126,9 +151,10 @@ def _memoized_checks():
 
 def test_cached_calls_check_their_memoized_digest(rank_pool):
     for signatures, errors in rank_pool(2).run(_memoized_checks, timeout=120):
-        assert signatures == {"ring": 0, "allgather": 0}
+        assert signatures == {"ring": 0, "allgather": 0, "ulysses": 0}
         assert "grad: rank 0: True, rank 1: False" in errors["grad on rank 0 only"]
-        for name in ("sinks on rank 0 only", "allgather sinks on rank 0 only"):
+        for name in ("sinks on rank 0 only", "allgather sinks on rank 0 only",
+                     "ulysses sinks on rank 0 only"):  # fmt: skip
             assert "sinks: rank 0: ('tensor', (2,), 'float32'), rank 1: None" in errors[name], errors[name]
         assert errors["ring again"] is None
 

@@ -103,10 +103,10 @@ def _all_to_alls(ulysses: int, return_lse: bool):
     """(all-to-alls in the forward, out, dq) of one call on 4 ranks."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 8, 4, 16, generator=g).to(worker_device()).requires_grad_() for _ in range(3))
-    real, shapes = ulysses_engine.all_to_all, []
-    counting = lambda x, group: shapes.append(x.shape) or real(x, group)  # noqa: E731
+    real, shapes = ulysses_engine.all_to_all_async, []
+    counting = lambda out, x, group, u: shapes.append(x.shape) or real(out, x, group, u)  # noqa: E731
     mode = "ulysses" if ulysses == 4 else "hybrid"
-    with mock.patch.object(ulysses_engine, "all_to_all", side_effect=counting):
+    with mock.patch.object(ulysses_engine, "all_to_all_async", side_effect=counting):
         res = ringflash.sp_attn_func(
             q, k, v, causal=True, sp_mode=mode, ulysses_size=ulysses, return_lse=return_lse
         )
@@ -117,8 +117,8 @@ def _all_to_alls(ulysses: int, return_lse: bool):
 
 @pytest.mark.parametrize("ulysses", [4, 2])
 def test_lse_crosses_back_only_when_returned(rank_pool, ulysses):
-    """The LSE's all-to-all runs only for a caller that asks for the LSE (the sinks are applied
-    inside the attention); the results do not change."""
+    """The LSE's all-to-all runs only for a caller that asks for the LSE (or passes sinks, which
+    are applied to it); the results do not change."""
     without = rank_pool(4).run(_all_to_alls, ulysses, False)
     with_lse = rank_pool(4).run(_all_to_alls, ulysses, True)
     for (n0, out0, dq0), (n1, out1, dq1) in zip(without, with_lse):
