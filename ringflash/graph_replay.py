@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import threading
 import warnings
@@ -93,11 +94,13 @@ class Deferred:
     """What ``host_call`` returns inside a capture: the value ``fn()`` will have in a replay."""
 
     def __init__(self, capture: _Capture) -> None:
-        self._capture = capture
+        # Weak: the capture's steps hold this, and a cycle would leave the capture's graphs to
+        # Python's cyclic collector, which could destroy them in the middle of a later capture.
+        self._capture = weakref.ref(capture)
         self.value: object = None
 
     def wait(self) -> None:
-        self._capture.host_step(lambda: self.value.wait())
+        self._capture().host_step(lambda: self.value.wait())
 
 
 class _Capture:
@@ -151,7 +154,12 @@ def capture(fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> tuple[_Capt
     torch.cuda.synchronize()  # nothing of earlier calls in flight while the capture starts
     recording = _Capture()
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), contextlib.ExitStack() as restore:
+        # No cyclic garbage collection inside the capture: garbage holding another capture's graphs
+        # would destroy them there (suspected in a capture that failed, docs/experiments.md §76).
+        if gc.isenabled():
+            gc.disable()
+            restore.callback(gc.enable)
         recording.begin()
         _ACTIVE.capture = recording
         try:

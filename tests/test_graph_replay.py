@@ -130,6 +130,32 @@ def test_transfers_stay_out_of_the_graphs_and_run_at_their_place_in_each_replay(
     assert len(recording.graphs) == 5  # the empty ones kept: their pool must outlive the capture
 
 
+def test_a_capture_is_freed_when_dropped_and_collects_no_garbage_inside():
+    """A capture's host steps do not keep it alive in a reference cycle (its graphs would wait for
+    Python's cyclic collector, which may run inside a later capture and destroy them there), and
+    no cyclic collection runs during a capture."""
+    import gc
+
+    log, collecting = [], []
+
+    def fn(x):
+        collecting.append(gc.isenabled())
+        graph_replay.host_call(lambda: None).wait()
+        log.append("kernel")
+        return (x,)
+
+    with _fake_cuda(log):
+        recording, _ = graph_replay.capture(fn, ["x"])
+    assert collecting == [False] and gc.isenabled()
+    alive = weakref.ref(recording)
+    gc.disable()
+    try:
+        del recording
+        assert alive() is None  # freed by its reference count, no collector needed
+    finally:
+        gc.enable()
+
+
 def test_a_failed_capture_ends_the_capture_and_raises_the_first_error():
     log = []
 
