@@ -342,6 +342,11 @@ def check_ulysses_arguments(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, local_seqlen, heads, head_dim)")
+    if k.shape[:2] != q.shape[:2] or v.shape != k.shape:
+        raise ValueError(
+            "Ulysses needs q, k and v shards of the same batch and local length, and k and v of one shape, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     if cu_seqlens is not None and q.shape[0] != 1:
@@ -426,9 +431,9 @@ def ulysses_setup(
         checked_alibi = checked_alibi[:, heads].contiguous()
     b, n, _, d = q.shape
     q_h = _placeholder(q, (b, u * n, per_rank, d))
-    k_h = _placeholder(k, (b, u * n, kv_heads // u, d))
+    k_h, v_h = (_placeholder(t, (b, u * n, kv_heads // u, t.shape[3])) for t in (k, v))
     inner = heads_plan(
-        q_h, k_h, k_h, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=checked_alibi,
+        q_h, k_h, v_h, mesh, layout=layout, cu_seqlens=cu_seqlens, alibi_slopes=checked_alibi,
         block_mask=mask, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         deterministic=deterministic,
     )  # fmt: skip

@@ -139,6 +139,9 @@ def _bad_calls():
             # a ulysses_size that contradicts sp_mode (shards cut for another U) is not ignored
             "ring_size": lambda: ringflash.sp_attn_func(q4, q4, q4, sp_mode="ring", ulysses_size=2),
             "ulysses_size": lambda: ringflash.sp_attn_func(q4, q4, q4, sp_mode="ulysses", ulysses_size=1),
+            "v_shape": lambda: ringflash.sp_attn_func(q4, q4, q4[..., :8], sp_mode="ulysses"),
+            "k_length": lambda: ringflash.sp_attn_func(q4, q4[:, :4], q4[:, :4], sp_mode="ulysses"),
+            "head_dim": lambda: ringflash.sp_attn_func(q4, q4[..., :8], q4[..., :8], sp_mode="ulysses"),
         }
     )
 
@@ -151,6 +154,9 @@ def test_sp_attn_bad_inputs(rank_pool):
     assert "needs ulysses_size" in errors["missing"]
     assert 'ulysses_size=2 contradicts sp_mode="ring"' in errors["ring_size"]
     assert 'ulysses_size=1 contradicts sp_mode="ulysses"' in errors["ulysses_size"]
+    for name in ("v_shape", "k_length"):
+        assert "same batch and local length, and k and v of one shape" in errors[name], errors[name]
+    assert "head_dim" in errors["head_dim"], errors["head_dim"]
 
 
 def test_hybrid_layout_indices_cover_sequence():
