@@ -1,13 +1,14 @@
 """Replaying a function of fixed-shape CUDA tensors from CUDA graphs the library captures itself.
 
-An eager ring or all-gather call issues tens of kernel launches and NCCL calls from Python: about
+An eager sequence-parallel call issues tens of kernel launches and NCCL calls from Python: about
 2 ms of host time per forward+backward on two ranks, which the device outruns below ~8K tokens
 per rank (docs/experiments.md §69, §70). A cached setup runs the same kernels and transfers on
 every call, so its forward and its backward can each be captured once and replayed: a call
 copies its inputs into static buffers, replays, and copies the outputs out. The copies are what
 makes it safe for layers that share a setup (and so its graphs): nothing a later replay
 overwrites is handed to the caller. ``ReplayCache`` holds them by setup: the ring's
-(``ring.REPLAYS``) and the all-gather mode's (``allgather.REPLAYS``).
+(``ring.REPLAYS``), the all-gather mode's (``allgather.REPLAYS``) and Ulysses' and the hybrid's
+(``ulysses.REPLAYS``).
 
 ``GraphReplay(fn)`` runs ``fn`` eagerly on its first call (which compiles the kernels and sets up
 NCCL's communicator), captures it on its second and replays it from then on.

@@ -81,5 +81,6 @@ def ulysses_ring_mesh(group: dist.ProcessGroup | None, ulysses_size: int) -> Uly
         ulysses_size=u,
         ring_size=len(ranks) // u,
     )
-    _MESHES[key] = (weakref.ref(group), mesh)
+    drop = lambda _ref, key=key: _MESHES.pop(key, None)  # noqa: E731 (the group is gone: so is its entry)
+    _MESHES[key] = (weakref.ref(group, drop), mesh)
     return mesh
