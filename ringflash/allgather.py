@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .block_masks import MaskedCall, check_block_mask, converted_block_mask, dense_calls, gathered_keys_mask
 from .comm import all_gather_async, reduce_scatter_async, resolve_group_or_raise
-from .consistency import join_rank_check
+from .consistency import join_cached_rank_check, join_rank_check
 from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
 from .kernels import (
     AttentionProblem,
@@ -402,12 +402,9 @@ def layout_setup(
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, heads_k_stride=heads_k_stride, **options)
     if hit is not None:  # built before for this signature; the ranks' check still runs
         (base, plan, digests), group = hit, resolved
-        try:
-            sinks = check_sinks(sinks, base.heads_q, q.device)
-        except (ValueError, TypeError) as e:
-            error = e
-        join_rank_check(group, check_ranks, error, q, k, v, digests=digests, sinks=sinks,
-                        heads_k_stride=heads_k_stride, sp_mode="allgather", **options)  # fmt: skip
+        sinks = join_cached_rank_check(group, check_ranks, q, k, v, heads_q=base.heads_q, digests=digests,
+                                       sinks=sinks, heads_k_stride=heads_k_stride, sp_mode="allgather",
+                                       **options)  # fmt: skip
         return base, plan, group, sinks
     stride = view = None
     shard_options = {n: x for n, x in options.items() if n != "block_mask"}

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import host_all_gather_object, host_values_agree
+from .kernels.merge import check_sinks
 from .kernels.problem import cu_seqlens_host
 from .kernels.tile_mask import TileMask
 from .layouts import ChunkLayout
@@ -149,3 +150,20 @@ def join_rank_check(
     if digest is None:
         digest = digests[memo] = _digest(call_signature(q, k, v, **options))
     _agree_or_raise(group, digest, lambda: call_signature(q, k, v, **options))
+
+
+def join_cached_rank_check(
+    group: dist.ProcessGroup, check_ranks: bool, q: object, k: object, v: object, *, heads_q: int,
+    digests: dict, sinks: object, **options: object,
+) -> torch.Tensor | None:  # fmt: skip
+    """The ranks' check of a call that found its setup cached (``join_rank_check`` from the
+    setup's ``digests``), after checking ``sinks`` (heads_q,), the one argument outside a setup's
+    key (a parameter that changes every step); returns the checked sinks. A sinks error is
+    raised after the check, which this rank still joins."""
+    error = None
+    try:
+        sinks = check_sinks(sinks, heads_q, q.device)
+    except (ValueError, TypeError) as e:
+        error = e
+    join_rank_check(group, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
+    return sinks

@@ -9,11 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import check_sinks
+from .kernels import check_sinks, flash_attn_func, flash_attn_varlen_func
 from .kernels.problem import check_alibi_slopes
-from .layouts import ChunkLayout, check_layout, document_lengths
+from .layouts import ChunkLayout, check_layout, cumulative_lengths, document_lengths
 from .sp_functions import check_sp_mode, sp_attn_func
-from .ulysses import whole_sequence_attention
 
 
 class SequenceParallelAttention(nn.Module):
@@ -112,6 +111,38 @@ def sequence_parallel_attention(
         alibi_slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     return whole_sequence_attention(q, k, v, doc_lens=doc_lens, sinks=sinks, **options)[0]
+
+
+def whole_sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    doc_lens: tuple[int, ...] | None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention over a whole sequence held by one rank, (batch, seqlen, heads,
+    head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1). softcap,
+    alibi_slopes ((heads,) or (batch, heads)), sinks (heads,), deterministic: as in
+    ``ring_flash_attn_func``. (The module wrappers' one-device path.)"""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic)  # fmt: skip
+    if doc_lens is None:
+        return flash_attn_func(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options)
+    cu = cumulative_lengths(doc_lens, q.device)
+    n = max(doc_lens)
+    if alibi_slopes is not None:  # one slope per head, the same for every document
+        alibi_slopes = alibi_slopes.reshape(-1, alibi_slopes.shape[-1])[0].expand(len(doc_lens), -1)
+    out, lse = flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, n, n, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options
+    )
+    return out[None], lse[None]
 
 
 def _rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .block_masks import MaskedCall, check_block_mask, converted_block_mask, dense_calls, ring_step_masks
 from .comm import RingComm, resolve_group_or_raise
-from .consistency import join_rank_check
+from .consistency import join_cached_rank_check, join_rank_check
 from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
 from .kernels import (
     AttentionProblem,
@@ -414,11 +414,8 @@ def ring_setup(
     if hit is not None:
         base, plan, rank, world_size, digests = hit
         comm = RingComm.known(resolved, rank, world_size)
-        try:
-            sinks = check_sinks(sinks, base.heads_q, q.device)
-        except (ValueError, TypeError) as e:
-            error = e
-        join_rank_check(comm.group, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
+        sinks = join_cached_rank_check(comm.group, check_ranks, q, k, v, heads_q=base.heads_q,
+                                       digests=digests, sinks=sinks, **options)  # fmt: skip
         return base, plan, comm, sinks
     shard_options = {n: x for n, x in options.items() if n != "block_mask"}
     try:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
 from .block_masks import check_block_mask, converted_block_mask, dense_calls, heads_view
 from .comm import RingComm, all_to_all_async, resolve_group_or_raise
-from .consistency import join_rank_check
+from .consistency import join_cached_rank_check, join_rank_check
 from .graph_replay import ReplayCache, Replays, backward_replay, replay_wanted
 from .kernels import (
     AttentionProblem,
@@ -32,8 +33,6 @@ from .kernels import (
     build_problem,
     check_sinks,
     check_window,
-    flash_attn_func,
-    flash_attn_varlen_func,
 )
 from .kernels.plans import cached_problem
 from .kernels.problem import check_alibi_slopes
@@ -114,7 +113,7 @@ class HeadsPlan:
     problem: AttentionProblem | None
     ring: tuple[AttentionProblem, RingPlan, RingComm] | None
 
-    @property
+    @cached_property  # decided once per plan (a frozen dataclass keeps a __dict__ for it)
     def dense(self) -> bool:
         """No packed documents and no block mask: a setup that recurs call after call."""
         if self.problem is not None:
@@ -393,11 +392,8 @@ def ulysses_setup(
     key, resolved, hit = SETUPS.lookup(q, k, v, group, error, **options)
     if hit is not None:  # built before for this signature; the ranks' check still runs
         plan, digests = hit
-        try:
-            sinks = check_sinks(sinks, q.shape[2], q.device)
-        except (ValueError, TypeError) as e:
-            error = e
-        join_rank_check(resolved, check_ranks, error, q, k, v, digests=digests, sinks=sinks, **options)
+        sinks = join_cached_rank_check(resolved, check_ranks, q, k, v, heads_q=q.shape[2], digests=digests,
+                                       sinks=sinks, **options)  # fmt: skip
         return plan, sinks
     checked_alibi = u = mask = None
     try:
@@ -445,35 +441,3 @@ def ulysses_setup(
 
 # Ulysses and hybrid setups by call signature (ulysses_setup).
 SETUPS = SetupCache()
-
-
-def whole_sequence_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    softmax_scale: float | None,
-    causal: bool,
-    window_size: tuple[int, int],
-    doc_lens: tuple[int, ...] | None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention over a whole sequence held by one rank, (batch, seqlen, heads,
-    head_dim): dense, or varlen over packed documents of lengths ``doc_lens`` (batch 1). softcap,
-    alibi_slopes ((heads,) or (batch, heads)), sinks (heads,), deterministic: as in
-    ``ring_flash_attn_func``. (The module wrappers' one-device path.)"""
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                   deterministic=deterministic)  # fmt: skip
-    if doc_lens is None:
-        return flash_attn_func(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options)
-    cu = cumulative_lengths(doc_lens, q.device)
-    n = max(doc_lens)
-    if alibi_slopes is not None:  # one slope per head, the same for every document
-        alibi_slopes = alibi_slopes.reshape(-1, alibi_slopes.shape[-1])[0].expand(len(doc_lens), -1)
-    out, lse = flash_attn_varlen_func(
-        q[0], k[0], v[0], cu, cu, n, n, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **options
-    )
-    return out[None], lse[None]
