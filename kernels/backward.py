@@ -568,7 +568,7 @@ def attention_backward(
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
     )  # fmt: skip
-    cfg = backward_kv_config(problem.head_dim, q.dtype == torch.float32)
+    cfg = backward_kv_config(problem.head_dim, q.dtype == torch.float32, problem.max_seqlens)
     grid, packed_docs = tile_grid(
         problem.max_seqlen_k, problem.heads_k, problem.batch, cfg.block_n, k.shape[0] if vl else None
     )
@@ -581,7 +581,7 @@ def attention_backward(
             *lse_strides(lse, vl), *scalars, packed_docs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    cfg = backward_q_config(problem.head_dim, q.dtype == torch.float32)
+    cfg = backward_q_config(problem.head_dim, q.dtype == torch.float32, problem.max_seqlens)
     grid, packed_docs = tile_grid(
         problem.max_seqlen_q, problem.heads_q, problem.batch, cfg.block_m, q.shape[0] if vl else None
     )

@@ -301,7 +301,7 @@ def sparse_forward(
     if fused is not None and fused.sparse_supports(problem, mask):
         fused.fused_forward(q, k, v, problem, out, lse, mask_lists=(tensors, strides))
         return out, lse
-    cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32)
+    cfg = sparse_forward_config(problem.head_dim, q.dtype == torch.float32, problem.max_seqlens)
     grid = (_listed_tiles(mask.kv_count, mask.block_q, cfg.block_m), problem.heads_q, problem.batch)
     launch(
         _sparse_fwd_kernel, grid, q, k, v, out, lse, alibi_tensor(problem), *tensors, mask.kv_order,
@@ -371,7 +371,7 @@ def sparse_gradients(
     tail = (problem.max_seqlen_q, problem.max_seqlen_k, problem.softmax_scale, *scales,
             problem.q_positions.start)  # fmt: skip
     if compute_dkdv:
-        cfg = sparse_kv_config(problem.head_dim, fp32)
+        cfg = sparse_kv_config(problem.head_dim, fp32, problem.max_seqlens)
         tensors, strides = _mask_args(mask, "q")
         launch(
             _sparse_dkdv_kernel,
@@ -382,7 +382,7 @@ def sparse_gradients(
             BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if compute_dq:
-        cfg = sparse_dq_config(problem.head_dim, fp32)
+        cfg = sparse_dq_config(problem.head_dim, fp32, problem.max_seqlens)
         tensors, strides = _mask_args(mask, "kv")
         launch(
             _sparse_dq_kernel,

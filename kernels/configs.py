@@ -64,11 +64,6 @@ class TileConfig:
         return cfg
 
 
-# The interpreter runs tiles as numpy ops: small tiles keep CPU tests quick and make short
-# sequences span several tiles, so boundary and masking paths are exercised.
-_INTERPRET_CONFIG = TileConfig(16, 16, 4, 1)
-
-
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1): ``triton.next_power_of_2``'s value without
     its constexpr-function wrapper, which costs microseconds per call on the host."""
@@ -80,6 +75,22 @@ def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def interpreter_tile_rows(seqlen: int) -> int:
+    """Rows of a tile over a sequence of ``seqlen`` under the interpreter: an eighth of it (its
+    next power of two), 16 to 64. The interpreter runs every tile op as numpy calls of about one
+    fixed cost, so the time goes with the number of tiles: short sequences (the kernel tests')
+    still span several 16-row tiles, so boundary and masking paths run, and long ones (the
+    model-level tests', 512 tokens and up) take 8 or more 64-row tiles, not 32 or more 16-row
+    ones (a Gemma-3 sequence-parallel step on gloo: 82 s against 18 s, 2026-11-30)."""
+    return min(64, max(16, next_power_of_2(seqlen) // 8))
+
+
+# Each table below takes (head_dim, fp32, seqlens): seqlens, the problem's (max_seqlen_q,
+# max_seqlen_k), sizes the tiles under the interpreter only.
+def _interpret_config(seqlens: tuple[int, int]) -> TileConfig:
+    return TileConfig(interpreter_tile_rows(seqlens[0]), interpreter_tile_rows(seqlens[1]), 4, 1)
+
+
 def _shrink_for_fp32(cfg: TileConfig, head_dim: int) -> TileConfig:
     """float32 tiles take twice the shared memory of the bf16-tuned ones: halve and stage less.
     fp32 runs are for exactness (CPU tests, references), not speed."""
@@ -88,9 +99,9 @@ def _shrink_for_fp32(cfg: TileConfig, head_dim: int) -> TileConfig:
     return TileConfig(min(cfg.block_m, 64), min(cfg.block_n, 64), 4, 2)
 
 
-def forward_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def forward_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     if INTERPRET:
-        return _INTERPRET_CONFIG
+        return _interpret_config(seqlens)
     if head_dim <= 64:
         cfg = TileConfig(128, 64, 8, 3)
     elif head_dim <= 128:
@@ -100,10 +111,10 @@ def forward_config(head_dim: int, fp32: bool = False) -> TileConfig:
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def backward_kv_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     """dK/dV kernel: block_n keys stay resident, block_m query rows stream past."""
     if INTERPRET:
-        return _INTERPRET_CONFIG
+        return _interpret_config(seqlens)
     if head_dim <= 64:
         # Not (64, 128, 4, 2), an earlier sweep's causal pick: four warps holding two 128x64
         # float32 accumulators spill registers; it ran at 70-120 TFLOP/s in every shape probed
@@ -118,10 +129,10 @@ def backward_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
 
-def backward_q_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def backward_q_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     """dQ kernel: block_m queries stay resident, block_n key rows stream past."""
     if INTERPRET:
-        return _INTERPRET_CONFIG
+        return _interpret_config(seqlens)
     cfg = TileConfig(128, 64, 8, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 3)
     return _shrink_for_fp32(cfg, head_dim) if fp32 else cfg
 
@@ -129,26 +140,26 @@ def backward_q_config(head_dim: int, fp32: bool = False) -> TileConfig:
 # The block-sparse dQ and dK/dV kernels (block_sparse.py) walk listed blocks, where the dense picks
 # above ran 13-26% slower than these (H200, bf16, 65536 tokens, 16 heads, BigBird and full masks,
 # 2026-11-28: docs/experiments.md §61); float32 and the interpreter take the dense ones.
-def sparse_forward_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def sparse_forward_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     """The block-sparse forward's tiles. At head_dim <= 64 smaller tiles and deeper pipelines win
     (H200, 65536 tokens, 16 heads, 2026-11-29: (64, 64, 4, 5) against the dense pick (128, 64, 8,
     3), 5.10 / 12.57 / 26.54 ms against 6.16 / 16.89 / 35.24 on BigBird / 25% random blocks /
     prefix-LM): the listed walk's block-number load takes one of the pipeline's stages
     (docs/experiments.md §63). At 128 no candidate gained more than 3%."""
     if INTERPRET or fp32 or head_dim > 64:
-        return forward_config(head_dim, fp32)
+        return forward_config(head_dim, fp32, seqlens)
     return TileConfig(64, 64, 4, 5)
 
 
-def sparse_dq_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def sparse_dq_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     if INTERPRET or fp32:
-        return backward_q_config(head_dim, fp32)
+        return backward_q_config(head_dim, fp32, seqlens)
     return TileConfig(64, 64, 4, 3) if head_dim <= 128 else TileConfig(64, 64, 4, 2)
 
 
-def sparse_kv_config(head_dim: int, fp32: bool = False) -> TileConfig:
+def sparse_kv_config(head_dim: int, fp32: bool = False, seqlens: tuple[int, int] = (0, 0)) -> TileConfig:
     if INTERPRET or fp32:
-        return backward_kv_config(head_dim, fp32)
+        return backward_kv_config(head_dim, fp32, seqlens)
     if head_dim <= 64:  # 5 stages: 11.97 / 32.31 / 66.99 ms backward against 3's 12.54 / 34.45 / 73.33 (§63)
         return TileConfig(64, 64, 4, 5)
     return TileConfig(64, 64, 4, 3) if head_dim <= 128 else TileConfig(64, 32, 4, 3)

@@ -209,7 +209,7 @@ def attention_forward(
     if lse.stride(-1) == 1 and uses_fused_forward(problem, q, k, v):
         fused.fused_forward(q, k, v, problem, out, lse)
         return out, lse
-    cfg = forward_config(problem.head_dim, q.dtype == torch.float32)
+    cfg = forward_config(problem.head_dim, q.dtype == torch.float32, problem.max_seqlens)
     vl = problem.varlen
     q4, k4, v4, o4 = (as_4d(t, vl) for t in (q, k, v, out))
     grid, packed_docs = tile_grid(

@@ -51,6 +51,10 @@ class AttentionProblem:
         return self.cu_seqlens_q is not None
 
     @property
+    def max_seqlens(self) -> tuple[int, int]:
+        return self.max_seqlen_q, self.max_seqlen_k
+
+    @property
     def group(self) -> int:
         return self.heads_q // self.heads_k
 

@@ -175,7 +175,7 @@ def test_varlen_matches_per_sequence_reference(device, lens_q, lens_k, causal, w
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                          max_seqlen_k=max(lens_k), softcap=3.0, alibi_slopes=alibi)  # fmt: skip
     if device == "cpu" and len(lens_q) > 20:  # the interpreter's 16-row tiles take the packed grid
-        block = forward_config(16, dtype == torch.float32).block_m
+        block = forward_config(16, dtype == torch.float32, (max(lens_q), max(lens_k))).block_m
         assert tile_grid(max(lens_q), h, len(lens_q), block, sum(lens_q))[1] == len(lens_q)
     out, lse, grads = _run_kernels(q, k, v, dout, prob)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))

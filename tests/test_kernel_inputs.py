@@ -282,6 +282,16 @@ def test_no_tile_exceeds_max_tile_rows(monkeypatch):
                 assert max(cfg.block_m, cfg.block_n) <= MAX_TILE_ROWS, (fn.__name__, head_dim, cfg)
 
 
+def test_interpreter_tiles_are_an_eighth_of_the_sequence(monkeypatch):
+    """Under the interpreter tiles are 16 to 64 rows, an eighth of each side's sequence: short
+    sequences still cross several tiles, long ones run fewer numpy ops."""
+    rows = [configs.interpreter_tile_rows(n) for n in (0, 1, 100, 128, 129, 256, 300, 512, 4096)]
+    assert rows == [16, 16, 16, 16, 32, 32, 64, 64, 64]
+    monkeypatch.setattr(configs, "INTERPRET", True)
+    for fn in (configs.forward_config, configs.backward_q_config, configs.sparse_kv_config):
+        assert fn(64, False, (100, 600)) == configs.TileConfig(16, 64, 4, 1), fn.__name__
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
