@@ -289,9 +289,12 @@ def ulysses_replays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Uly
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: UlyssesPlan):
+    def forward(ctx, q, k, v, plan: UlyssesPlan, differentiable: bool):
         replays = ulysses_replays(q, k, v, plan)
-        outs = ulysses_forward(q, k, v, plan) if replays is None else replays.forward(q, k, v)
+        if replays is None:
+            outs = ulysses_forward(q, k, v, plan)
+        else:  # without a backward to come, the head-layout tensors it would take stay in the graph
+            outs = replays.forward(q, k, v, take=None if differentiable else _ANSWERS[plan.with_lse])
         out, qkv_h, out_h, lse_h, *lse = outs
         ctx.save_for_backward(qkv_h, out_h, lse_h)
         ctx.plan, ctx.replays = plan, replays
@@ -311,14 +314,19 @@ class _UlyssesAttention(torch.autograd.Function):
             dq, dk, dv = replay(dout, qkv_h, out_h, lse_h)
         else:
             dq, dk, dv = ulysses_backward(dout, qkv_h, out_h, lse_h, ctx.plan, dlse)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
+
+
+# Indices of (out, lse) in ulysses_forward's outputs, by plan.with_lse.
+_ANSWERS = {False: (0,), True: (0, 4)}
 
 
 def run_ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse or None where the plan has no LSE) of a planned call, differentiable in q, k, v."""
-    return _UlyssesAttention.apply(q, k, v, plan)
+    differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _UlyssesAttention.apply(q, k, v, plan, differentiable)
 
 
 # ---- validation and planning, once per call signature ------------------------------------------

@@ -219,6 +219,20 @@ def test_graph_replay_runs_captures_then_replays_fresh_outputs():
 
 
 @pytest.mark.gpu
+def test_a_replay_copies_out_only_the_outputs_taken():
+    replay = GraphReplay(lambda x: (x + 1, x * 2, x - 3))
+    # The eager call returns every output, whatever is taken; the capturing call then replays.
+    assert all(t is not None for t in replay(torch.randn(8, device="cuda"), take=(2,)))
+    for _ in range(2):
+        y = torch.randn(8, device="cuda")
+        first, second, third = replay(y, take=(0, 2))
+        assert second is None
+        torch.testing.assert_close(first, y + 1)
+        torch.testing.assert_close(third, y - 3)
+    assert replay.captured is not None
+
+
+@pytest.mark.gpu
 def test_graph_captured_under_inference_mode_replays_outside_it():
     """Evaluation first (inference mode), training after: the static inputs stay plain tensors."""
     replay = GraphReplay(lambda x: (x + 1,))
@@ -410,6 +424,38 @@ def test_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 2, (512,), variant):
         assert worst < 2e-2
         assert graphs == [(True, not variant.endswith("sinks"))]
+
+
+def _inference_on_rank(variant: str):
+    """Ulysses without gradients (no_grad, and inputs that need none): replayed calls, which copy
+    out only the output (and the LSE with sinks), against eager ones; the largest difference."""
+    _clear_replays()
+    dev = worker_device()
+    world = torch.distributed.get_world_size()
+    g = torch.Generator(device=dev).manual_seed(5 + torch.distributed.get_rank())
+    call = _variant_call(variant, 512 * world, dev)
+    worst = 0.0
+    for i in range(4):
+        q, k, v = (torch.randn(1, 512, h, 64, device=dev, generator=g).bfloat16() for h in (8, 2, 2))
+        if i % 2:
+            q.requires_grad_()
+        with torch.no_grad():
+            with mock.patch.dict(os.environ, ON):
+                replayed = call(q, k, v)
+            with mock.patch.dict(os.environ, OFF):
+                eager = call(q, k, v)
+        assert torch.isfinite(replayed).all()
+        err = (replayed.float() - eager.float()).abs().max() / eager.float().abs().max()
+        worst = max(worst, err.item())
+    return worst, [r.forward.captured is not None for r in _replays()]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("variant", ["ulysses_zigzag", "ulysses_sinks"])
+def test_ulysses_inference_replays_equal_eager_calls(rank_pool, variant):
+    for worst, captured in rank_pool(2).run(_inference_on_rank, variant):
+        assert worst < 2e-2
+        assert captured == [True]
 
 
 def _destroy_with_graphs_alive_on_rank():
