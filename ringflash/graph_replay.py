@@ -197,7 +197,7 @@ atexit.register(release_graphs)
 
 class GraphReplay:
     """``fn(*tensors) -> tuple of tensors`` on fixed shapes: eager on the first call, captured on
-    the second, replayed after. The outputs are always fresh tensors."""
+    the second, replayed after. The outputs are always fresh tensors (or None, not taken)."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         self._fn = fn

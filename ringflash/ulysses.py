@@ -294,7 +294,7 @@ class _UlyssesAttention(torch.autograd.Function):
         if replays is None:
             outs = ulysses_forward(q, k, v, plan)
         else:  # without a backward to come, the head-layout tensors it would take stay in the graph
-            outs = replays.forward(q, k, v, take=None if differentiable else _ANSWERS[plan.with_lse])
+            outs = replays.forward(q, k, v, take=None if differentiable else _WITHOUT_BACKWARD[plan.with_lse])
         out, qkv_h, out_h, lse_h, *lse = outs
         ctx.save_for_backward(qkv_h, out_h, lse_h)
         ctx.plan, ctx.replays = plan, replays
@@ -317,8 +317,8 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-# Indices of (out, lse) in ulysses_forward's outputs, by plan.with_lse.
-_ANSWERS = {False: (0,), True: (0, 4)}
+# The outputs a call without a backward takes from ulysses_forward: out (and lse), by plan.with_lse.
+_WITHOUT_BACKWARD = {False: (0,), True: (0, 4)}
 
 
 def run_ulysses_attention(

@@ -299,7 +299,7 @@ def test_long_lists_walked_first_for_every_head(device, dtype, monkeypatch):
     global query block (kv_order), each beside a causal block: the programs take the long block
     for every head first, then each head's other blocks; every tile is walked once, for its own
     head (blocks no one sees included: their dk/dv must be stored as zeros), a ragged end.
-    float32: the Triton kernels (16-row tiles under the interpreter: two heads, for its time);
+    float32: the Triton kernels (64-row tiles under the interpreter: two heads, for its time);
     bf16 on an sm_90 GPU: the Hopper backward's walk (counted), GQA."""
     b, s = 1, 600
     h, hk, d = (2, 2, 16) if dtype == torch.float32 else (4, 2, 64)

@@ -5,7 +5,7 @@ as the ring engine calls them. Magnitudes make each feature matter: scaled score
 against softcaps of 2-5, ALiBi slopes of 0.1-1 over distances of tens of tokens; every check
 also asserts that the reference without the feature differs from the one with it by far more
 than the tolerance, so a kernel that dropped the feature would fail. CPU shapes are small
-(16x16 interpreter tiles, ``configs``); real sizes and bf16 run in the GPU-marked tests.
+(16-row interpreter tiles at these lengths, ``configs``); real sizes and bf16 run in the GPU-marked tests.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The Triton kernels against float64 attention: out, LSE, dq, dk, dv on fresh random inputs.
 
-On the CPU the kernels run under the Triton interpreter with 16x16 tiles (``configs``), so
-short lengths (1, 15, 16, 17, 33) already cross tile boundaries and exercise the masked and
-mask-free tile paths. Half precision is float16 here: the interpreter's bf16 ``tl.dot`` is
-not trustworthy, so bfloat16 runs only in the GPU-marked tests.
+On the CPU the kernels run under the Triton interpreter with 16x16 tiles at these lengths
+(``configs.interpreter_tile_rows``), so short lengths (1, 15, 16, 17, 33) already cross tile
+boundaries and exercise the masked and mask-free tile paths. Half precision is float16 here: the
+interpreter's bf16 ``tl.dot`` is not trustworthy, so bfloat16 runs only in the GPU-marked tests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ringflash.kernels import (
     attention_forward,
     build_problem,
 )
-from ringflash.kernels.configs import MAX_TILE_ROWS
+from ringflash.kernels.configs import MAX_TILE_ROWS, interpreter_tile_rows
 from ringflash.kernels.tiling import visible_tiles
 
 # Under the interpreter an int32 overflow in a kernel raises here (tests/interpreter_patching.py).
@@ -270,13 +270,15 @@ def test_dout_with_strided_last_dim(device):
 @pytest.mark.parametrize("causal", [False, True])
 def test_offsets_past_2_to_the_31_elements(device, causal):
     """Every tensor a view whose rows lie past 2^31 elements from its start (the largest token
-    stride check_token_stride allows, 160 tokens: rows 129-159 lie past it, and the interpreter's
-    16-row tile at 144 starts past it): 32-bit offsets would wrap and read or write the wrong rows.
-    One shared, mostly untouched storage (5.4 GB of fp16, virtual on the CPU) holds the eight
+    stride check_token_stride allows, 192 tokens: rows 129-191 lie past it, and the interpreter's
+    32-row tile at 160 starts past it): 32-bit offsets would wrap and read or write the wrong rows.
+    One shared, mostly untouched storage (6.4 GB of fp16, virtual on the CPU) holds the eight
     tensors side by side in each token's row."""
-    s, h, hk, d = 160, 2, 1, 64
+    s, h, hk, d = 192, 2, 1, 64
     stride = (2**31 - 1 - d) // MAX_TILE_ROWS
     assert (s - 1) * stride > 2**31
+    if device == "cpu":  # the interpreter's last tile starts past 2^31 elements, too
+        assert (s - interpreter_tile_rows(s)) * stride > 2**31
     storage = torch.empty(s * stride, dtype=torch.float16, device=device)
     col = 0
 
