@@ -64,7 +64,7 @@ def test_import_refuses_triton_36_with_numpy_24_under_the_interpreter():
 
 def test_pyproject_never_caps_torch_triton_or_numpy():
     """Lower bounds only: pip never downgrades a user's newer stack to install ringflash (the
-    CI's `.ci/stack newest` checks the same on a real install)."""
+    CI checks the same on a real install: `.ci/run`'s README install from PyPI must leave the newest)."""
     text = (ROOT / "pyproject.toml").read_text()
     deps = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
     specs = dict(re.findall(r'"([a-z]+)([^"]*)"', deps))
