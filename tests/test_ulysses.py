@@ -173,3 +173,13 @@ def test_hybrid_layout_indices_cover_sequence():
 def test_ulysses_bf16_real_size_on_gpus(rank_pool, kv_heads):
     case = Case(2, 2, True, kv_heads, heads=8, seqlen=4096, head_dim=128, dtype=torch.bfloat16)
     check_sp(rank_pool, case, names=("out", "dq", "dk", "dv"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_hybrid_bf16_real_size_on_four_gpus(rank_pool, kv_heads, layout):
+    """The 2x2 hybrid (Ulysses pairs, a ring of two across) on the GPUs' kernels and NCCL: two
+    K/V heads leave one per Ulysses rank. Skips with fewer than 4 GPUs."""
+    case = Case(4, 2, True, kv_heads, layout, heads=8, seqlen=4096, head_dim=128, dtype=torch.bfloat16)
+    check_sp(rank_pool, case)
