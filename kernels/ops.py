@@ -267,7 +267,20 @@ def flash_attention_probs(
     return attention_probs(q, k, lse, cached_problem(q, k, k, *args, False))
 
 
-def use_ops(x: Tensor) -> bool:
-    """Whether to call the custom ops (under ``torch.compile``/export, or for tensor subclasses
-    such as fake or functional tensors, whose dispatch needs them) or their eager twin."""
+def traced(x: Tensor) -> bool:
+    """Whether only the custom ops can take the call: under ``torch.compile``/export, or for
+    tensor subclasses such as fake or functional tensors, whose dispatch needs them."""
     return torch.compiler.is_compiling() or type(x) is not Tensor
+
+
+def use_ops(x: Tensor, op_takes_it: bool = True) -> bool:
+    """Whether to call the custom ops or their eager twin: when ``traced``, and in eager mode
+    under a ``TorchDispatchMode`` (selective activation checkpointing, ``FlopCounterMode``,
+    ``make_fx``), which sees dispatcher ops only: there the op route makes the attention one op
+    that the mode can save or count, where the eager twin's kernels would pass unseen. Callers
+    whose arguments no op takes (a block mask, a ``ChunkLayout``) pass ``op_takes_it=False``:
+    such a call then runs eagerly under a mode, and still takes the op route (which refuses it
+    or breaks the graph) when traced."""
+    if traced(x):
+        return True
+    return op_takes_it and torch._C._len_torch_dispatch_stack() > 0

@@ -21,7 +21,10 @@ infini replaces every attention layer with Infini-attention (segments of --segme
 plus a compressive memory, a new gate parameter per layer; contiguous shards of whole
 segments). The loss is computed from the last hidden state in chunks (no full logits). Random
 init and data follow --seed, so runs with different --sp-size start from the same model and
-see the same sequences.
+see the same sequences. --activation-checkpointing recomputes each decoder layer in the
+backward; --activation-checkpointing keep-attention recomputes all but attention, whose outputs
+torch's selective checkpointing keeps (ringflash.attention_checkpoint_context; SDPA's ops with
+--sp-impl deepspeed-ulysses).
 
 Prints a progress line per step (loss, recall loss/accuracy on the synthetic task, tokens/s,
 peak memory) and, last, one JSON line {"summary": "train", ...} with tokens/s/GPU, MFU and peak
@@ -31,6 +34,7 @@ memory. --json writes the summary with the per-step history, --plot a loss curve
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -82,7 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-len", type=int, default=2048 if ON_GPU else 16, help="Infini-attention segment")
     p.add_argument("--infini-update", default="linear", choices=["linear", "delta"], help="memory update")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="overrides the config")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--activation-checkpointing", nargs="?", const="full", default=None,
+        choices=["full", "keep-attention"],
+        help="recompute each decoder layer in the backward; keep-attention: all but attention, whose outputs "
+        "are kept (torch's selective checkpointing: ringflash.attention_checkpoint_context, or SDPA's ops "
+        "with --sp-impl deepspeed-ulysses)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="bf16" if ON_GPU else "fp32", choices=["bf16", "fp32"])
     p.add_argument(
         "--steps", type=_steps, default=(False, 10),
@@ -183,6 +193,27 @@ def load_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def kept_attention(args: argparse.Namespace):
+    """The ``context_fn`` of --activation-checkpointing keep-attention: torch's selective
+    checkpointing that keeps the attention ops' outputs (ringflash's, or SDPA's with
+    --sp-impl deepspeed-ulysses, whose all-to-alls stay outside them and are recomputed)."""
+    if args.attention == "infini":
+        raise ValueError(
+            "--activation-checkpointing keep-attention is for exact attention: use full with infini"
+        )
+    if args.sp_impl == "ringflash":
+        return ringflash.attention_checkpoint_context
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    sdpa = [
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+    ]
+    return functools.partial(create_selective_checkpoint_contexts, sdpa)
+
+
 def build(args: argparse.Namespace, device: torch.device, config: dict):
     """The engine, the sequence-parallel group, the data layout and the parameter counts."""
     sp = args.sp_size or dist.get_world_size()
@@ -229,6 +260,8 @@ def build(args: argparse.Namespace, device: torch.device, config: dict):
     if args.activation_checkpointing:
         # Non-reentrant: each parameter then gets one gradient accumulation per backward, as ZeRO expects.
         kwargs = {"use_reentrant": False}
+        if args.activation_checkpointing == "keep-attention":
+            kwargs["context_fn"] = kept_attention(args)
         if hasattr(lm, "activation_checkpointing_enable"):  # newer transformers; the old name is deprecated
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
@@ -295,7 +328,7 @@ def train(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         f"({args.sp_impl}{'/' + args.sp_mode if args.sp_impl == 'ringflash' else ''}), seq {args.seq_len}, "
         f"{infini_txt}"
         f"{'FSDP2' if args.engine == 'fsdp2' else f'ZeRO-{engine.zero_optimization_stage()}'}"
-        f"{' compiled' if args.compile else ''}, AC {'on' if args.activation_checkpointing else 'off'}, "
+        f"{' compiled' if args.compile else ''}, AC {args.activation_checkpointing or 'off'}, "
         f"{args.dtype}, {'GPU' if ON_GPU else 'CPU'}, steps {start}->{args.steps}",
         flush=True,
     )

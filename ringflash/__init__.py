@@ -15,13 +15,15 @@ the attention kernels.
 Training: ``sequence_parallel_groups`` (D x S groups), ``shard_batch``,
 ``sequence_parallel_cross_entropy`` (and its chunked form, which never makes all logits),
 ``reduce_gradients``, ``SequenceParallelAttention``; ``integrations.hf`` and
-``integrations.deepspeed``.
+``integrations.deepspeed``; ``attention_checkpoint_context`` (activation checkpointing that keeps
+attention's outputs instead of recomputing them).
 Bounded memory: ``infini_attention`` (Infini-attention: causal attention inside segments plus a
 compressive memory, sequence parallel by a prefix sum or a relay of the memory).
 """
 
 from .batch import shard_batch
 from .block_masks import balanced_layout, layout_work
+from .checkpointing import ATTENTION_OPS, attention_checkpoint_context
 from .comm import use_high_priority_comm
 from .graph_replay import release_graphs
 from .groups import ParallelGroups, reduce_gradients, sequence_parallel_groups
@@ -72,6 +74,7 @@ from .sp_kvcache import sp_flash_attn_with_kvcache
 __version__ = "0.1.0"
 
 __all__ = [
+    "ATTENTION_OPS",
     "LAYOUTS",
     "ChunkLayout",
     "InfiniAttention",
@@ -81,6 +84,7 @@ __all__ = [
     "SequenceParallelAttention",
     "SP_MODES",
     "TileMask",
+    "attention_checkpoint_context",
     "balanced_layout",
     "layout_work",
     "flash_attn_func",

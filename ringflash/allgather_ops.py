@@ -23,7 +23,7 @@ from .allgather import gather_backward, gather_forward, layout_setup, prepared_s
 from .comm import group_from_name, group_name
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
-from .layouts import layout_name
+from .layouts import ChunkLayout, layout_name
 from .merge import apply_sinks
 
 
@@ -192,7 +192,11 @@ def allgather_attention(
     """(out, lse) of ``sp_mode="allgather"`` over local shards (batch, local_seqlen, heads,
     head_dim), differentiable in q, k, v and sinks; arguments as in ``allgather.layout_setup``
     (a call with ``block_mask`` is not traced: sp_attn_func runs it eagerly)."""
-    if use_ops(q) and block_mask is None:  # traced: the op validates, checks the ranks and plans when it runs
+    # Traced (or under a dispatch mode): the op validates, checks the ranks and plans when it runs.
+    # Under a mode (not traced), an error the engine raises after the ranks' check and a layout no
+    # op takes stay on the engine.
+    op_takes_it = error is None and not isinstance(layout, ChunkLayout)
+    if use_ops(q, op_takes_it) and block_mask is None:
         if error is not None:
             raise error
         layout_name(layout)
@@ -237,7 +241,7 @@ def prepared_allgather_attention(
 ) -> tuple[Tensor, Tensor]:
     """(out (n, heads_q, head_dim), lse (heads_q, n)) of the llama3 forms' call, differentiable;
     arguments as in ``allgather.prepared_setup``."""
-    if use_ops(q):
+    if use_ops(q, error is None):
         if error is not None:
             raise error
         if not isinstance(local_k_slice, slice) or not all(

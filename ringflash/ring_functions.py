@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .conventions import attention_returns, check_dropout
 from .kernels import check_sinks
 from .kernels.ops import use_ops
+from .layouts import ChunkLayout
 from .merge import apply_sinks
 from .ops import ring_attention_op
 from .ring import ring_attention
@@ -22,7 +23,14 @@ def dispatch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     """(out, lse) of ``ring.ring_attention`` (same keyword arguments): traced by torch.compile
     (``use_ops``), the opaque op ``ringflash::ring_attn_forward``, which checks and plans when it
     runs (sinks stay outside it, in plain torch ops); eager, the engine itself."""
-    if not (isinstance(q, torch.Tensor) and use_ops(q)):  # a non-tensor q: the engine raises after the check
+    # Under a dispatch mode (not traced), what no op takes, and an error the engine raises after
+    # the ranks' check, stay on the engine.
+    op_takes_it = not (
+        options.get("block_mask") is not None
+        or options.get("error") is not None
+        or isinstance(options.get("layout"), ChunkLayout)
+    )
+    if not (isinstance(q, torch.Tensor) and use_ops(q, op_takes_it)):  # a non-tensor q: the engine raises
         return ring_attention(q, k, v, **options)
     if options.get("block_mask") is not None:  # no custom op takes a mask: a graph break
         return _ring_attention_eager(q, k, v, **options)

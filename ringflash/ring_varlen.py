@@ -22,7 +22,7 @@ from .comm import group_from_name, group_name, resolve_group_or_raise
 from .conventions import attention_returns, check_dropout
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
-from .layouts import host_bounds, layout_name
+from .layouts import ChunkLayout, host_bounds, layout_name
 from .merge import apply_sinks
 from .ring import ring_attention, ring_backward, ring_forward, ring_setup
 
@@ -87,7 +87,10 @@ def _varlen_entry(
 ):  # fmt: skip
     """The varlen entry points' one body; ``error``: an argument error the caller found (a packed
     tensor of the wrong shape, ``ring_packed``), raised after the rank check as this one's are."""
-    if use_ops(q):  # traced: one opaque op reads cu_seqlens, checks the ranks and plans when it runs
+    # Traced (or under a dispatch mode): one opaque op reads cu_seqlens, checks the ranks and plans
+    # when it runs. Under a mode (not traced), an error the engine raises after the ranks' check
+    # and a layout no op takes stay on the engine.
+    if use_ops(q, error is None and not isinstance(layout, ChunkLayout)):
         if error is not None:
             raise error
         check_dropout(dropout_p)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from .allgather_ops import allgather_attention
 from .comm import resolve_group
 from .conventions import attention_returns, check_dropout
-from .kernels.ops import use_ops
-from .layouts import check_layout
+from .kernels.ops import traced, use_ops
+from .layouts import ChunkLayout, check_layout
 from .merge import apply_sinks
 from .mesh import check_ulysses_type, contradiction, mode_ulysses_size
 from .ops import ulysses_attention_op
@@ -132,7 +132,11 @@ def sp_attn_func(
         out (batch, local_seqlen, heads_q, head_dim) in q's dtype (and the LSE). Every rank of the
         group must pass the same shapes and options, else every rank raises ValueError.
     """
-    if block_mask is not None and use_ops(q):  # no custom op takes a mask: run eagerly
+    # Traced, Ulysses and the hybrid take their op, which refuses a ChunkLayout and ALiBi; under a
+    # dispatch mode (not traced), the op where it takes the call, else the engine (use_ops).
+    op_takes_it = block_mask is None and alibi_slopes is None and not isinstance(layout, ChunkLayout)
+    ulysses_op = use_ops(q, op_takes_it)
+    if block_mask is not None and traced(q):  # no custom op takes a mask: run eagerly
         return _sp_attn_eager(
             q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
             return_attn_probs, group, layout=layout, sp_mode=sp_mode, ulysses_size=ulysses_size,
@@ -148,7 +152,7 @@ def sp_attn_func(
             raise ValueError(f'heads_k_stride={heads_k_stride!r} is for sp_mode="allgather", not "{sp_mode}"')
         if sp_mode == "auto":
             sp_mode = auto_sp_mode(q, group)
-        if sp_mode in ("ulysses", "hybrid") and use_ops(q):  # the eager engine checks these in its setup
+        if sp_mode in ("ulysses", "hybrid") and ulysses_op:  # the eager engine checks these in its setup
             alibi_slopes, sinks = check_ulysses_arguments(q, k, v, causal=causal, window_size=window_size,
                                                           alibi_slopes=alibi_slopes, sinks=sinks,
                                                           cu_seqlens=cu_seqlens)  # fmt: skip
@@ -162,7 +166,9 @@ def sp_attn_func(
             sinks=sinks, heads_k_stride=heads_k_stride, error=error, block_mask=block_mask, **options,
         )  # fmt: skip
         return attention_returns(out, lse, return_attn_probs, return_lse)
-    if sp_mode != "ring" and use_ops(q):  # traced: one opaque op, which checks the ranks when it runs
+    # Traced: one opaque op, which checks the ranks when it runs. Under a dispatch mode, an error
+    # goes to the engine, which raises it after the ranks' check.
+    if sp_mode != "ring" and ulysses_op and (error is None or traced(q)):
         if error is not None:
             raise error
         if alibi_slopes is not None:

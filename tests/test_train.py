@@ -77,6 +77,23 @@ def test_train_refuses_a_negative_time_limit(value, capsys):
     assert train.parse_args(["--time-limit", "0"]).time_limit == 0.0
 
 
+def test_activation_checkpointing_can_keep_attention():
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import train
+
+    import ringflash
+
+    assert train.parse_args([]).activation_checkpointing is None
+    assert train.parse_args(["--activation-checkpointing", "--steps", "2"]).activation_checkpointing == "full"
+    keep = ["--activation-checkpointing", "keep-attention"]
+    assert train.kept_attention(train.parse_args(keep)) is ringflash.attention_checkpoint_context
+    sdpa = train.kept_attention(train.parse_args([*keep, "--sp-impl", "deepspeed-ulysses"]))
+    assert torch.ops.aten._scaled_dot_product_cudnn_attention.default in sdpa.args[0]
+    with pytest.raises(ValueError, match="exact attention"):
+        train.kept_attention(train.parse_args([*keep, "--attention", "infini"]))
+
+
 def test_train_saves_resumes_and_summarizes(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
