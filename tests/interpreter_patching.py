@@ -19,6 +19,11 @@ nothing unless the options' ``debug`` is set, which the interpreter's never are 
 tests, marked ``overflow_checks``, whose positions, strides and windows reach the kernels'
 int32 limits, and skips their preparation everywhere else: the other tests' kernels get the
 same problems on small positions (the ring's steps are ordinary ``build_problem`` calls).
+
+The interpreter runs a kernel on the tensors' own memory through raw addresses, so a store past a
+tensor would silently corrupt the process's heap (and crash later, elsewhere).
+``check_store_bounds`` makes every store and atomic check its addresses against the launch's
+tensor arguments and raise instead.
 """
 
 from __future__ import annotations
@@ -29,9 +34,88 @@ import dataclasses
 def configure() -> None:
     """The suite's settings for a process that runs kernels under the interpreter: the
     helper-call shortcut installed, overflow checks skipped (conftest turns them on for the
-    tests marked ``overflow_checks``)."""
+    tests marked ``overflow_checks``), stores checked against the launch's tensors."""
     skip_repeated_language_patching()
     set_overflow_checks(False)
+    check_store_bounds()
+
+
+# The byte ranges [start, end) of the storages of the running launch's tensor arguments.
+_LAUNCH_RANGES: list[tuple[int, int]] = []
+
+
+def check_store_bounds() -> bool:
+    """Make every store and atomic of an interpreted kernel check its addresses (where its mask
+    is set) against the storages of the launch's tensor arguments, raising IndexError outside
+    them. The interpreter writes through raw addresses into the tensors' own memory: a store
+    past a tensor would corrupt the process's heap silently, to crash later elsewhere; on a GPU it
+    would be an illegal access or a silent overwrite. True where this Triton's interpreter has
+    the internals it wraps."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    executor = getattr(interpreter, "GridExecutor", None)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    init = getattr(executor, "_init_args_hst", None)
+    store = getattr(builder, "create_masked_store", None)
+    rmw = getattr(builder, "create_atomic_rmw", None)
+    if init is None or store is None or rmw is None:
+        return False
+    if getattr(init, "records_ranges", False):
+        return True
+
+    def storages(arg, found):
+        if isinstance(arg, tuple):
+            for a in arg:
+                storages(a, found)
+        elif hasattr(arg, "base") and hasattr(arg, "block_shape"):  # a TensorDescriptor
+            storages(arg.base, found)
+        elif hasattr(arg, "untyped_storage"):
+            storage = arg.untyped_storage()
+            found.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        found: list[tuple[int, int]] = []
+        for arg in (*args_hst, *kwargs_hst.values()):
+            storages(arg, found)
+        _LAUNCH_RANGES[:] = found
+        return args_hst, kwargs_hst
+
+    def check(ptrs, value, mask) -> None:
+        addresses = ptrs.data
+        if mask is not None:
+            addresses = addresses[np.broadcast_to(mask.data, addresses.shape)]
+        if addresses.size == 0:
+            return
+        addresses = addresses.astype(np.uint64).ravel()
+        end = addresses + np.uint64(value.data.dtype.itemsize)
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for lo, hi in _LAUNCH_RANGES:
+            inside |= (addresses >= lo) & (end <= hi)
+        if not inside.all():
+            bad = int(addresses[~inside][0])
+            raise IndexError(
+                f"an interpreted kernel stores {int((~inside).sum())} element(s) outside its tensor "
+                f"arguments (first at {bad:#x}; the arguments' storages: "
+                f"{', '.join(f'[{lo:#x}, {hi:#x})' for lo, hi in _LAUNCH_RANGES)})"
+            )
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, value, mask)
+        return store(self, ptrs, value, mask, *rest)
+
+    def atomic_rmw(self, op, ptr, val, mask, *rest):
+        check(ptr, val, mask)
+        return rmw(self, op, ptr, val, mask, *rest)
+
+    init_args.records_ranges = True
+    executor._init_args_hst = init_args
+    builder.create_masked_store = masked_store
+    builder.create_atomic_rmw = atomic_rmw
+    return True
 
 
 def skip_repeated_language_patching() -> bool:

@@ -101,6 +101,24 @@ def test_one_device_attention_runs_once_per_step(device, varlen):
     _assert_kept(_forward_counts(attention, (q, k, v), weight, kernel_ops, "attention_forward"))
 
 
+def test_compiled_block_keeps_attention(device):
+    """torchtitan's arrangement: a checkpointed block under torch.compile, the policy applied to
+    the traced graph (the ops are in it anyway)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 96, 2, 16, generator=g).to(device) for _ in range(3))
+    weight = torch.randn(16, 16, generator=g).to(device)
+    attention = functools.partial(ringflash.flash_attn_func, causal=True)
+    calls = {}
+    for setting, context_fn in (("kept", ringflash.attention_checkpoint_context), ("recomputed", _RECOMPUTE)):
+        torch._dynamo.reset()
+        compiled = torch.compile(_step, backend="aot_eager")
+        wrapper, patch = _counted(kernel_ops, "attention_forward")
+        with patch:
+            compiled(attention, (q, k, v), weight, context_fn)
+        calls[setting] = wrapper.calls
+    assert calls == {"kept": 1, "recomputed": 2}
+
+
 def test_save_takes_op_overloads_only():
     with pytest.raises(TypeError, match="save must hold OpOverloads"):
         ringflash.attention_checkpoint_context(save=[torch.mm])

@@ -1,7 +1,7 @@
 """The CPU suite's interpreter settings (interpreter_patching.py): the helper-call shortcut is
 installed on the pinned Triton, a kernel calling jit helpers computes the same with it and
 leaves triton.language as it found it; overflow checks are skipped in unmarked tests and raise
-in tests marked ``overflow_checks``."""
+in tests marked ``overflow_checks``; a store or atomic outside the launch's tensors raises."""
 
 import os
 
@@ -76,3 +76,25 @@ def test_overflow_checks_live_where_marked():
     y = torch.empty_like(x)
     _helper_kernel[(3,)](x, y, 37, BLOCK=16)
     torch.testing.assert_close(y, x * 6.0)
+
+
+@triton.jit
+def _store_kernel(Y, n, BLOCK: tl.constexpr, ATOMIC: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    if ATOMIC:
+        tl.atomic_add(Y + offs, 1.0, mask=offs < n)
+    else:
+        tl.store(Y + offs, 1.0, mask=offs < n)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_stores_outside_the_arguments_raise(atomic):
+    from interpreter_patching import check_store_bounds
+
+    assert check_store_bounds()  # conftest installed it; a second call keeps it
+    buffer = torch.zeros(24)
+    y = buffer[4:20]  # a view: its storage's whole range is the argument's
+    _store_kernel[(1,)](y, 20, BLOCK=32, ATOMIC=atomic)  # past the view, inside its storage
+    assert buffer[4:].eq(1).all() and buffer[:4].eq(0).all()
+    with pytest.raises(Exception, match="outside its tensor arguments"):
+        _store_kernel[(1,)](y, 21, BLOCK=32, ATOMIC=atomic)  # one element past the storage
