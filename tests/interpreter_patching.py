@@ -90,8 +90,12 @@ def check_store_bounds() -> bool:
             addresses = addresses[np.broadcast_to(mask.data, addresses.shape)]
         if addresses.size == 0:
             return
+        size = value.data.dtype.itemsize
+        first, last = int(addresses.min()), int(addresses.max()) + size
+        if any(lo <= first and last <= hi for lo, hi in _LAUNCH_RANGES):
+            return  # all in one tensor: the common case, two reductions
         addresses = addresses.astype(np.uint64).ravel()
-        end = addresses + np.uint64(value.data.dtype.itemsize)
+        end = addresses + np.uint64(size)
         inside = np.zeros(addresses.shape, dtype=bool)
         for lo, hi in _LAUNCH_RANGES:
             inside |= (addresses >= lo) & (end <= hi)
