@@ -11,6 +11,12 @@ import json
 import os
 
 
+def _ac(value: object) -> str:
+    """The summary's activation checkpointing: "full"/"keep-attention"/None, or a bool from
+    runs before keep-attention existed."""
+    return {True: "full", False: "off", None: "off"}.get(value, str(value))
+
+
 def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -39,7 +45,7 @@ def table(paths: list[str]) -> None:
                 [
                     os.path.basename(path).removesuffix(".json"), f"{r['sp_impl']}/{r['sp_mode']}",
                     r["seq_len"], r["sp_size"], r["zero_stage"],
-                    "on" if r["activation_checkpointing"] else "off", r["steps_run"],
+                    _ac(r["activation_checkpointing"]), r["steps_run"],
                     f"{r['tokens_per_s_per_gpu']:.0f}", f"{r['tflops_per_gpu']:.1f}",
                     f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gib']:.1f}",
                     f"{_fmt(r['first_loss'], '.4f')} -> {_fmt(r['final_loss'], '.4f')}",
