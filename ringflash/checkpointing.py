@@ -13,8 +13,9 @@ backward only:
     from torch.utils.checkpoint import checkpoint
 
     y = checkpoint(layer, x, use_reentrant=False, context_fn=ringflash.attention_checkpoint_context)
-    # Hugging Face models:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    # Hugging Face models (older transformers: gradient_checkpointing_enable(
+    # gradient_checkpointing_kwargs=...)):
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": ringflash.attention_checkpoint_context})
     # with ops of your own kept too (torchtitan's policy keeps matmuls):
     context_fn = partial(ringflash.attention_checkpoint_context, save=[torch.ops.aten.mm.default])
