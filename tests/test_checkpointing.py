@@ -33,18 +33,6 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counted(module, name: str):
-    """mock.patch of ``module.name`` by a wrapper that counts its calls in ``.calls``."""
-    real = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        wrapper.calls += 1
-        return real(*args, **kwargs)
-
-    wrapper.calls = 0
-    return wrapper, mock.patch.object(module, name, wrapper)
-
-
 def _step(attention, inputs, weight, context_fn):
     """Gradients of a block (a projection, attention, a nonlinearity) in q, k, v and the weight:
     without checkpointing (``context_fn`` None) or checkpointed with ``context_fn``."""
@@ -67,10 +55,9 @@ def _forward_counts(attention, inputs, weight, module, name: str):
     counts = {}
     for setting, context_fn in (("plain", None), ("kept", ringflash.attention_checkpoint_context),
                                 ("recomputed", _RECOMPUTE)):  # fmt: skip
-        wrapper, patch = _counted(module, name)
-        with patch:
+        with mock.patch.object(module, name, wraps=getattr(module, name)) as counted:
             grads = _step(attention, inputs, weight, context_fn)
-        counts[setting] = (wrapper.calls, grads)
+        counts[setting] = (counted.call_count, grads)
     return counts
 
 
@@ -112,10 +99,10 @@ def test_compiled_block_keeps_attention(device):
     for setting, context_fn in (("kept", ringflash.attention_checkpoint_context), ("recomputed", _RECOMPUTE)):
         torch._dynamo.reset()
         compiled = torch.compile(_step, backend="aot_eager")
-        wrapper, patch = _counted(kernel_ops, "attention_forward")
-        with patch:
+        forward = kernel_ops.attention_forward
+        with mock.patch.object(kernel_ops, "attention_forward", wraps=forward) as counted:
             compiled(attention, (q, k, v), weight, context_fn)
-        calls[setting] = wrapper.calls
+        calls[setting] = counted.call_count
     assert calls == {"kept": 1, "recomputed": 2}
 
 
