@@ -335,17 +335,20 @@ def test_ring_entries_compile_with_captured_scalar_outputs(rank_pool):
 
 
 @pytest.mark.gpu
-def test_compiled_training_step_matches_eager_on_gpu():
+def test_compiled_and_graphed_training_steps_match_eager_on_gpu():
     """launch/bench_compile.py at a small size (2 layers of the 1B shape, 4K tokens) on the real
-    kernels: the compiled step's first loss agrees with eager's (the benchmark raises if not) and
-    both modes ran. Its speed is the benchmark's business (docs/performance.md), not a test's."""
+    kernels, in every mode (compiled, compiled with reduce-overhead, the whole step captured in
+    a CUDA graph): each mode's first loss and gradient norms agree with eager's (the benchmark
+    raises if not). Its speed is the benchmark's business (docs/performance.md), not a test's."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
     import bench_compile
 
-    args = ["--layers", "2", "--tokens", "4096", "--warmup", "1", "--iters", "1"]
+    args = ["--layers", "2", "--tokens", "4096", "--warmup", "1", "--iters", "2"]
+    args += ["--modes", *bench_compile.MODES]
     summary = bench_compile.run(bench_compile.parse_args(args))
-    for mode in ("eager", "compiled"):
-        assert math.isfinite(summary[mode]["first_loss"]), summary
+    for mode in bench_compile.MODES:
+        assert math.isfinite(summary[mode]["first_block_grad_norm"]), summary
+        assert summary[mode]["first_block_grad_norm"] > 0, summary
