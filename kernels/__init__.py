@@ -10,6 +10,7 @@ head dims that are not multiples of 8; ``TileMask`` is a block-sparse mask (any 
 FlexAttention ``mask_mod``/``BlockMask`` or ranges) for ``flash_attn_func(..., block_mask=)``.
 """
 
+from . import flop_counts  # noqa: F401  (registers the ops' FlopCounterMode formulas)
 from .backward import attention_backward, attention_delta, attention_gradients
 from .forward import attention_forward
 from .functional import (

@@ -21,6 +21,7 @@ Bounded memory: ``infini_attention`` (Infini-attention: causal attention inside 
 compressive memory, sequence parallel by a prefix sum or a relay of the memory).
 """
 
+from . import flop_counts  # noqa: F401  (registers the ops' FlopCounterMode formulas)
 from .batch import shard_batch
 from .block_masks import balanced_layout, layout_work
 from .checkpointing import ATTENTION_OPS, attention_checkpoint_context
