@@ -77,6 +77,34 @@ def test_unreadable_documents_count_their_bound():
     assert document_pairs(real, real, 7, 7) == 3 * 3 + 7 * 7
 
 
+def test_inductor_estimates_from_fake_tensors():
+    """Inductor's scheduler counts an op's FLOPs by running it on fake tensors under
+    FlopCounterMode (``count_flops_fx``): the formulas give their bounds there (documents × max
+    lengths; every sequence its whole cache) instead of failing on unreadable values."""
+    from torch._inductor.fx_utils import count_flops_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (torch.randn(64, 4, 16) for _ in range(3))
+    cu = torch.tensor([0, 10, 64], dtype=torch.int32)
+    q1, caches, seqlens = (
+        torch.randn(2, 1, 4, 16),
+        [torch.randn(2, 32, 2, 16) for _ in range(2)],
+        torch.tensor([3, 9], dtype=torch.int32),
+    )
+
+    def calls(q, k, v, cu, q1, k_cache, v_cache, seqlens):
+        out = ringflash.flash_attn_varlen_func(q, k, v, cu, cu, 54, 54, causal=True)
+        return out, flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens, check_bounds=False)
+
+    graph = make_fx(calls, tracing_mode="fake")(q, k, v, cu, q1, *caches, seqlens)
+    counted = {str(n.target.overloadpacket): count_flops_fx(n) for n in graph.graph.nodes
+               if "ringflash" in str(n.target)}  # fmt: skip
+    assert counted == {
+        ops.flash_attn_forward: _sdpa(2, 4, 54, 54, 16)[0],  # 2 documents of at most 54 tokens
+        ops.kvcache_attention: _sdpa(2, 4, 1, 32, 16)[0],  # 2 sequences of the whole cache
+    }
+
+
 def test_block_mask_and_probabilities_count_dense(device):
     q, k, v = _leaves((1, 128, 2, 16), (1, 128, 2, 16), (1, 128, 2, 16), device=device)
     mask = TileMask.from_mask_mod(lambda b, h, i, j: j <= i, 1, 1, 128, 128, device=device)
