@@ -98,11 +98,10 @@ def captured(model: ReferenceDecoder, step: Callable[[], torch.Tensor]) -> Calla
     with torch.cuda.graph(graph):
         loss = step()
 
-    def replay() -> torch.Tensor:
+    def replay() -> torch.Tensor:  # holds the graph (and its pool) while the mode runs
         graph.replay()
         return loss
 
-    replay.graph = graph  # kept alive with the closure
     return replay
 
 
@@ -189,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(set(args.modes)) != len(args.modes):
         p.error("--modes: each mode at most once")
+    if args.tokens < 2 or args.layers < 1 or args.warmup < 0 or args.iters < 1:
+        p.error("--tokens must be >= 2, --layers and --iters >= 1, --warmup >= 0")
     return args
 
 

@@ -334,18 +334,30 @@ def test_ring_entries_compile_with_captured_scalar_outputs(rank_pool):
     rank_pool(2).run(_ring_entries_compiled_match_eager)
 
 
-@pytest.mark.gpu
-def test_compiled_and_graphed_training_steps_match_eager_on_gpu():
-    """launch/bench_compile.py at a small size (2 layers of the 1B shape, 4K tokens) on the real
-    kernels, in every mode (compiled, compiled with reduce-overhead, the whole step captured in
-    a CUDA graph): each mode's first loss and gradient norms agree with eager's (the benchmark
-    raises if not). Its speed is the benchmark's business (docs/performance.md), not a test's."""
+def _bench_compile():
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
     import bench_compile
 
+    return bench_compile
+
+
+@pytest.mark.parametrize("argv", [["--modes", "eager", "eager"], ["--modes", "jit"], ["--iters", "0"]])
+def test_bench_compile_refuses_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit):
+        _bench_compile().parse_args(argv)
+    assert "--" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_compiled_and_graphed_training_steps_match_eager_on_gpu():
+    """launch/bench_compile.py at a small size (2 layers of the 1B shape, 4K tokens) on the real
+    kernels, in every mode (compiled, compiled with reduce-overhead, the whole step captured in
+    a CUDA graph): each mode's first loss and gradient norms agree with eager's (the benchmark
+    raises if not). Its speed is the benchmark's business (docs/performance.md), not a test's."""
+    bench_compile = _bench_compile()
     args = ["--layers", "2", "--tokens", "4096", "--warmup", "1", "--iters", "2"]
     args += ["--modes", *bench_compile.MODES]
     summary = bench_compile.run(bench_compile.parse_args(args))
