@@ -125,6 +125,13 @@ def wide_offsets(seqlen: int, *tensors: torch.Tensor | None) -> bool:
 
 
 def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:
+    """(causal, (left, right)) checked as flash-attn takes them: causal a bool, window_size a
+    pair of ints >= -1 (-1: unbounded on that side).
+
+    Raises:
+        TypeError: causal is not a bool, or window_size is not a pair of ints.
+        ValueError: an entry of window_size is below -1.
+    """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if (
