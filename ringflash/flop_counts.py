@@ -8,7 +8,8 @@ ranks' counts add up to the single-device count of the same attention. The llama
 their own varlen call: this rank's queries against the gathered keys [k_start, k_stop).
 
 Calls that no op takes (a block mask in the sequence-parallel modes, a ``ChunkLayout``, ALiBi
-with Ulysses or the hybrid) run eagerly and count zero.
+with Ulysses or the hybrid) run eagerly and count zero, as do the shards of sequence-parallel
+decoding (``sp_flash_attn_with_kvcache`` calls the cache's engine, not its op).
 
 Importing this module registers the formulas (``ringflash/__init__`` does).
 """
