@@ -10,26 +10,42 @@ head dims that are not multiples of 8; ``TileMask`` is a block-sparse mask (any 
 FlexAttention ``mask_mod``/``BlockMask`` or ranges) for ``flash_attn_func(..., block_mask=)``.
 """
 
-from . import flop_counts  # noqa: F401  (registers the ops' FlopCounterMode formulas)
-from .backward import attention_backward, attention_delta, attention_gradients
-from .forward import attention_forward
-from .functional import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    pad_head_dim,
-    padded_head_dim,
-)
-from .hopper.dispatch import uses_fused_backward, uses_fused_forward
-from .kvcache import flash_attn_with_kvcache
-from .merge import check_sinks, merge_attention_partial, merge_sinks
-from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
-from .problem import AttentionProblem, build_problem, check_window, cu_seqlens_tensor
-from .probs import attention_probs
-from .tile_mask import TileMask
+if __name__ != "ringflash.kernels":
+    # This folder is also importable as a top-level ``kernels`` wherever a checkout's root is on
+    # sys.path (``python -m pytest`` or a REPL started there), and transformers imports
+    # ``kernels`` (Hugging Face's kernel hub) to read its version. A second copy of this package
+    # re-registers ringflash's torch.library ops, which leaves the first copy's handles to them
+    # dangling: a later fake-tensor call under torch.compile raised "vector::reserve" or crashed
+    # the process (docs/experiments.md §80). So that name gets the one ``ringflash.kernels``; without
+    # ringflash installed it stays an empty package.
+    import importlib as _importlib
+    import sys as _sys
+
+    try:
+        _sys.modules[__name__] = _importlib.import_module("ringflash.kernels")
+    except ImportError:
+        pass
+else:
+    from . import flop_counts  # noqa: F401  (registers the ops' FlopCounterMode formulas)
+    from .backward import attention_backward, attention_delta, attention_gradients
+    from .forward import attention_forward
+    from .functional import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        pad_head_dim,
+        padded_head_dim,
+    )
+    from .hopper.dispatch import uses_fused_backward, uses_fused_forward
+    from .kvcache import flash_attn_with_kvcache
+    from .merge import check_sinks, merge_attention_partial, merge_sinks
+    from .positions import MaskBounds, TokenPositions, Visibility, block_visibility
+    from .problem import AttentionProblem, build_problem, check_window, cu_seqlens_tensor
+    from .probs import attention_probs
+    from .tile_mask import TileMask
 
 __all__ = [
     "AttentionProblem",

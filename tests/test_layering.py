@@ -69,3 +69,23 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_the_kernels_folder_loads_once_under_either_name():
+    """Run from a checkout's root, ``kernels/`` is also a top-level ``kernels`` package, which
+    transformers imports while probing for Hugging Face's kernel hub. That name must give the
+    one ``ringflash.kernels``: a second copy re-registers the torch.library ops and leaves the
+    first copy's handles dangling (a fake-tensor call under torch.compile then crashed)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, ringflash.kernels as ours, kernels\n"
+        "assert kernels is ours, kernels\n"
+        "import transformers.modeling_utils\n"
+        "copies = sorted(m for m in sys.modules if m.startswith('kernels.'))\n"
+        "assert not copies, copies\n"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
