@@ -14,10 +14,10 @@ if __name__ != "ringflash.kernels":
     # This folder is also importable as a top-level ``kernels`` wherever a checkout's root is on
     # sys.path (``python -m pytest`` or a REPL started there), and transformers imports
     # ``kernels`` (Hugging Face's kernel hub) to read its version. A second copy of this package
-    # re-registers ringflash's torch.library ops, which leaves the first copy's handles to them
-    # dangling: a later fake-tensor call under torch.compile raised "vector::reserve" or crashed
-    # the process (docs/experiments.md §80). So that name gets the one ``ringflash.kernels``; without
-    # ringflash installed it stays an empty package.
+    # registers ringflash's torch.library ops a second time, after which a fake-tensor call of
+    # one under torch.compile raised "vector::reserve" or crashed the process (the first copy's
+    # handles to the ops dangling, most likely; docs/experiments.md §80). So that name gets the
+    # one ``ringflash.kernels``; without ringflash installed it stays an empty package.
     import importlib as _importlib
     import sys as _sys
 
