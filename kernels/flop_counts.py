@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import register_flop_formula
 
 from . import block_sparse_ops, kvcache, ops  # noqa: F401  (the ops must exist to register on)
+from .problem import cu_seqlens_host
 
 Tensor = torch.Tensor
 
@@ -37,11 +38,12 @@ def backward_flops(pairs: int, heads: int, head_dim: int, head_dim_v: int) -> in
     return 2 * pairs * heads * (3 * head_dim + 2 * head_dim_v)
 
 
-def host_values(t: Tensor) -> list[int] | None:
-    """A small index tensor's values, or None where they cannot be read (fake or meta tensors)."""
+def host_values(t: Tensor) -> tuple[int, ...] | None:
+    """A 1-D index tensor's values (``cu_seqlens_host``: read once per tensor and version, so a
+    layer's count reads nothing the op itself did not), or None where they cannot be read."""
     if t.device.type == "meta" or is_fake(t):  # traced (Inductor estimates with fake tensors)
         return None
-    return [int(x) for x in t.tolist()]
+    return cu_seqlens_host(t)
 
 
 def document_pairs(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> int:

@@ -126,6 +126,10 @@ def test_kv_cache_counts_each_sequences_keys(device):
                                                     cache_leftpad=leftpad, causal=True))  # fmt: skip
     keys = (5 + 1) + (20 - 4 + 1)
     assert counts == {ops.kvcache_attention: _sdpa(1, 4, 1, keys, 16)[0]}
+    seqlens += 1  # the next step, lengths changed in place: the host copy of the values is renewed
+    counts = _counts(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                    cache_leftpad=leftpad, causal=True))  # fmt: skip
+    assert counts == {ops.kvcache_attention: _sdpa(1, 4, 1, keys + 2, 16)[0]}
 
 
 def _sp_counts(name: str):
