@@ -184,12 +184,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=["eager", "compiled"],
                    help="the first is the baseline of the ratios")  # fmt: skip
     p.add_argument("--compile-mode", default=None, help="mode of 'compiled', e.g. max-autotune-no-cudagraphs")
-    p.add_argument("--sp-mode", default="auto", help="SequenceParallelAttention's sp_mode under torchrun")
+    p.add_argument("--sp-mode", default=None, help="SequenceParallelAttention's sp_mode (torchrun; auto)")
     args = p.parse_args(argv)
     if len(set(args.modes)) != len(args.modes):
         p.error("--modes: each mode at most once")
     if args.tokens < 2 or args.layers < 1 or args.warmup < 0 or args.iters < 1:
         p.error("--tokens must be >= 2, --layers and --iters >= 1, --warmup >= 0")
+    if args.compile_mode is not None and "compiled" not in args.modes:
+        p.error("--compile-mode sets the 'compiled' mode's torch.compile mode: add compiled to --modes")
+    if args.sp_mode is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        p.error("--sp-mode needs several processes (torchrun --nproc_per_node N)")
+    args.sp_mode = args.sp_mode or "auto"
     return args
 
 

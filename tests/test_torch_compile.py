@@ -344,7 +344,11 @@ def _bench_compile():
     return bench_compile
 
 
-@pytest.mark.parametrize("argv", [["--modes", "eager", "eager"], ["--modes", "jit"], ["--iters", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--modes", "eager", "eager"], ["--modes", "jit"], ["--iters", "0"],
+     ["--modes", "eager", "graphed", "--compile-mode", "max-autotune"], ["--sp-mode", "ring"]],
+)  # fmt: skip
 def test_bench_compile_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         _bench_compile().parse_args(argv)
