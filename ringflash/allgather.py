@@ -339,11 +339,42 @@ def gather_replays(
     ))  # fmt: skip
 
 
+def replayed_gather_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: GatherPlan, group
+) -> tuple[torch.Tensor, torch.Tensor, Replays | None]:
+    """(out, lse, the replays taken or None) of a planned call: replayed from the plan's graphs
+    where ``gather_replays`` gives them, else ``gather_forward``. The autograd Function and the
+    custom op both run this."""
+    replays = gather_replays(q, k, v, base, plan, group)
+    out, lse = gather_forward(q, k, v, plan, group) if replays is None else replays.forward(q, k, v)
+    return out, lse, replays
+
+
+def replayed_gather_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    base: AttentionProblem,
+    plan: GatherPlan,
+    group,
+    replays: Replays | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a planned call (dout contiguous): replayed from ``replays`` where
+    ``backward_replay`` allows, else ``gather_backward``."""
+    replay = backward_replay(replays, dlse)
+    if replay is not None:
+        return replay(dout, q, k, v, out, lse)
+    return gather_backward(dout, q, k, v, out, lse, base, plan, group, dlse=dlse)
+
+
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, base: AttentionProblem, plan: GatherPlan, group):
-        replays = gather_replays(q, k, v, base, plan, group)
-        out, lse = gather_forward(q, k, v, plan, group) if replays is None else replays.forward(q, k, v)
+        out, lse, replays = replayed_gather_forward(q, k, v, base, plan, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (base, plan, group)
         ctx.replays = replays
@@ -354,11 +385,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        replay = backward_replay(ctx.replays, dlse)
-        if replay is not None:
-            dq, dk, dv = replay(dout, q, k, v, out, lse)
-        else:
-            dq, dk, dv = gather_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
+        dq, dk, dv = replayed_gather_backward(dout, q, k, v, out, lse, *ctx.args, ctx.replays, dlse)
         return dq, dk, dv, None, None, None
 
 

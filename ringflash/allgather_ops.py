@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .allgather import gather_backward, gather_forward, layout_setup, prepared_setup, run_gather_attention
+from .allgather import (
+    gather_replays,
+    layout_setup,
+    prepared_setup,
+    replayed_gather_backward,
+    replayed_gather_forward,
+    run_gather_attention,
+)
 from .comm import group_from_name, group_name
 from .kernels import check_sinks
 from .kernels.ops import check_scalar_args, use_ops
@@ -82,8 +89,8 @@ def _forward_op(
     args = (group_name, layout, cu_seqlens, cu_seqlens_list, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, k_start, k_stop, softmax_scale, causal, window_left, window_right, softcap,
             alibi_slopes, deterministic, heads_k_stride)  # fmt: skip
-    _, plan, group = _setup(q, k, v, args, check_ranks)
-    out, lse = gather_forward(*_as_4d(q, k, v), plan, group)
+    base, plan, group = _setup(q, k, v, args, check_ranks)
+    out, lse, _ = replayed_gather_forward(*_as_4d(q, k, v), base, plan, group)
     return (out, lse) if q.dim() == 4 else (out[0], lse[0])
 
 
@@ -128,7 +135,9 @@ def _backward_op(
     dout4, q4, k4, v4, out4 = _as_4d(dout.contiguous(), q, k, v, out)
     if q.dim() == 3:
         lse, dlse = lse[None], None if dlse is None else dlse[None]
-    dq, dk, dv = gather_backward(dout4, q4, k4, v4, out4, lse, base, plan, group, dlse=dlse)
+    # The forward's setup, so the forward's graphs (the same cached plan: ``gather_replays``).
+    replays = gather_replays(q4, k4, v4, base, plan, group)
+    dq, dk, dv = replayed_gather_backward(dout4, q4, k4, v4, out4, lse, base, plan, group, replays, dlse)
     return (dq, dk, dv) if q.dim() == 4 else (dq[0], dk[0], dv[0])
 
 

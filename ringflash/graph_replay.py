@@ -8,7 +8,8 @@ copies its inputs into static buffers, replays, and copies the outputs out. The 
 makes it safe for layers that share a setup (and so its graphs): nothing a later replay
 overwrites is handed to the caller. ``ReplayCache`` holds them by setup: the ring's
 (``ring.REPLAYS``), the all-gather mode's (``allgather.REPLAYS``) and Ulysses' and the hybrid's
-(``ulysses.REPLAYS``).
+(``ulysses.REPLAYS``). The eager autograd Functions and the custom ops (what torch.compile and
+dispatch modes such as selective checkpointing run) replay the same graphs.
 
 ``GraphReplay(fn)`` runs ``fn`` eagerly on its first call (which compiles the kernels and sets up
 NCCL's communicator), captures it on its second and replays it from then on.

@@ -15,7 +15,10 @@ LSE is differentiable: a gradient on it enters the backward as delta_i -= dlse_i
     ulysses_attn_backward(dout, dlse, qkv_h, out_h, lse_h, heads_k, group_name, ...) -> (dq, dk, dv)
 
 In eager mode, plain tensors take the autograd.Function path of ring.py/ulysses.py instead
-(``kernels.ops.use_ops``). ALiBi with Ulysses/hybrid is not available under compile yet.
+(``kernels.ops.use_ops``). Both run the same planned calls, which dense setups replay from the
+library's CUDA graphs (``graph_replay.py``): the ops' backward finds the forward's plan, and so
+its graphs, again (the ring's setup cache; ``_FORWARD_PLANS`` for Ulysses). ALiBi with
+Ulysses/hybrid is not available under compile yet.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from .comm import group_from_name, group_name
 from .kernels.ops import check_scalar_args
 from .layouts import layout_name
 from .mesh import check_ulysses_size, ulysses_ring_mesh
-from .ring import ring_backward, ring_forward, ring_setup
+from .ring import replayed_ring_backward, replayed_ring_forward, ring_replays, ring_setup
+from .setup_cache import SetupCache
 from .ulysses import (
     UlyssesPlan,
     heads_plan,
     kv_heads_for,
+    plan_replays,
+    replayed_ulysses_backward,
+    replayed_ulysses_forward,
     split_heads,
-    ulysses_backward,
-    ulysses_forward,
     ulysses_setup,
 )
 
@@ -114,8 +119,9 @@ def _ring_forward_op(
         alibi_slopes,
         deterministic,
     )
-    _, plan, comm = _ring_plan(q, k, v, *args, check_ranks)
-    return ring_forward(q, k.contiguous(), v.contiguous(), plan, comm)
+    base, plan, comm = _ring_plan(q, k, v, *args, check_ranks)
+    out, lse, _ = replayed_ring_forward(q, k.contiguous(), v.contiguous(), base, plan, comm)
+    return out, lse
 
 
 @_ring_forward_op.register_fake
@@ -160,7 +166,9 @@ def _ring_backward_op(
     )
     base, plan, comm = _ring_plan(q, k, v, *args, False)  # the forward checked the ranks
     k, v = k.contiguous(), v.contiguous()
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, base, plan, comm, dlse=dlse)
+    # The forward's setup, so the forward's graphs (the same cached plan: ``ring_replays``).
+    replays = ring_replays(q, k, v, base, plan, comm)
+    return replayed_ring_backward(dout.contiguous(), q, k, v, out, lse, base, plan, comm, replays, dlse)
 
 
 @_ring_backward_op.register_fake
@@ -239,6 +247,19 @@ def _ulysses_mesh(group: dist.ProcessGroup, ulysses_size: int):
     return ulysses_ring_mesh(group, check_ulysses_size(ulysses_size or world, world))
 
 
+# The plans of forward ops that replayed from graphs, by what their backward op receives (the
+# head-layout tensors' layouts and the options): the backward replays the same plan's graphs.
+_FORWARD_PLANS = SetupCache()
+
+
+def _plan_key(
+    saved: tuple[Tensor, ...], group: dist.ProcessGroup, heads_k: int, options: tuple
+) -> tuple | None:
+    """``_FORWARD_PLANS``' key: the saved (qkv_h, out_h, lse_h), the caller's K/V heads, and the
+    options both Ulysses ops take after them (group_name to deterministic; tensors by identity)."""
+    return _FORWARD_PLANS.key(*saved, group, heads_k=heads_k, options=options)
+
+
 @torch.library.custom_op("ringflash::ulysses_attn_forward", mutates_args=())
 def _ulysses_forward_op(
     q: Tensor,
@@ -256,6 +277,8 @@ def _ulysses_forward_op(
     softcap: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    options = (group_name, layout, ulysses_size, cu_seqlens, cu_seqlens_list, softmax_scale, causal,
+               window_left, window_right, softcap, deterministic)  # fmt: skip
     plan, _ = ulysses_setup(
         q, k, v, group=group_from_name(group_name), sp_mode="hybrid" if ulysses_size else "ulysses",
         ulysses_size=ulysses_size or None, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
@@ -263,9 +286,15 @@ def _ulysses_forward_op(
         causal=causal, window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
     )  # fmt: skip
     with torch.no_grad():
-        out, qkv_h, out_h, lse_h, lse = ulysses_forward(q, k, v, plan)
+        (out, qkv_h, out_h, lse_h, lse), replays = replayed_ulysses_forward(q, k, v, plan)
     # Contiguous, as the fake implementation promises (views of the all-to-alls' buffers may not be).
-    return out.contiguous(), lse.contiguous(), qkv_h.contiguous(), out_h.contiguous(), lse_h.contiguous()
+    saved = qkv_h.contiguous(), out_h.contiguous(), lse_h.contiguous()
+    if replays is not None:  # the backward op replays the same plan's graphs
+        group = group_from_name(group_name)
+        key = _plan_key(saved, group, k.shape[2], options)
+        if _FORWARD_PLANS.get(key, group) is not plan:
+            _FORWARD_PLANS.put(key, plan, group, cu_seqlens)
+    return out.contiguous(), lse.contiguous(), *saved
 
 
 @_ulysses_forward_op.register_fake
@@ -303,16 +332,23 @@ def _ulysses_backward_op(
     softcap: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    mesh = _ulysses_mesh(group_from_name(group_name), ulysses_size)
-    q_h, k_h, v_h = split_heads(qkv_h, out_h.shape[2])
-    inner = heads_plan(
-        q_h, k_h, v_h, mesh, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list), alibi_slopes=None,
-        block_mask=None, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, deterministic=deterministic,
-    )  # fmt: skip
-    plan = UlyssesPlan(mesh, heads_k, k_h.shape[2] * mesh.ulysses_size, inner)
+    group = group_from_name(group_name)
+    options = (group_name, layout, ulysses_size, cu_seqlens, cu_seqlens_list, softmax_scale, causal,
+               window_left, window_right, softcap, deterministic)  # fmt: skip
+    key = _plan_key((qkv_h, out_h, lse_h), group, heads_k, options)
+    plan = _FORWARD_PLANS.get(key, group)
+    replays = None if plan is None else plan_replays(plan)
+    if plan is None:  # the forward ran eagerly: its plan, built again
+        mesh = _ulysses_mesh(group, ulysses_size)
+        q_h, k_h, v_h = split_heads(qkv_h, out_h.shape[2])
+        inner = heads_plan(
+            q_h, k_h, v_h, mesh, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
+            alibi_slopes=None, block_mask=None, softmax_scale=softmax_scale, causal=causal,
+            window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
+        )  # fmt: skip
+        plan = UlyssesPlan(mesh, heads_k, k_h.shape[2] * mesh.ulysses_size, inner)
     with torch.no_grad():
-        dq, dk, dv = ulysses_backward(dout.contiguous(), qkv_h, out_h, lse_h, plan, dlse)
+        dq, dk, dv = replayed_ulysses_backward(dout.contiguous(), qkv_h, out_h, lse_h, plan, replays, dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

@@ -328,11 +328,43 @@ def ring_replays(
     ))  # fmt: skip
 
 
+def replayed_ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: AttentionProblem, plan: RingPlan, comm: RingComm
+) -> tuple[torch.Tensor, torch.Tensor, Replays | None]:
+    """(out, lse, the replays taken or None) of a planned call (k, v contiguous): replayed from the
+    plan's graphs where ``ring_replays`` gives them, else ``ring_forward``. The autograd Function
+    and the custom op both run this."""
+    replays = ring_replays(q, k, v, base, plan, comm)
+    out, lse = ring_forward(q, k, v, plan, comm) if replays is None else replays.forward(q, k, v)
+    return out, lse, replays
+
+
+def replayed_ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    base: AttentionProblem,
+    plan: RingPlan,
+    comm: RingComm,
+    replays: Replays | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a planned call (dout contiguous): replayed from ``replays`` where
+    ``backward_replay`` allows (no LSE gradient, not inside the caller's capture), else
+    ``ring_backward``."""
+    replay = backward_replay(replays, dlse)
+    if replay is not None:
+        return replay(dout, q, k, v, out, lse)
+    return ring_backward(dout, q, k, v, out, lse, base, plan, comm, dlse=dlse)
+
+
 class _RingFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, base: AttentionProblem, plan: RingPlan, comm: RingComm):
-        replays = ring_replays(q, k, v, base, plan, comm)
-        out, lse = ring_forward(q, k, v, plan, comm) if replays is None else replays.forward(q, k, v)
+        out, lse, replays = replayed_ring_forward(q, k, v, base, plan, comm)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (base, plan, comm)
         ctx.replays = replays
@@ -343,11 +375,7 @@ class _RingFlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        replay = backward_replay(ctx.replays, dlse)
-        if replay is not None:
-            dq, dk, dv = replay(dout, q, k, v, out, lse)
-        else:
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
+        dq, dk, dv = replayed_ring_backward(dout, q, k, v, out, lse, *ctx.args, ctx.replays, dlse)
         return dq, dk, dv, None, None, None
 
 

@@ -281,21 +281,52 @@ def ulysses_replays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Uly
     plans by default, as the ring's), else None."""
     if not replay_wanted(q, k, v, dense=plan.heads.dense):
         return None
+    return plan_replays(plan)
+
+
+def plan_replays(plan: UlyssesPlan) -> Replays:
+    """The graphs of this plan, whether or not its calls should replay."""
     return REPLAYS.get(plan, plan.mesh.ulysses_group, lambda: (
         lambda q, k, v: ulysses_forward(q, k, v, plan),
         lambda dout, qkv_h, out_h, lse_h: ulysses_backward(dout, qkv_h, out_h, lse_h, plan),
     ))  # fmt: skip
 
 
+def replayed_ulysses_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan, take: tuple[int, ...] | None = None
+) -> tuple[tuple, Replays | None]:
+    """(``ulysses_forward``'s outputs, the replays taken or None) of a planned call: replayed
+    from the plan's graphs where ``ulysses_replays`` gives them (``take``: the outputs copied out
+    of them, the others None). The autograd Function and the custom op both run this."""
+    replays = ulysses_replays(q, k, v, plan)
+    if replays is None:
+        return ulysses_forward(q, k, v, plan), None
+    return replays.forward(q, k, v, take=take), replays
+
+
+def replayed_ulysses_backward(
+    dout: torch.Tensor,
+    qkv_h: torch.Tensor,
+    out_h: torch.Tensor,
+    lse_h: torch.Tensor,
+    plan: UlyssesPlan,
+    replays: Replays | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a planned call (dout contiguous): replayed from ``replays`` where
+    ``backward_replay`` allows, else ``ulysses_backward``."""
+    replay = backward_replay(replays, dlse)
+    if replay is not None:
+        return replay(dout, qkv_h, out_h, lse_h)
+    return ulysses_backward(dout, qkv_h, out_h, lse_h, plan, dlse)
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesPlan, differentiable: bool):
-        replays = ulysses_replays(q, k, v, plan)
-        if replays is None:
-            outs = ulysses_forward(q, k, v, plan)
-        else:  # without a backward to come, the head-layout tensors it would take stay in the graph
-            outs = replays.forward(q, k, v, take=None if differentiable else _WITHOUT_BACKWARD[plan.with_lse])
-        out, qkv_h, out_h, lse_h, *lse = outs
+        # Without a backward to come, the head-layout tensors it would take stay in the graph.
+        take = None if differentiable else _WITHOUT_BACKWARD[plan.with_lse]
+        (out, qkv_h, out_h, lse_h, *lse), replays = replayed_ulysses_forward(q, k, v, plan, take)
         ctx.save_for_backward(qkv_h, out_h, lse_h)
         ctx.plan, ctx.replays = plan, replays
         ctx.set_materialize_grads(False)
@@ -309,11 +340,7 @@ class _UlyssesAttention(torch.autograd.Function):
             u = ctx.plan.mesh.ulysses_size
             dout = out_h.new_zeros((b, un // u, u * h, d))
         dout = dout.contiguous()
-        replay = backward_replay(ctx.replays, dlse)
-        if replay is not None:
-            dq, dk, dv = replay(dout, qkv_h, out_h, lse_h)
-        else:
-            dq, dk, dv = ulysses_backward(dout, qkv_h, out_h, lse_h, ctx.plan, dlse)
+        dq, dk, dv = replayed_ulysses_backward(dout, qkv_h, out_h, lse_h, ctx.plan, ctx.replays, dlse)
         return dq, dk, dv, None, None
 
 

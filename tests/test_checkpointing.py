@@ -113,9 +113,9 @@ def test_save_takes_op_overloads_only():
     assert kept is not None
 
 
-# (sp_mode, the op's engine function that runs the forward)
-_ENGINES = {"ring": (sp_ops, "ring_forward"), "ulysses": (sp_ops, "ulysses_forward"),
-            "allgather": (allgather_ops, "gather_forward")}  # fmt: skip
+# (sp_mode, the function the op calls once per forward, eager or replayed from graphs)
+_ENGINES = {"ring": (sp_ops, "replayed_ring_forward"), "ulysses": (sp_ops, "replayed_ulysses_forward"),
+            "allgather": (allgather_ops, "replayed_gather_forward")}  # fmt: skip
 
 
 def _sp_counts(sp_mode: str):

@@ -5,6 +5,7 @@ results, and that no graph holds an NCCL operation (a group is destroyed with th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -13,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 from distributed import worker_device
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringflash
 from ringflash import allgather, graph_replay, ring, ulysses
@@ -352,10 +354,20 @@ def _replays() -> list[Replays]:
     return [r for mode in (ring, allgather, ulysses) for r in mode.REPLAYS.entries.values()]
 
 
-def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"):
+class _Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the entry points take the custom ops, as
+    under selective checkpointing or ``FlopCounterMode`` (``kernels.ops.use_ops``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag", route: str = "function"):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps
     (new values each step, the shard's length taking ``lengths`` in turn), with the graphs and
-    eagerly; returns the largest difference and which graphs exist per setup."""
+    eagerly; returns the largest difference and which graphs exist per setup. ``route``: "op"
+    runs the steps under a dispatch mode, so through the custom ops instead of the autograd
+    Functions."""
     _clear_replays()
     dev = worker_device()
     world = torch.distributed.get_world_size()
@@ -368,6 +380,10 @@ def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"
         return torch.randn(1, n, h, 64, device=dev, dtype=dtype, generator=g)
 
     def step(n, xs):
+        with _Passthrough() if route == "op" else contextlib.nullcontext():
+            return plain_step(n, xs)
+
+    def plain_step(n, xs):
         leaves = [t.clone().requires_grad_() for t in xs[:6]]
         qa, ka, va, qb, kb, vb = leaves
         out_a = calls[n](qa, ka, va)
@@ -424,6 +440,48 @@ def test_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
     for worst, graphs in rank_pool(2).run(_layers_on_rank, 2, (512,), variant):
         assert worst < 2e-2
         assert graphs == [(True, not variant.endswith("sinks"))]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("variant", ["zigzag", "allgather_zigzag", "ulysses_zigzag", "hybrid_ring"])
+def test_the_custom_ops_replay_the_same_graphs(rank_pool, variant):
+    """Through the custom ops (what torch.compile and selective checkpointing run) the forward
+    and the backward replay, each op finding its setup's graphs, and equal eager calls."""
+    for worst, graphs in rank_pool(2).run(_layers_on_rank, 4, (512,), variant, "op"):
+        assert worst < 2e-2
+        assert graphs == [(True, True)]
+
+
+def _captures_on_rank(variant: str, route: str):
+    """Two steps on CPU ranks, with CUDA's graphs replaced by stand-ins (``_fake_cuda``) and
+    replays wanted for CPU tensors: which of the setup's graphs were captured. The stand-ins
+    compute nothing when replayed, and a capture defers its transfers, so the values are not
+    looked at: this is the wiring, the GPU tests above are the values."""
+    _clear_replays()
+    world = torch.distributed.get_world_size()
+    call = _variant_call(variant, 64 * world, torch.device("cpu"))
+    wanted = lambda *tensors, dense=True: True  # noqa: E731
+    patches = [mock.patch.object(m, "replay_wanted", wanted) for m in (ring, allgather, ulysses)]
+    patches.append(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
+    with _fake_cuda([]), contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        for _ in range(2):
+            q, k, v, dout = (torch.randn(1, 64, 2, 16) for _ in range(4))
+            q.requires_grad_()
+            with _Passthrough() if route == "op" else contextlib.nullcontext():
+                out = call(q, k, v)
+                out.backward(dout)
+    return [(r.forward.captured is not None, r.backward.captured is not None) for r in _replays()]
+
+
+@pytest.mark.parametrize("route", ["function", "op"])
+@pytest.mark.parametrize("variant", ["zigzag", "allgather_zigzag", "ulysses_zigzag"])
+def test_the_backward_finds_the_forwards_graphs_on_either_route(rank_pool, variant, route):
+    """The backward of a call, through the autograd Function or the custom ops, uses the graphs of
+    its forward's setup: by the second step both are captured. Without the ops' lookup of the
+    forward's plan the backward op would never capture (Ulysses: a new plan per call)."""
+    assert rank_pool(2).run(_captures_on_rank, variant, route) == [[(True, True)]] * 2
 
 
 def _inference_on_rank(variant: str):
