@@ -29,7 +29,9 @@ call; ``RINGFLASH_RING_GRAPHS=1`` also replays packed documents and block masks 
 change with every new ``cu_seqlens`` or mask), ``=0`` never replays. Not used while the caller
 itself captures a graph (its capture records the eager call), for tensors off the current GPU,
 or above ``MAX_REPLAY_BYTES`` per input (there the host is hidden behind the kernels and the
-copies would cost more than they save). ``release_graphs()`` frees every graph's memory.
+copies would cost more than they save). While the caller's allocations go to a private pool
+(``allocations_routed``: torch.compile's cudagraph trees warming up) calls run eagerly, and a
+later call captures. ``release_graphs()`` frees every graph's memory.
 """
 
 from __future__ import annotations
@@ -177,6 +179,20 @@ def capture(fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> tuple[_Capt
     return recording, outputs
 
 
+def allocations_routed(device: torch.device) -> bool:
+    """Whether this thread's allocations on ``device`` go to a private memory pool: while
+    torch.compile's cudagraph trees warm up (``mode="reduce-overhead"``) or under
+    ``torch.cuda.use_mem_pool``. A capture there would leave its static buffers in that pool,
+    which hands memory back to its owner's tensors while the graphs still use it; it waits for a
+    call outside. Read from the allocator's snapshot, once per attempted capture."""
+    probe = torch.empty(1, device=device)
+    address = probe.data_ptr()
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    return False
+
+
 # Every GraphReplay holding a capture (autograd's saved contexts may hold one too).
 _CAPTURED: weakref.WeakSet[GraphReplay] = weakref.WeakSet()
 
@@ -212,6 +228,9 @@ class GraphReplay:
         uses (default all), the others None (not copied out) from the capturing call on."""
         self.calls += 1
         if self.calls == 1:
+            return self._fn(*inputs)
+        if self.captured is None and allocations_routed(inputs[0].device):
+            self.calls = 1  # eagerly again; a later call captures
             return self._fn(*inputs)
         if self.captured is None:
             try:

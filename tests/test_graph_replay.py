@@ -91,6 +91,7 @@ def _fake_cuda(log):
     return mock.patch.multiple(
         torch.cuda, CUDAGraph=lambda: _FakeGraph(log), graph_pool_handle=lambda: None,
         synchronize=lambda: None, Stream=lambda: None, stream=lambda s: mock.MagicMock(),
+        memory_snapshot=lambda: [],
     )  # fmt: skip
 
 
@@ -218,6 +219,39 @@ def test_graph_replay_runs_captures_then_replays_fresh_outputs():
     for (x, y), (prod, inc) in results:  # every result its own: later replays overwrote nothing
         torch.testing.assert_close(prod, x @ y)
         torch.testing.assert_close(inc, x + 1)
+
+
+@pytest.mark.gpu
+def test_no_capture_while_the_caller_allocates_to_a_pool_of_its_own():
+    """Where the caller's thread allocates to a private pool (``torch.cuda.use_mem_pool``, as
+    torch.compile's cudagraph trees do while they warm up), calls run eagerly: a capture would
+    leave its buffers in a pool that hands them to other tensors. Outside it the next call
+    captures."""
+    replay = GraphReplay(lambda x: (x * 2,))
+    pool = torch.cuda.MemPool()
+    x = torch.randn(4096, device="cuda")
+    assert not graph_replay.allocations_routed(x.device)
+    with torch.cuda.use_mem_pool(pool):
+        assert graph_replay.allocations_routed(x.device)
+        for _ in range(3):
+            (y,) = replay(x)
+            torch.testing.assert_close(y, x * 2)
+        assert replay.captured is None
+        del y
+    for _ in range(2):
+        (y,) = replay(x)
+        torch.testing.assert_close(y, x * 2)
+    assert replay.captured is not None
+    replay.release()
+
+
+def test_calls_stay_eager_while_allocations_are_routed():
+    calls = []
+    replay = GraphReplay(lambda x: calls.append(x) or (x,))
+    with _fake_cuda([]), mock.patch.object(graph_replay, "allocations_routed", return_value=True):
+        for _ in range(3):
+            replay(torch.zeros(2))
+    assert len(calls) == 3 and replay.captured is None
 
 
 @pytest.mark.gpu
@@ -621,17 +655,17 @@ def test_setups_called_once_do_not_evict_captured_graphs():
     assert entries() == [1, 2, 9]
 
 
-def test_only_dense_plans_replay_by_default():
+def test_only_dense_plans_replay_by_default(device):
     """What ``RINGFLASH_RING_GRAPHS`` unset replays: plans without packed documents or a block
     mask (those are rebuilt, and would be captured, whenever the documents or the mask change)."""
     from ringflash.block_masks import dense_calls, ring_step_masks
 
-    q = torch.zeros(1, 256, 2, 16)
+    q = torch.zeros(1, 256, 2, 16, device=device)
     base = ringflash.kernels.build_problem(q, q, q, None, True, (-1, -1))
     comm = ring.RingComm.known(None, 0, 2)
     dense = ring.ring_plan(base, "zigzag", comm, (512,), False, q.device)
     packed = ring.ring_plan(base, "zigzag", comm, (128, 384), True, q.device)
-    mask = TileMask.from_mask_mod(_prefix_window, 1, 1, 512, 512)
+    mask = TileMask.from_mask_mod(_prefix_window, 1, 1, 512, 512, device=device)
     masked = ring.block_sparse_ring_plan(base, ring_step_masks(mask, "zigzag", 0, 2))
     assert dense_calls(dense)
     assert not dense_calls(packed) and not dense_calls(masked)
