@@ -6,6 +6,7 @@ results, and that no graph holds an NCCL operation (a group is destroyed with th
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 import weakref
@@ -540,6 +541,85 @@ def _inference_on_rank(variant: str):
         err = (replayed.float() - eager.float()).abs().max() / eager.float().abs().max()
         worst = max(worst, err.item())
     return worst, [r.forward.captured is not None for r in _replays()]
+
+
+def _routes_on_rank():
+    """Four steps of a 4-block model whose attention is Ulysses over a group of one (which
+    replays as any Ulysses setup does), eagerly, compiled (the ops), compiled with
+    reduce-overhead and under selective checkpointing (the ops under a dispatch mode), with the
+    replays on, against eager steps with them off: {route: (largest relative difference of the
+    losses and gradients, which graphs were captured)}."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(256, 256, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            q, k, v = (f(x).view(1, -1, 4, 64) for f in (self.q, self.k, self.v))  # contiguous
+            return x + self.o(ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses").flatten(2))
+
+    torch.manual_seed(0)
+    model0 = nn.Sequential(*[Block() for _ in range(4)]).cuda().bfloat16()
+    xs = [torch.randn(1, 1024, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+
+    def steps(route):
+        _clear_replays()
+        graph_replay.release_graphs()
+        model = copy.deepcopy(model0)
+        blocks = list(model)
+        if route.startswith("compiled"):
+            blocks = [
+                torch.compile(b, mode="reduce-overhead" if route.endswith("overhead") else None)
+                for b in blocks
+            ]
+        results = []
+        for x in xs:
+            if route.endswith("overhead"):
+                torch.compiler.cudagraph_mark_step_begin()
+            for b in blocks:
+                if route == "checkpointed":
+                    x = torch.utils.checkpoint.checkpoint(
+                        b, x, use_reentrant=False, context_fn=ringflash.attention_checkpoint_context
+                    )
+                else:
+                    x = b(x)
+            loss = x.float().pow(2).mean()
+            loss.backward()
+            results.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        graphs = [(r.forward.captured is not None, r.backward.captured is not None) for r in _replays()]
+        return results, graphs
+
+    with mock.patch.dict(os.environ, OFF):
+        want, _ = steps("eager")
+    found = {}
+    with mock.patch.dict(os.environ, ON):
+        for route in ("eager", "compiled", "compiled, reduce-overhead", "checkpointed"):
+            got, graphs = steps(route)
+            worst = 0.0
+            for a, b in ((a, b) for ga, gb in zip(got, want) for a, b in zip(ga, gb)):
+                assert torch.isfinite(a).all()
+                worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
+            found[route] = (worst, graphs)
+    torch._dynamo.reset()  # reduce-overhead's graphs: none may outlive the group (PyTorch #115388)
+    _clear_replays()
+    return found
+
+
+@pytest.mark.gpu
+def test_replays_in_compiled_and_checkpointed_steps(rank_pool):
+    """The ops replay where the Functions do: compiled (default mode) and under selective
+    checkpointing both capture the forward and the backward, whose results are those of steps
+    without replays (bit for bit but for Inductor's own fusions); under reduce-overhead nothing is
+    captured (its warm-up routes allocations to its pool, then it captures the step itself)."""
+    (found,) = rank_pool(1).run(_routes_on_rank, timeout=300)
+    assert found["eager"] == (0.0, [(True, True)])
+    assert found["checkpointed"] == (0.0, [(True, True)])
+    assert found["compiled"][1] == [(True, True)] and found["compiled"][0] < 2e-2
+    assert found["compiled, reduce-overhead"][1] == [(False, False)]
+    assert found["compiled, reduce-overhead"][0] < 2e-2
 
 
 @pytest.mark.multigpu
