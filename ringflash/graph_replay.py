@@ -66,11 +66,13 @@ def replay_mode() -> str:
 def replay_wanted(*tensors: torch.Tensor, dense: bool = True) -> bool:
     """Whether a call on ``tensors`` should go through ``GraphReplay``: replays on (``dense``: a
     setup without packed documents or a block mask, which "auto" replays), on the current GPU,
-    not inside the caller's own capture, dense and small enough."""
+    not inside the caller's own capture, small enough. Any strides: a replay copies its inputs
+    into contiguous static buffers (a model's q/k/v are often views, e.g. transposed from
+    (batch, heads, seqlen, head_dim) by the Hugging Face integration)."""
     mode = replay_mode()
     if mode == "0" or (mode == "auto" and not dense):
         return False
-    if not all(t.is_cuda and t.is_contiguous() for t in tensors):
+    if not all(t.is_cuda for t in tensors):
         return False
     # A capture records the current device's stream: kernels for tensors on another device
     # would run once during the capture and never replay (stale outputs after).

@@ -50,7 +50,7 @@ def test_replay_by_default_for_dense_setups_on_gpu_tensors_of_bounded_size():
         with mock.patch.dict(os.environ, ON):
             assert replay_wanted(small) and replay_wanted(small, dense=False)
             assert not replay_wanted(big)
-            assert not replay_wanted(torch.zeros(4, 2, device="cuda").t())  # not dense
+            assert replay_wanted(torch.zeros(4, 2, device="cuda").t())  # any strides: copied in
 
 
 def test_no_replay_for_tensors_off_the_current_device():
@@ -323,6 +323,10 @@ def _variant_call(variant: str, total: int, dev: torch.device):
     options that change the plan's kernel calls (window, softcap, ALiBi, packed documents, a
     block mask) and sinks (whose LSE gradient sends the backward down the eager path)."""
     heads = 8
+    if variant.endswith("_views"):  # q/k/v as the Hugging Face integration passes them: transposed views
+        inner = _variant_call(variant.removesuffix("_views"), total, dev)
+        views = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+        return lambda q, k, v: inner(views(q), views(k), views(v))
     if variant == "zigzag":
         return lambda q, k, v: ringflash.zigzag_ring_flash_attn_func(q, k, v, causal=True)
     if variant == "contiguous":
@@ -466,7 +470,7 @@ def test_replays_follow_alternating_shapes(rank_pool, variant):
     ["contiguous", "stripe", "window_softcap", "alibi", "packed", "block_mask", "sinks", "allgather_zigzag",
      "allgather_contiguous", "allgather_strides", "allgather_packed", "allgather_sinks", "ulysses_zigzag",
      "ulysses_contiguous", "ulysses_alibi", "ulysses_packed", "ulysses_block_mask", "ulysses_sinks",
-     "hybrid_ring"],
+     "hybrid_ring", "zigzag_views", "allgather_zigzag_views", "ulysses_zigzag_views"],
 )  # fmt: skip
 def test_replays_equal_eager_calls_in_every_variant(rank_pool, variant):
     """Each layout and each option that shapes the plan replays as its eager call runs, in the
@@ -543,9 +547,10 @@ def _inference_on_rank(variant: str):
     return worst, [r.forward.captured is not None for r in _replays()]
 
 
-def _routes_on_rank():
+def _routes_on_rank(transposed: bool):
     """Four steps of a 4-block model whose attention is Ulysses over a group of one (which
-    replays as any Ulysses setup does), eagerly, compiled (the ops), compiled with
+    replays as any Ulysses setup does; ``transposed``: q/k/v are views, as a Hugging Face
+    model hands them over), eagerly, compiled (the ops), compiled with
     reduce-overhead and under selective checkpointing (the ops under a dispatch mode), with the
     replays on, against eager steps with them off: {route: (largest relative difference of the
     losses and gradients, which graphs were captured)}."""
@@ -557,7 +562,9 @@ def _routes_on_rank():
             self.q, self.k, self.v, self.o = (nn.Linear(256, 256, bias=False) for _ in range(4))
 
         def forward(self, x):
-            q, k, v = (f(x).view(1, -1, 4, 64) for f in (self.q, self.k, self.v))  # contiguous
+            q, k, v = (f(x).view(1, -1, 4, 64) for f in (self.q, self.k, self.v))
+            if transposed:  # made in (batch, heads, seqlen, head_dim), as a Hugging Face model's
+                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
             return x + self.o(ringflash.sp_attn_func(q, k, v, causal=True, sp_mode="ulysses").flatten(2))
 
     torch.manual_seed(0)
@@ -609,12 +616,13 @@ def _routes_on_rank():
 
 
 @pytest.mark.gpu
-def test_replays_in_compiled_and_checkpointed_steps(rank_pool):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_replays_in_compiled_and_checkpointed_steps(rank_pool, transposed):
     """The ops replay where the Functions do: compiled (default mode) and under selective
     checkpointing both capture the forward and the backward, whose results are those of steps
     without replays (bit for bit but for Inductor's own fusions); under reduce-overhead nothing is
     captured (its warm-up routes allocations to its pool, then it captures the step itself)."""
-    (found,) = rank_pool(1).run(_routes_on_rank, timeout=300)
+    (found,) = rank_pool(1).run(_routes_on_rank, transposed, timeout=300)
     assert found["eager"] == (0.0, [(True, True)])
     assert found["checkpointed"] == (0.0, [(True, True)])
     assert found["compiled"][1] == [(True, True)] and found["compiled"][0] < 2e-2
