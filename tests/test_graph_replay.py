@@ -620,14 +620,15 @@ def _routes_on_rank(transposed: bool):
 def test_replays_in_compiled_and_checkpointed_steps(rank_pool, transposed):
     """The ops replay where the Functions do: compiled (default mode) and under selective
     checkpointing both capture the forward and the backward, whose results are those of steps
-    without replays (bit for bit but for Inductor's own fusions); under reduce-overhead nothing is
-    captured (its warm-up routes allocations to its pool, then it captures the step itself)."""
+    without replays; under reduce-overhead nothing is captured (its warm-up routes allocations to
+    its pool, then it captures the step itself)."""
     (found,) = rank_pool(1).run(_routes_on_rank, transposed, timeout=300)
-    assert found["eager"] == (0.0, [(True, True)])
-    assert found["checkpointed"] == (0.0, [(True, True)])
-    assert found["compiled"][1] == [(True, True)] and found["compiled"][0] < 2e-2
-    assert found["compiled, reduce-overhead"][1] == [(False, False)]
-    assert found["compiled, reduce-overhead"][0] < 2e-2
+    graphs = {route: g for route, (_, g) in found.items()}
+    assert graphs == {"eager": [(True, True)], "compiled": [(True, True)], "checkpointed": [(True, True)],
+                      "compiled, reduce-overhead": [(False, False)]}  # fmt: skip
+    # The dQ kernels add with atomics: equal up to the order of those additions (0 in the runs
+    # seen), and Inductor's fusions round differently.
+    assert all(worst < 2e-2 for worst, _ in found.values())
 
 
 @pytest.mark.multigpu
