@@ -25,7 +25,9 @@ per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``
 ``dist.batch_isend_irecv`` instead of the process group's own send/recv (``comm.group_p2p``), and
 without the ranks' argument check (``RINGFLASH_CHECK_RANKS=0``). The ring, all-gather and Ulysses
 entries replay from the graphs ringflash captures itself (the default, ``graph_replay.py``);
-``--ab-graphs`` adds them run eagerly (``RINGFLASH_RING_GRAPHS=0``).
+``--ab-graphs`` adds them run eagerly (``RINGFLASH_RING_GRAPHS=0``). ``--ab-views`` adds
+``flash_attn_func`` and the sequence-parallel entries on q/k/v that are transposed views of
+(B, H, S, D) tensors, as the Hugging Face integration passes them.
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
@@ -65,14 +67,14 @@ def _sdpa(q, k, v, causal):
 
 
 def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
-    """name -> (f(q, k, v) -> out, the layout f takes its tensors in: a map from (B, S, H, D),
-    or None for (B, S, H, D) itself). Each entry gets the same values in its own layout, made
-    once outside the timed calls, as a model hands SDPA (B, H, S, D) and a packed batch's
+    """name -> (f(q, k, v) -> out, the layout f takes its tensors in: a map from contiguous
+    (B, S, H, D) tensors, or None for those themselves). Each entry gets the same values in its
+    own layout, made once outside the timed calls, as a model hands SDPA (B, H, S, D) and a packed batch's
     attention (total, H, D) without a view per call."""
     c = args.causal
     b, s = args.batch, args.seqlen
     found: dict[str, tuple[Callable, Callable | None]] = {
-        "sdpa_cudnn": (lambda q, k, v: _sdpa(q, k, v, c), lambda t: t.transpose(1, 2)),
+        "sdpa_cudnn": (lambda q, k, v: _sdpa(q, k, v, c), lambda t: t.transpose(1, 2).contiguous()),
         "flash_attn_func": (lambda q, k, v: ringflash.flash_attn_func(q, k, v, causal=c), None),
     }
 
@@ -80,7 +82,7 @@ def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
         cu = _cu_seqlens(b, s, q.device)
         return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=c)
 
-    found["flash_attn_varlen_func"] = (varlen, lambda t: t.reshape(b * s, *t.shape[2:]))
+    found["flash_attn_varlen_func"] = (varlen, lambda t: t.reshape(b * s, *t.shape[2:]).contiguous())
     if group is not None:
         found["ring_flash_attn_func"] = (
             lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=c, group=group), None
@@ -94,6 +96,12 @@ def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
                 None,
             )
     return {n: f for n, f in found.items() if not args.entries or n in args.entries}
+
+
+def _hf_views(t: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) as a view of a (B, H, S, D) tensor: what the Hugging Face integration hands the
+    entry points (a model's q/k/v transposed back from its attention layout)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 _CU: dict = {}
@@ -259,6 +267,11 @@ def main() -> None:
         help="also run the ring, all-gather and Ulysses entries eagerly, without ringflash's own graphs "
         "([eager], RINGFLASH_RING_GRAPHS=0)",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-views", action="store_true",
+        help="also run flash_attn_func and the sequence-parallel entries on q/k/v that are transposed views "
+        "of (B, H, S, D) tensors, as the Hugging Face integration passes them ([views])",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
@@ -309,6 +322,10 @@ def main() -> None:
             if not name.startswith("sp_attn_func"):  # Ulysses and the all-gather make no ring exchange
                 found[f"{name}[batch_isend_irecv]"] = (f, batch_p2p, layout)
             found[f"{name}[no check]"] = (f, no_check, layout)
+    if args.ab_views:
+        for name in [n for n in found if n.startswith(("flash_attn_func", "ring_", "zigzag_", "sp_attn_func"))
+                     and "[" not in n]:  # fmt: skip
+            found[f"{name}[views]"] = (found[name][0], contextlib.nullcontext, _hf_views)
     if args.ab_graphs:
         eager = lambda: mock.patch.dict(os.environ, {"RINGFLASH_RING_GRAPHS": "0"})  # noqa: E731
         sp = ("sp_attn_func[allgather]", "sp_attn_func[ulysses]")
@@ -318,7 +335,7 @@ def main() -> None:
             found[f"{name}[eager]"] = (f, eager, layout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
     for name, (_, _, layout) in found.items():
-        native = (lambda t: t) if layout is None else (lambda t, f=layout: f(t).contiguous())
+        native = (lambda t: t) if layout is None else layout
         inputs[name] = (
             tuple(native(t) for t in (q, k, v)),
             (*(native(t).detach().requires_grad_() for t in (q, k, v)), native(dout)),
