@@ -189,7 +189,11 @@ def allocations_routed(device: torch.device) -> bool:
     call outside. Read from the allocator's snapshot, once per attempted capture."""
     probe = torch.empty(1, device=device)
     address = probe.data_ptr()
-    for segment in torch.cuda.memory_snapshot():
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:  # an allocator without snapshots (cudaMallocAsync) has no pools to route to
+        return False
+    for segment in segments:
         if segment["address"] <= address < segment["address"] + segment["total_size"]:
             return tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
     return False

@@ -246,6 +246,14 @@ def test_no_capture_while_the_caller_allocates_to_a_pool_of_its_own():
     replay.release()
 
 
+def test_an_allocator_without_snapshots_routes_nothing():
+    """cudaMallocAsync's allocator refuses snapshots, and has no private pools to route to."""
+    refuse = mock.Mock(side_effect=RuntimeError("snapshot is not supported by cudaMallocAsync"))
+    with mock.patch.object(torch.cuda, "memory_snapshot", refuse):
+        assert graph_replay.allocations_routed(torch.device("cpu")) is False
+    refuse.assert_called_once()
+
+
 def test_calls_stay_eager_while_allocations_are_routed():
     calls = []
     replay = GraphReplay(lambda x: calls.append(x) or (x,))
