@@ -235,10 +235,10 @@ class GraphReplay:
         self.calls += 1
         if self.calls == 1:
             return self._fn(*inputs)
-        if self.captured is None and allocations_routed(inputs[0].device):
-            self.calls = 1  # eagerly again; a later call captures
-            return self._fn(*inputs)
         if self.captured is None:
+            if allocations_routed(inputs[0].device):
+                self.calls = 1  # eagerly again; a later call captures
+                return self._fn(*inputs)
             try:
                 self._capture(inputs)
             except Exception as error:

@@ -277,10 +277,11 @@ def _ulysses_forward_op(
     softcap: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    group = group_from_name(group_name)
     options = (group_name, layout, ulysses_size, cu_seqlens, cu_seqlens_list, softmax_scale, causal,
                window_left, window_right, softcap, deterministic)  # fmt: skip
     plan, _ = ulysses_setup(
-        q, k, v, group=group_from_name(group_name), sp_mode="hybrid" if ulysses_size else "ulysses",
+        q, k, v, group=group, sp_mode="hybrid" if ulysses_size else "ulysses",
         ulysses_size=ulysses_size or None, layout=layout, cu_seqlens=_cu(cu_seqlens, cu_seqlens_list),
         alibi_slopes=None, sinks=None, block_mask=None, with_lse=True, softmax_scale=softmax_scale,
         causal=causal, window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
@@ -290,7 +291,6 @@ def _ulysses_forward_op(
     # Contiguous, as the fake implementation promises (views of the all-to-alls' buffers may not be).
     saved = qkv_h.contiguous(), out_h.contiguous(), lse_h.contiguous()
     if replays is not None:  # the backward op replays the same plan's graphs
-        group = group_from_name(group_name)
         key = _plan_key(saved, group, k.shape[2], options)
         if _FORWARD_PLANS.get(key, group) is not plan:
             _FORWARD_PLANS.put(key, plan, group, cu_seqlens)

@@ -10,8 +10,8 @@ from unittest import mock
 
 import pytest
 import torch
+from dispatch_modes import PassThrough
 from distributed import worker_device
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ringflash
@@ -24,13 +24,6 @@ from ringflash.kernels import ops as kernel_ops
 _RECOMPUTE = functools.partial(
     create_selective_checkpoint_contexts, lambda *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE
 )
-
-
-class _PassThrough(TorchDispatchMode):
-    """A dispatch mode that only runs each op (as FlopCounterMode or a debugging mode would)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _step(attention, inputs, weight, context_fn):
@@ -153,7 +146,7 @@ def _under_a_mode():
     for name, (layout, options) in calls.items():
         q, k, v = (ringflash.shard_sequence(t, layout=layout).to(dev) for t in full)
         want = ringflash.sp_attn_func(q, k, v, layout=layout, **options)
-        with _PassThrough():
+        with PassThrough():
             got = ringflash.sp_attn_func(q, k, v, layout=layout, **options)
         if not torch.equal(got, want):
             mismatched.append(name)

@@ -14,8 +14,8 @@ from unittest import mock
 
 import pytest
 import torch
+from dispatch_modes import PassThrough
 from distributed import worker_device
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringflash
 from ringflash import allgather, graph_replay, ring, ulysses
@@ -401,14 +401,6 @@ def _replays() -> list[Replays]:
     return [r for mode in (ring, allgather, ulysses) for r in mode.REPLAYS.entries.values()]
 
 
-class _Passthrough(TorchDispatchMode):
-    """A dispatch mode that changes nothing: under it the entry points take the custom ops, as
-    under selective checkpointing or ``FlopCounterMode`` (``kernels.ops.use_ops``)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag", route: str = "function"):
     """Two layers of one setup, forward A, forward B, backward through both, over a few steps
     (new values each step, the shard's length taking ``lengths`` in turn), with the graphs and
@@ -427,7 +419,7 @@ def _layers_on_rank(seed: int, lengths: tuple[int, ...], variant: str = "zigzag"
         return torch.randn(1, n, h, 64, device=dev, dtype=dtype, generator=g)
 
     def step(n, xs):
-        with _Passthrough() if route == "op" else contextlib.nullcontext():
+        with PassThrough() if route == "op" else contextlib.nullcontext():
             return plain_step(n, xs)
 
     def plain_step(n, xs):
@@ -516,7 +508,7 @@ def _captures_on_rank(variant: str, route: str):
         for _ in range(2):
             q, k, v, dout = (torch.randn(1, 64, 2, 16) for _ in range(4))
             q.requires_grad_()
-            with _Passthrough() if route == "op" else contextlib.nullcontext():
+            with PassThrough() if route == "op" else contextlib.nullcontext():
                 out = call(q, k, v)
                 out.backward(dout)
     return [(r.forward.captured is not None, r.backward.captured is not None) for r in _replays()]
