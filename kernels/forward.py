@@ -197,9 +197,10 @@ def attention_forward(
     Returns (out, lse); lse is the natural-log logsumexp of each query row, -inf where the row
     sees no key. On an H100/H200 the Hopper kernel runs where ``uses_fused_forward`` says so.
     """
-    if out is None:
+    if out is None:  # q's strides, or contiguous ones: within what build_problem checked of q
         out = torch.empty_like(q)
-    check_token_stride(out=out)
+    else:
+        check_token_stride(out=out)
     if lse is None:
         lse = torch.empty(problem.lse_shape(q.shape[0]), device=q.device, dtype=torch.float32)
     fused = hopper_module("forward")

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .backward import attention_gradients
-from .few_queries import few_query_attention
+from .configs import environment_value
+from .few_queries import SWITCH, few_query_attention
 from .forward import attention_forward
-from .plans import cached_problem
+from .plans import cached_problem, call_key, checked_call, remember_call
 from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
 from .probs import attention_probs
 
@@ -175,6 +177,21 @@ def _call_args(
             alibi_slopes, deterministic)  # fmt: skip
 
 
+def _recorded(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether autograd records the call: an input that asks for gradients, or forward-mode AD
+    (inside ``forward_ad.dual_level``), for which the Function raises that it has no formula;
+    run without it, the inputs' tangents would be dropped unsaid."""
+    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or (
+        forward_ad._current_level >= 0
+    )
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is active: its wrapped tensors have
+    no storage for the kernels, and the Function defines no vmap or setup_context rule."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -196,15 +213,37 @@ def flash_attention(
     heads_k, head_dim), LSE float32 (batch, heads_q, seqlen_q); varlen (``cu_seqlens_q/k`` int32
     (num_seqs + 1,), ``max_seqlen_q/k`` ints): q (total_q, heads_q, head_dim), LSE (heads_q,
     total_q). Arguments as in ``flash_attn_func``/``flash_attn_varlen_func``."""
+    key = None
+    # Traced or under a dispatch mode: use_ops; under torch.func's transforms: refused below.
+    if not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _transformed()):
+        key = call_key(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
+    if key is not None:
+        grad = _recorded(q, k, v)
+        # What else picks the path: autograd, or without it whether the few-query path may run.
+        key = (key, True if grad else environment_value(SWITCH))
+        problem = checked_call(key)
+        if problem is not None:  # a call like this one passed every check below
+            return _FlashAttention.apply(q, k, v, problem) if grad else attention_forward(q, k, v, problem)
     args = _call_args(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k,
                       max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
     if use_ops(q):
         return _forward_op(q, k, v, *args)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if _transformed():
+        raise NotImplementedError(
+            "ringflash's attention does not run under torch.func transforms (vmap, grad, jvp, jacrev): "
+            "call it on the whole batch (its first dimension) and use torch.autograd for gradients"
+        )
+    grad = _recorded(q, k, v)
+    if not grad:
         routed = few_query_attention(q, k, v, *args)  # no backward: plans every length at once
         if routed is not None:
             return routed
-    return _FlashAttention.apply(q, k, v, cached_problem(q, k, v, *args))
+    problem = cached_problem(q, k, v, *args)
+    if key is not None:
+        remember_call(key, problem, (cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+    # Without autograd the Function's own bookkeeping (~10 µs of host time) buys nothing.
+    return _FlashAttention.apply(q, k, v, problem) if grad else attention_forward(q, k, v, problem)
 
 
 @torch.library.custom_op("ringflash::attention_probs", mutates_args=())

@@ -7,6 +7,11 @@ identity and version of the tensors among them (cu_seqlens, ALiBi slopes): equal
 equal problem, so a call whose key was seen takes the problem built then. The cache holds those
 few small tensors so that their ids cannot be reused while an entry lives; an in-place write to
 one bumps its version and builds anew (as ``problem.cu_seqlens_host`` reads it anew).
+
+In front of that, ``call_key``/``checked_call``/``remember_call`` keep a call of
+``ops.flash_attention`` by its arguments as the caller passed them, before they are checked and
+put in the ops' schema types: a call seen before skips the checks as well as the problem's key
+(docs/experiments.md §82).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from .problem import AttentionProblem, build_problem
 _MAX_PLANS = 256
 _PLANS: OrderedDict[tuple, tuple[AttentionProblem, tuple]] = OrderedDict()
 _BUILDS = [0]
+_CALLS: OrderedDict[tuple, tuple[AttentionProblem, tuple]] = OrderedDict()
+_NUMBERS = (float, int)  # the types the checks take for softmax_scale and softcap (bool is neither)
+_LENGTHS = (int, type(None))
 
 
 def layout_key(t: object) -> tuple:
@@ -89,3 +97,56 @@ def cached_problem(
 def problem_builds() -> int:
     """How many problems ``cached_problem`` has built (tests count them)."""
     return _BUILDS[0]
+
+
+def call_key(
+    q: object,
+    k: object,
+    v: object,
+    softmax_scale: object,
+    causal: object,
+    window_size: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    softcap: object,
+    alibi_slopes: object,
+    deterministic: object,
+) -> tuple | None:
+    """The key of a call of ``ops.flash_attention`` with these arguments as passed, or None for
+    one that only the checks may take: tensors that are not plain tensors, or an option of a type
+    other than those its check accepts (True == 1 == 1.0, but causal=1 or window_size=(-1.0, -1)
+    must still raise). Options of accepted types that are equal are checked and normalized alike,
+    so a key that ``remember_call`` kept stands for a call that passed the checks."""
+    if type(causal) is not bool or type(deterministic) is not bool or type(window_size) is not tuple:
+        return None
+    if len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int:
+        return None
+    if type(softcap) not in _NUMBERS or (softmax_scale is not None and type(softmax_scale) not in _NUMBERS):
+        return None
+    if type(max_seqlen_q) not in _LENGTHS or type(max_seqlen_k) not in _LENGTHS:
+        return None
+    try:
+        return (layout_key(q), layout_key(k), layout_key(v), identity_key(cu_seqlens_q),
+                identity_key(cu_seqlens_k), identity_key(alibi_slopes), max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_size, softcap, deterministic)  # fmt: skip
+    except TypeError:
+        return None
+
+
+def checked_call(key: tuple) -> AttentionProblem | None:
+    """The problem that ``remember_call`` kept under ``key``, or None."""
+    hit = _CALLS.get(key)
+    if hit is None:
+        return None
+    _CALLS.move_to_end(key)
+    return hit[0]
+
+
+def remember_call(key: tuple, problem: AttentionProblem, pinned: tuple) -> None:
+    """Keeps ``problem`` under ``key`` (from ``call_key``, plus what else picked the call's path)
+    for a call that passed the checks; ``pinned``: the tensors whose ids are in the key."""
+    _CALLS[key] = (problem, pinned)
+    if len(_CALLS) > _MAX_PLANS:
+        _CALLS.popitem(last=False)

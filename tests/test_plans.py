@@ -82,3 +82,122 @@ def test_problem_remembers_what_is_derived_from_it():
     assert problem.derive(("x", 2), lambda: False) is False and calls == [1]
     other = replace(problem, max_seqlen_q=problem.max_seqlen_q)
     assert other.derived == {} and other == problem
+
+
+def _counting(monkeypatch, module, name) -> list:
+    """Counts the calls of ``module.name`` (wrapped in place) in the returned list."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_call_seen_before_skips_the_checks(monkeypatch, grad):
+    """A call whose arguments, as passed, match a call that passed the checks skips them and the
+    problem's own key (plans.checked_call), with and without autograd, and gives what the
+    checked route gives."""
+    from ringflash.kernels import ops
+
+    checks = _counting(monkeypatch, ops, "_call_args")
+    # 80 query rows per K/V head: without gradients too many for kernels/few_queries.py.
+    q, k, v = (t.detach().requires_grad_(grad) for t in _qkv(s=80, h=2, d=16, seed=4))
+    first = ringflash.flash_attn_func(q, k, v, 0.0, 0.3, True, (7, 0), 0.0)
+    assert len(checks) == 1
+    second = ringflash.flash_attn_func(q, k, v, 0.0, 0.3, True, (7, 0), 0.0)
+    assert len(checks) == 1 and torch.equal(first, second)
+    assert second.requires_grad == grad
+    if grad:
+        second.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+    ringflash.flash_attn_func(q, k, v, 0.0, 0.3, True, (8, 0), 0.0)  # another window: checked
+    assert len(checks) == 2
+
+
+def test_options_of_another_type_are_checked_on_every_call():
+    """After a call with causal=True, window_size=(-1, -1), softcap=0.0 and softmax_scale=1.0
+    passed the checks, equal values of a type the checks refuse (True == 1 == 1.0) still raise,
+    and a list for window_size (which they take) gives the same output."""
+    q, k, v = _qkv(seed=5)
+    out = ringflash.flash_attn_func(q, k, v, 0.0, 1.0, True, (-1, -1), 0.0)
+    ringflash.flash_attn_func(q, k, v, 0.0, 1.0, True, (-1, -1), 0.0)  # now remembered
+    refused = [
+        (dict(causal=1), "causal must be a bool"),
+        (dict(window_size=(-1.0, -1)), "window_size must be a pair of ints"),
+        (dict(window_size=(True, -1)), "window_size must be a pair of ints"),
+        (dict(softcap=False), "softcap must be a float"),
+        (dict(softmax_scale=True), "softmax_scale must be a float or None"),
+    ]
+    for change, message in refused:
+        options = dict(softmax_scale=1.0, causal=True, window_size=(-1, -1), softcap=0.0) | change
+        with pytest.raises(TypeError, match=message):
+            ringflash.flash_attn_func(q, k, v, **options)
+    listed = ringflash.flash_attn_func(q, k, v, 0.0, 1.0, True, [-1, -1], 0.0)
+    assert torch.equal(listed, out)
+
+
+def test_the_few_query_switch_is_read_on_every_call(monkeypatch):
+    """Without autograd a call of few query rows takes kernels/few_queries.py unless
+    RINGFLASH_SPLIT_KV_QUERIES=0: a call remembered while it was 0 takes the split-KV path
+    again once it is unset."""
+    from ringflash.kernels import ops
+    from ringflash.kernels.few_queries import SWITCH
+
+    few = _counting(monkeypatch, ops, "few_query_attention")
+    q, k, v = (t.detach() for t in _qkv(s=20, h=2, d=16, seed=6))
+    monkeypatch.setenv(SWITCH, "0")
+    general = [ringflash.flash_attn_func(q, k, v, causal=True) for _ in range(2)]
+    taken = len(few)  # the first call asked (and was refused); the second came from the cache
+    assert taken == 1
+    monkeypatch.delenv(SWITCH)
+    split = ringflash.flash_attn_func(q, k, v, causal=True)
+    assert len(few) == taken + 1
+    assert rel_err(split, general[1]) < 1e-3
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """Forward-mode AD goes through the autograd Function, which has no forward-mode formula and
+    says so, on every path (the few-query one and a remembered call included): run eagerly, the
+    inputs' tangents would be dropped unsaid."""
+    import torch.autograd.forward_ad as fwAD
+
+    for s in (20, 80):  # few query rows per K/V head, and more
+        q, k, v = (t.detach() for t in _qkv(s=s, h=2, d=16, seed=7))
+        ringflash.flash_attn_func(q, k, v, causal=True)
+        ringflash.flash_attn_func(q, k, v, causal=True)  # remembered
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(q, torch.ones_like(q))
+            with pytest.raises(NotImplementedError, match="jvp"):
+                ringflash.flash_attn_func(dual, k, v, causal=True)
+
+
+def test_torch_func_transforms_are_refused_by_name():
+    """Under vmap (or any torch.func transform) a call, remembered or not, raises an error that
+    names the transforms, instead of failing inside the kernels on tensors without storage."""
+    q, k, v = (t.detach() for t in _qkv(s=80, h=2, d=16, seed=9))
+    ringflash.flash_attn_func(q, k, v, causal=True)
+    ringflash.flash_attn_func(q, k, v, causal=True)  # remembered: the same shape as each vmapped call
+    stacked = torch.stack([q, q])
+    for s in (80, 20):  # the general path, and few query rows (kernels/few_queries.py)
+        batch = stacked[:, :, :s]
+        with pytest.raises(NotImplementedError, match="torch.func transforms"):
+            torch.vmap(lambda x: ringflash.flash_attn_func(x, x, x, causal=True))(batch)
+
+
+def test_dispatch_modes_still_see_the_op_after_a_remembered_call():
+    """A remembered call under a dispatch mode (selective checkpointing, FlopCounterMode) still
+    takes the custom op, which the mode sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv(seed=8)
+    for _ in range(2):
+        ringflash.flash_attn_func(q, k, v, causal=True)
+    with Recording():
+        ringflash.flash_attn_func(q, k, v, causal=True)
+    assert any("ringflash.flash_attn_forward" in name for name in seen), seen

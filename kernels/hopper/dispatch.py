@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 import triton
 
-from ..configs import INTERPRET
+from ..configs import INTERPRET, environment_value
 from ..positions import TokenPositions
 from ..problem import AttentionProblem
 
@@ -54,7 +53,7 @@ def gluon_validated(version: str | None = None) -> bool:
     """Whether the Hopper (Gluon) kernels may run under Triton ``version`` (default: the
     installed one): a release in ``GLUON_VALIDATED``, or any with RINGFLASH_GLUON_UNVALIDATED=1."""
     version = triton.__version__ if version is None else version
-    if os.environ.get(GLUON_UNVALIDATED_VARIABLE) == "1":
+    if environment_value(GLUON_UNVALIDATED_VARIABLE) == "1":
         return True
     return version.startswith(GLUON_VALIDATED)
 
@@ -91,7 +90,7 @@ def run_head_dim(head_dim: int, built: Iterable[int]) -> int | None:
 
 def enabled(variable: str) -> bool:
     """False where the environment sets ``variable`` to 0 (the user's opt-out)."""
-    return os.environ.get(variable, "1") != "0"
+    return environment_value(variable) != "0"
 
 
 def _position_extent(positions: TokenPositions, max_len: int) -> int:
