@@ -63,6 +63,11 @@ def plans_made() -> tuple[int, int]:
     return _PLANNED[0], _PLANNED[1]
 
 
+def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether 4-D q and k have K/V heads and at most ``MAX_ROWS`` query rows per K/V head."""
+    return bool(k.shape[2]) and q.shape[1] * (q.shape[2] // k.shape[2]) <= MAX_ROWS
+
+
 def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: tuple) -> tuple:
     """Everything but the keys' number and what follows it (k/v's batch and head strides);
     devices by ``get_device`` (an int: hashing a torch.device costs more) with their type."""
@@ -104,7 +109,7 @@ def few_query_attention(
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
-    if not k.shape[2] or q.shape[1] * (q.shape[2] // k.shape[2]) > MAX_ROWS:  # no key needed to say
+    if not fits(q, k):  # no key needed to say
         return None
     alibi = None
     if alibi_slopes is not None:

@@ -24,9 +24,9 @@ from torch.autograd import forward_ad
 
 from .backward import attention_gradients
 from .configs import environment_value
-from .few_queries import SWITCH, few_query_attention
+from .few_queries import SWITCH, few_query_attention, fits
 from .forward import attention_forward
-from .plans import cached_problem, call_key, checked_call, remember_call
+from .plans import cached_problem, call_key, checked_call, options_typed, remember_call
 from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
 from .probs import attention_probs
 
@@ -155,6 +155,28 @@ def check_scalar_args(
     return softmax_scale, causal, window, check_softcap(softcap), deterministic
 
 
+_OPTIONS: dict[tuple, tuple] = {}  # check_scalar_args' results by the options as passed
+
+
+def _checked_options(
+    softmax_scale: object, causal: object, window_size: object, softcap: object, deterministic: object
+) -> tuple | None:
+    """(scale or None, causal, window_left, window_right, softcap, deterministic): what
+    ``check_scalar_args`` makes of these options, kept by them as passed; None where one is of a
+    type its check does not accept (``plans.options_typed``: the caller runs the checks, which say
+    what is wrong). Raises what the checks raise for a bad value."""
+    if not options_typed(softmax_scale, causal, window_size, softcap, deterministic):
+        return None
+    key = (softmax_scale, causal, window_size, softcap, deterministic)
+    found = _OPTIONS.get(key)
+    if found is None:
+        scale, causal, (left, right), softcap, deterministic = check_scalar_args(*key)
+        if len(_OPTIONS) >= 256:  # options made per call: start over rather than grow
+            _OPTIONS.clear()
+        found = _OPTIONS[key] = (scale, causal, left, right, softcap, deterministic)
+    return found
+
+
 def _call_args(
     q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softcap, alibi_slopes, deterministic,
@@ -175,6 +197,19 @@ def _call_args(
                 raise ValueError(f"{name} must be an int >= the longest sequence, got {n!r}")
     return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
             alibi_slopes, deterministic)  # fmt: skip
+
+
+def _plain_eager(q: object, k: object, v: object) -> bool:
+    """Plain tensors outside a trace, a dispatch mode (both take the ops: ``use_ops``) and the
+    torch.func transforms (refused): the calls whose checks ``flash_attention`` may keep."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _transformed())
+
+
+def _decode_shaped(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Dense q, k, v of few query rows per K/V head: what kernels/few_queries.py may take."""
+    return q.dim() == k.dim() == v.dim() == 4 and fits(q, k)
 
 
 def _recorded(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -214,12 +249,23 @@ def flash_attention(
     (num_seqs + 1,), ``max_seqlen_q/k`` ints): q (total_q, heads_q, head_dim), LSE (heads_q,
     total_q). Arguments as in ``flash_attn_func``/``flash_attn_varlen_func``."""
     key = None
-    # Traced or under a dispatch mode: use_ops; under torch.func's transforms: refused below.
-    if not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _transformed()):
-        key = call_key(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
-    if key is not None:
+    if _plain_eager(q, k, v):
         grad = _recorded(q, k, v)
+        if not grad and cu_seqlens_q is None and cu_seqlens_k is None and _decode_shaped(q, k, v):
+            # A decode step: kernels/few_queries.py plans it once for every number of keys, which
+            # grows by one a step (a key with it would never be seen twice); only the options'
+            # checks are kept here.
+            options = _checked_options(softmax_scale, causal, window_size, softcap, deterministic)
+            if options is not None:
+                scale, causal_, left, right, softcap_, deterministic_ = options
+                routed = few_query_attention(q, k, v, None, None, 0, 0, scale, causal_, left, right, softcap_,
+                                             alibi_slopes, deterministic_)  # fmt: skip
+                if routed is not None:
+                    return routed
+        else:
+            key = call_key(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
+    if key is not None:
         # What else picks the path: autograd, or without it whether the few-query path may run.
         key = (key, True if grad else environment_value(SWITCH))
         problem = checked_call(key)

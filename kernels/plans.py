@@ -99,6 +99,19 @@ def problem_builds() -> int:
     return _BUILDS[0]
 
 
+def options_typed(
+    softmax_scale: object, causal: object, window_size: object, softcap: object, deterministic: object
+) -> bool:
+    """Whether each option is of a type its check accepts, exactly: equal options of such types
+    are checked and normalized alike (True == 1 == 1.0, but causal=1, window_size=(-1.0, -1) or
+    softcap=False must still reach the checks, which refuse them)."""
+    if type(causal) is not bool or type(deterministic) is not bool or type(window_size) is not tuple:
+        return False
+    if len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int:
+        return False
+    return type(softcap) in _NUMBERS and (softmax_scale is None or type(softmax_scale) in _NUMBERS)
+
+
 def call_key(
     q: object,
     k: object,
@@ -116,14 +129,9 @@ def call_key(
 ) -> tuple | None:
     """The key of a call of ``ops.flash_attention`` with these arguments as passed, or None for
     one that only the checks may take: tensors that are not plain tensors, or an option of a type
-    other than those its check accepts (True == 1 == 1.0, but causal=1 or window_size=(-1.0, -1)
-    must still raise). Options of accepted types that are equal are checked and normalized alike,
-    so a key that ``remember_call`` kept stands for a call that passed the checks."""
-    if type(causal) is not bool or type(deterministic) is not bool or type(window_size) is not tuple:
-        return None
-    if len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int:
-        return None
-    if type(softcap) not in _NUMBERS or (softmax_scale is not None and type(softmax_scale) not in _NUMBERS):
+    other than those its check accepts (``options_typed``). A key that ``remember_call`` kept
+    stands for a call that passed the checks."""
+    if not options_typed(softmax_scale, causal, window_size, softcap, deterministic):
         return None
     if type(max_seqlen_q) not in _LENGTHS or type(max_seqlen_k) not in _LENGTHS:
         return None

@@ -137,21 +137,43 @@ def test_options_of_another_type_are_checked_on_every_call():
 
 def test_the_few_query_switch_is_read_on_every_call(monkeypatch):
     """Without autograd a call of few query rows takes kernels/few_queries.py unless
-    RINGFLASH_SPLIT_KV_QUERIES=0: a call remembered while it was 0 takes the split-KV path
-    again once it is unset."""
+    RINGFLASH_SPLIT_KV_QUERIES=0: calls made while it was 0 took the general path (the forward
+    engine), and the same call takes the split-KV path again once it is unset."""
     from ringflash.kernels import ops
     from ringflash.kernels.few_queries import SWITCH
 
-    few = _counting(monkeypatch, ops, "few_query_attention")
+    general = _counting(monkeypatch, ops, "attention_forward")
     q, k, v = (t.detach() for t in _qkv(s=20, h=2, d=16, seed=6))
     monkeypatch.setenv(SWITCH, "0")
-    general = [ringflash.flash_attn_func(q, k, v, causal=True) for _ in range(2)]
-    taken = len(few)  # the first call asked (and was refused); the second came from the cache
-    assert taken == 1
+    outs = [ringflash.flash_attn_func(q, k, v, causal=True) for _ in range(2)]
+    assert len(general) == 2
     monkeypatch.delenv(SWITCH)
     split = ringflash.flash_attn_func(q, k, v, causal=True)
-    assert len(few) == taken + 1
-    assert rel_err(split, general[1]) < 1e-3
+    assert len(general) == 2
+    assert rel_err(split, outs[1]) < 1e-3
+
+
+def test_a_growing_cache_skips_the_checks_after_its_first_step(monkeypatch):
+    """Decode steps without autograd whose keys grow by one a step (views of (batch, heads, L,
+    head_dim) tensors, as transformers' caches hand them over) go to kernels/few_queries.py,
+    which plans once for every number of keys, with only their options' checks kept: after the
+    first step nothing is checked again, and each step matches the general path."""
+    from ringflash.kernels import ops
+    from ringflash.kernels.few_queries import SWITCH
+
+    checks = _counting(monkeypatch, ops, "check_scalar_args")
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 1, 4, 16, generator=g).to(DEVICE)
+    cache = torch.randn(2, 2, 2, 40, 16, generator=g).to(DEVICE)  # (k/v, batch, heads_k, L, head_dim)
+    for length in range(30, 34):
+        k, v = (t[:, :, :length].contiguous().transpose(1, 2) for t in cache)  # a new tensor per step
+        before = len(checks)
+        out = ringflash.flash_attn_func(q, k, v, 0.0, 0.25, True, (11, 0))
+        assert len(checks) == before + (length == 30)
+        monkeypatch.setenv(SWITCH, "0")  # the general path, checked, beside it
+        general = ringflash.flash_attn_func(q, k, v, 0.0, 0.25, True, (11, 0))
+        monkeypatch.delenv(SWITCH)
+        assert rel_err(out, general) < 1e-3
 
 
 def test_forward_mode_ad_is_refused_not_dropped():
