@@ -30,6 +30,15 @@ _NUMBERS = (float, int)  # the types the checks take for softmax_scale and softc
 _LENGTHS = (int, type(None))
 
 
+def _refresh(cache: OrderedDict, key: tuple) -> None:
+    """Marks ``key`` as just used; another thread (``nn.DataParallel`` runs a module's replicas
+    in threads) may have evicted it since it was read, which only means it need not be."""
+    try:
+        cache.move_to_end(key)
+    except KeyError:
+        pass
+
+
 def layout_key(t: object) -> tuple:
     """A plain tensor's shape, strides, dtype and device; TypeError for anything else (tensor
     subclasses, non-tensors: never cached)."""
@@ -76,7 +85,7 @@ def cached_problem(
     except TypeError:
         key = hit = None
     if hit is not None:
-        _PLANS.move_to_end(key)
+        _refresh(_PLANS, key)
         return hit[0]
     varlen = {}
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -148,7 +157,7 @@ def checked_call(key: tuple) -> AttentionProblem | None:
     hit = _CALLS.get(key)
     if hit is None:
         return None
-    _CALLS.move_to_end(key)
+    _refresh(_CALLS, key)
     return hit[0]
 
 
