@@ -23,8 +23,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .backward import attention_gradients
-from .configs import environment_value
-from .few_queries import SWITCH, few_query_attention, fits
+from .few_queries import few_query_attention, fits
 from .forward import attention_forward
 from .plans import cached_problem, call_key, checked_call, options_typed, remember_call
 from .problem import AttentionProblem, check_softcap, check_window, resolve_scale
@@ -266,8 +265,9 @@ def flash_attention(
             key = call_key(q, k, v, softmax_scale, causal, window_size, cu_seqlens_q, cu_seqlens_k,
                            max_seqlen_q, max_seqlen_k, softcap, alibi_slopes, deterministic)  # fmt: skip
     if key is not None:
-        # What else picks the path: autograd, or without it whether the few-query path may run.
-        key = (key, True if grad else environment_value(SWITCH))
+        # Without autograd only calls the few-query path never takes come here (varlen, or too
+        # many query rows): RINGFLASH_SPLIT_KV_QUERIES cannot change their path.
+        key = (key, grad)
         problem = checked_call(key)
         if problem is not None:  # a call like this one passed every check below
             return _FlashAttention.apply(q, k, v, problem) if grad else attention_forward(q, k, v, problem)
