@@ -135,6 +135,29 @@ def test_options_of_another_type_are_checked_on_every_call():
     assert torch.equal(listed, out)
 
 
+def test_new_batches_of_documents_are_checked_and_exact(monkeypatch):
+    """A packed batch per step, as a training loop makes them: each step's cu_seqlens is a new
+    tensor (the previous one dropped) with other boundaries, and fresh values; the second and
+    third steps, of the same shapes as the first, are checked again (their cu_seqlens are not
+    the remembered one) and match float64 attention over their own documents, out and dq."""
+    from ringflash.kernels import ops
+
+    checks = _counting(monkeypatch, ops, "_call_args")
+    for step, bounds in enumerate(([0, 10, 24], [0, 3, 17, 24], [0, 24])):
+        q, k, v = (t[0].detach().requires_grad_() for t in _qkv(s=24, seed=20 + step))
+        cu = cu_seqlens_tensor(bounds, DEVICE)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        out = ringflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+        out.backward(torch.ones_like(out))
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        expected, _ = reference_attention_packed(*(t[None] for t in ref), bounds, causal=True)
+        expected.backward(torch.ones_like(expected))
+        assert rel_err(out[None], expected) < 1e-4
+        assert rel_err(q.grad, ref[0].grad) < 1e-4
+        assert len(checks) == step + 1
+        del cu
+
+
 def test_the_few_query_switch_is_read_on_every_call(monkeypatch):
     """Without autograd a call of few query rows takes kernels/few_queries.py unless
     RINGFLASH_SPLIT_KV_QUERIES=0: calls made while it was 0 took the general path (the forward
