@@ -352,6 +352,12 @@ def _dq_kernel(
         _store_grad(dq_ptrs, dq, io_mask, ACCUMULATE)
 
 
+def _delta_key(out: torch.Tensor, dout: torch.Tensor, zero_dq: torch.Tensor | None) -> tuple:
+    """What ``attention_delta``'s bound launch depends on besides its problem: the layouts."""
+    return ("bound_delta", out.shape, out.stride(), out.dtype, dout.stride(), dout.dtype,
+            None if zero_dq is None else zero_dq.stride())  # fmt: skip
+
+
 def attention_delta(
     out: torch.Tensor,
     dout: torch.Tensor,
@@ -378,8 +384,7 @@ def attention_delta(
     zero = zero_dq is not None
     if zero and (zero_dq.shape != out.shape or zero_dq.dtype != torch.float32 or zero_dq.stride(-1) != 1):
         raise ValueError(f"zero_dq must be float32 of out's shape {tuple(out.shape)} with a last stride of 1")
-    key = ("bound_delta", out.shape, out.stride(), out.dtype, dout.stride(), dout.dtype,
-           zero_dq.stride() if zero else None)  # fmt: skip
+    key = _delta_key(out, dout, zero_dq)
     bound = bound_launch(problem.derived, key)
     if bound is None or not bound(out, dout, delta, *((zero_dq,) if zero else ())):
         o4, do4 = as_4d(out, vl), as_4d(dout, vl)
@@ -414,24 +419,31 @@ def attention_gradients(
     lse: torch.Tensor,
     problem: AttentionProblem,
     dlse: torch.Tensor | None = None,
+    *,
+    float32_dq: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), new tensors like q, k, v: the whole backward of one attention call, what
     autograd asks for. dout: like q; out and lse (float32, ``problem.lse_shape``): the
-    forward's; dlse: a gradient on the LSE, or None.
+    forward's; dlse: a gradient on the LSE, or None. ``float32_dq``: dq may come back as the
+    float32 buffer that the fused kernel added it into (q's shape, contiguous), uncast: autograd's
+    engine casts a gradient to its input's dtype itself, in C++, for less host time than a cast
+    here (docs/experiments.md §83).
 
     The steady state of a layout that runs the fused Hopper backward with a float32 dQ
-    accumulator takes a short path: the launch bound at its second call (``launch_or_bind``,
-    under a key of the inputs' layouts, which fix every buffer's), the accumulator zeroed by the
-    delta launch. What ``uses_fused_backward`` decided is fixed by that key, the problem and
-    the device (the bound launch checks the device and the alignments), except two switches read
-    on every call: ``RINGFLASH_FUSED_BACKWARD`` and deterministic algorithms."""
+    accumulator takes a short path: both launches (delta with the accumulator's zero fill, then
+    the fused kernel) bound at the layout's second call (``launch_or_bind``) under a key of the
+    inputs' layouts, which fix every buffer's. What ``uses_fused_backward`` decided is fixed by
+    that key, the problem and the device (the bound launches check the device and the
+    alignments), except two switches read on every call: ``RINGFLASH_FUSED_BACKWARD`` and
+    deterministic algorithms."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     fused = hopper_module("backward")
     if fused is not None:
         key = ("plain_backward", q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
-               dout.stride(), dout.dtype, lse.stride())  # fmt: skip
-        bound = bound_launch(problem.derived, key)
+               dout.stride(), dout.dtype, lse.stride(), out.stride(), out.dtype)  # fmt: skip
+        derived = problem.derived
+        bound = bound_launch(derived, key)
         if bound is not None:  # the key and the problem fix all else the general path checks
             plain = enabled("RINGFLASH_FUSED_BACKWARD") and not torch.are_deterministic_algorithms_enabled()
         else:
@@ -444,13 +456,24 @@ def attention_gradients(
             # empty_like: cheaper on the host than allocating by shape (~4 µs each, experiments §67).
             dq32 = torch.empty_like(q, dtype=torch.float32, memory_format=torch.contiguous_format)
             dk, dv = torch.empty_like(k), torch.empty_like(v)
-            delta = attention_delta(out, dout, problem, dlse, zero_dq=dq32, lse=lse)
+            delta = None
+            bound_delta = derived.get(("delta", key)) if bound is not None else None
+            if bound_delta is not None:  # delta like the LSE, contiguous (the key fixes lse's strides)
+                delta = torch.empty_like(lse)
+                if not bound_delta(out, dout, delta, dq32):
+                    delta = None
+                elif dlse is not None:
+                    delta.sub_(dlse)
+            if delta is None:
+                delta = attention_delta(out, dout, problem, dlse, zero_dq=dq32, lse=lse)
+                if bound is not None and lse.is_contiguous():  # delta's launch, bound by now or never
+                    derived[("delta", key)] = bound_launch(derived, _delta_key(out, dout, dq32))
             if bound is not None and bound(q, k, v, dout, dq32, dk, dv, lse, delta):
-                return dq32.to(q.dtype), dk, dv
+                return dq32 if float32_dq else dq32.to(q.dtype), dk, dv
             if bound is None and lse.stride() == delta.stride():
                 check_token_stride(dout=dout, dq=dq32, dk=dk, dv=dv)
                 fused.fused_backward(dout, q, k, v, lse, delta, problem, dq32, dk, dv, False, bind_key=key)
-                return dq32.to(q.dtype), dk, dv
+                return dq32 if float32_dq else dq32.to(q.dtype), dk, dv
             # A bound launch that stepped aside (alignment, device, Triton's binding asked for),
             # or an LSE that attention_backward refuses.
             return attention_backward(dout, q, k, v, lse, delta, problem, dk=dk, dv=dv)

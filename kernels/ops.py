@@ -138,7 +138,8 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        return (*attention_gradients(dout, q, k, v, out, lse, ctx.problem, dlse), None)
+        # dq may stay float32: autograd's engine casts it to q's dtype (validate_outputs).
+        return (*attention_gradients(dout, q, k, v, out, lse, ctx.problem, dlse, float32_dq=True), None)
 
 
 def check_scalar_args(

@@ -16,7 +16,8 @@ four views per call (and four more autograd nodes per fwd+bwd) that ``flash_attn
 ``--sync-check`` also counts the host synchronizations of one steady-state call of each entry
 (``torch.cuda.set_sync_debug_mode``).
 
-The entries take turns, one timing each per round (``--rounds``, medians over rounds).
+The entries take turns, one timing each per round (``--rounds``, medians over rounds); the
+ratios to the first entry (SDPA cuDNN) are medians of ratios within a round.
 ``--ab-binding`` adds the single-device entries under ``RINGFLASH_TRITON_BINDING=1`` (Triton's
 per-call binding) and ``=run`` (ringflash's launch key, the compiled kernel's ``run``), same run.
 ``--ab-backward`` adds them with autograd's backward as it was before ``attention_gradients``
@@ -356,13 +357,16 @@ def main() -> None:
                         fwd = host_us(f, pq, pk, pv, None, False, args.calls, 1)
                     both = host_us(f, gq, gk, gv, gdout, True, args.calls, 1)
             samples[name].append((fwd, both))
-    base = None
+    base = next(iter(found), None)  # SDPA cuDNN comes first unless --entries leaves it out
     for name, (f, context, _) in found.items():
         fwd = statistics.median(t[0] for t in samples[name])
         both = statistics.median(t[1] for t in samples[name])
         line = f"{name:40s} {fwd:8.1f} {both:11.1f}"
-        base = base or (name, fwd, both)  # SDPA cuDNN comes first unless --entries leaves it out
-        line += f"   {fwd / base[1]:5.2f}x / {both / base[2]:5.2f}x of {base[0]}"
+        # Ratios paired by round, their medians: a slow stretch of the host slows an entry and
+        # the one it is compared with alike (the medians of each alone drift apart by 10-20%).
+        paired = [(t[0] / b[0], t[1] / b[1]) for t, b in zip(samples[name], samples[base])]
+        ratio_fwd, ratio_both = (statistics.median(r[i] for r in paired) for i in (0, 1))
+        line += f"   {ratio_fwd:5.2f}x / {ratio_both:5.2f}x of {base}"
         with context():
             extras(args, name, f, *inputs[name], line, lead)
     if dist.is_initialized():

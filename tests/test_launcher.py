@@ -13,6 +13,7 @@ from reference import reference_attention, rel_err
 
 import ringflash
 from ringflash.kernels import launcher
+from ringflash.kernels import ops as kernel_ops
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -269,8 +270,10 @@ def _count_bound(monkeypatch) -> list:
 @pytest.mark.parametrize("varlen", [False, True])
 def test_steady_state_runs_bound_launches_equal_to_the_general_path(varlen, monkeypatch):
     """From a layout's third call on, the Hopper forward, the delta and the Hopper backward run
-    bound launches (three per fwd+bwd) on new tensors at new addresses; their results equal the
-    general path's (RINGFLASH_TRITON_BINDING=run) and float64's."""
+    bound launches (three per fwd+bwd) on new tensors at new addresses; from the fourth, the
+    backward finds the delta's bound launch under its own key. Their results equal the general
+    path's (RINGFLASH_TRITON_BINDING=run) and float64's, and the gradients come in q/k/v's dtype
+    (the backward hands autograd dQ in float32, which the engine casts)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the bound launches are the Hopper kernels' (and the delta's)")
     s, h, d = 300, 4, 64
@@ -288,12 +291,13 @@ def test_steady_state_runs_bound_launches_equal_to_the_general_path(varlen, monk
             out = ringflash.flash_attn_func(*leaves, causal=True)
         return leaves, dout, out, torch.autograd.grad(out, leaves, dout)
 
-    for seed in (0, 1):
+    for seed in (0, 1, 2):
         call(seed, "0")
     ran = _count_bound(monkeypatch)
-    leaves, dout, out, grads = call(2, "0")
+    leaves, dout, out, grads = call(3, "0")
     assert len(ran) == 3
-    _, _, out_general, grads_general = call(2, "run")
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    _, _, out_general, grads_general = call(3, "run")
     assert len(ran) == 3  # the general path binds nothing
     assert torch.equal(out, out_general)
     assert torch.equal(grads[1], grads_general[1]) and torch.equal(grads[2], grads_general[2])
@@ -309,6 +313,32 @@ def test_steady_state_runs_bound_launches_equal_to_the_general_path(varlen, monk
         assert rel_err(piece(out), ref) < 2e-2
         for got, r in zip(grads, ref_grads):
             assert rel_err(piece(got), r) < 2e-2
+
+
+@pytest.mark.gpu
+@GPU
+def test_steady_state_backward_with_an_lse_gradient_is_exact(monkeypatch):
+    """A loss on out and on the LSE, four calls of one layout: the last runs the bound delta
+    launch, then subtracts the LSE's gradient, then the bound backward. Out, LSE and every
+    gradient against float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bound launches are the Hopper kernels' (and the delta's)")
+    b, s, h, d = 2, 256, 4, 64
+    for seed in range(4):
+        ran = _count_bound(monkeypatch) if seed == 3 else []
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", generator=g).bfloat16() for _ in range(4))
+        dlse = torch.randn(b, h, s, device="cuda", generator=g)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        out, lse = kernel_ops.flash_attention(*leaves, causal=True)
+        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    assert len(ran) == 3
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    ref, ref_lse = reference_attention(*ref_in, causal=True)
+    ref_grads = torch.autograd.grad((ref, ref_lse), ref_in, (dout.double().cpu(), dlse.double().cpu()))
+    assert rel_err(out, ref) < 2e-2 and rel_err(lse, ref_lse) < 1e-4
+    for got, r in zip(grads, ref_grads):
+        assert got.dtype == torch.bfloat16 and rel_err(got, r) < 2e-2
 
 
 @pytest.mark.gpu
