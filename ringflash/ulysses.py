@@ -65,29 +65,58 @@ def _exchanged(x: torch.Tensor, group: dist.ProcessGroup, u: int):
     return out, all_to_all_async(out, x, group, u)
 
 
+# The all-to-alls' permuting copies (PyTorch's strided copy kernel: a fixed count of elements per
+# thread) move head_dim in 8-byte words where the tensors' layouts allow: the same bytes, 4x fewer
+# elements in bf16/fp16 (``_as_words``).
+_WORD = torch.int64
+
+
+def _as_words(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (one dtype) viewed with ``_WORD`` elements along their last dim where all allow
+    it (its bytes a multiple of the word, the other strides too), else as they are."""
+    if len({t.dtype for t in tensors}) != 1:
+        raise TypeError(f"the all-to-all's tensors need one dtype, got {[t.dtype for t in tensors]}")
+    try:
+        return [t.view(_WORD) for t in tensors]
+    except RuntimeError:
+        return tensors
+
+
+def _sendable(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous all-to-all buffer of ``parts`` joined along dim 3: a tensor already laid
+    out so (batch 1, one tensor) goes as it is, without a copy."""
+    if len(parts) == 1 and parts[0].is_contiguous():
+        return parts[0]
+    return torch.cat(parts, dim=3)
+
+
 def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int) -> torch.Tensor:
-    """[(B, n, h_i, D)] local tokens, all heads -> (B, U*n, sum h_i/U, D) group tokens, my heads
-    (tensor i's in its run of heads): one all-to-all for all tensors."""
-    b, n, _, d = tensors[0].shape
+    """[(B, n, h_i, D)] local tokens, all heads (one dtype) -> (B, U*n, sum h_i/U, D) group tokens,
+    my heads (tensor i's in its run of heads): one all-to-all for all tensors."""
+    dtype, words = tensors[0].dtype, _as_words(tensors)
+    b, n, _, d = words[0].shape
     # Concatenated straight into the all-to-all's layout (destination rank first): one copy.
-    x = torch.cat([t.reshape(b, n, u, t.shape[2] // u, d).permute(2, 0, 1, 3, 4) for t in tensors], dim=3)
+    x = _sendable([t.reshape(b, n, u, t.shape[2] // u, d).permute(2, 0, 1, 3, 4) for t in words])
     y, pending = _exchanged(x, group, u)  # (U source ranks, B, n, sum h, D)
     pending.wait()
-    return y.permute(1, 0, 2, 3, 4).reshape(b, u * n, x.shape[3], d)
+    return y.permute(1, 0, 2, 3, 4).reshape(b, u * n, x.shape[3], d).view(dtype)
 
 
 def _to_seq_start(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int):
-    """Start moving [(B, U*n, h_i, D)] (one dtype) back to local tokens: (buffer, pending)."""
-    b, un, _, d = tensors[0].shape
-    x = torch.cat([t.reshape(b, u, un // u, t.shape[2], d).permute(1, 0, 2, 3, 4) for t in tensors], dim=3)
+    """Start moving [(B, U*n, h_i, D)] (one dtype) back to local tokens: (buffer, pending); the
+    buffer may hold ``_WORD`` elements (``_to_seq_finish`` views them back)."""
+    words = _as_words(tensors)
+    b, un, _, d = words[0].shape
+    x = _sendable([t.reshape(b, u, un // u, t.shape[2], d).permute(1, 0, 2, 3, 4) for t in words])
     return _exchanged(x, group, u)  # (U head groups, B, n, sum h, D)
 
 
-def _to_seq_finish(y: torch.Tensor, heads: Sequence[int]) -> list[torch.Tensor]:
-    """[(B, n, U*h_i, D)] from ``_to_seq_start``'s buffer, once its all-to-all is waited for."""
+def _to_seq_finish(y: torch.Tensor, heads: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """[(B, n, U*h_i, D)] of ``dtype`` from ``_to_seq_start``'s buffer, once its all-to-all is
+    waited for."""
     u, b, n, _, d = y.shape
     starts = [sum(heads[:i]) for i in range(len(heads))]
-    return [y[:, :, :, s : s + h].permute(1, 2, 0, 3, 4).reshape(b, n, u * h, d)
+    return [y[:, :, :, s : s + h].permute(1, 2, 0, 3, 4).reshape(b, n, u * h, d).view(dtype)
             for s, h in zip(starts, heads)]  # fmt: skip
 
 
@@ -239,11 +268,11 @@ def ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Uly
     if plan.with_lse:
         lse_buf, lse_pending = _to_seq_start([_lse_as_tokens(lse_h)], mesh.ulysses_group, u)
     out_pending.wait()
-    (out,) = _to_seq_finish(out_buf, [out_h.shape[2]])
+    (out,) = _to_seq_finish(out_buf, [out_h.shape[2]], out_h.dtype)
     if not plan.with_lse:
         return out, qkv_h, out_h, lse_h
     lse_pending.wait()
-    (lse,) = _to_seq_finish(lse_buf, [lse_h.shape[1]])
+    (lse,) = _to_seq_finish(lse_buf, [lse_h.shape[1]], lse_h.dtype)
     return out, qkv_h, out_h, lse_h, _lse_from_tokens(lse)
 
 
@@ -265,7 +294,7 @@ def ulysses_backward(
     grads = heads_backward(dout_h, *split_heads(qkv_h, out_h.shape[2]), out_h, lse_h, plan.heads, dlse_h)
     buf, pending = _to_seq_start(list(grads), mesh.ulysses_group, u)
     pending.wait()
-    dq, dk, dv = _to_seq_finish(buf, [g.shape[2] for g in grads])
+    dq, dk, dv = _to_seq_finish(buf, [g.shape[2] for g in grads], grads[0].dtype)
     if plan.kv_heads != plan.heads_k:  # K/V heads were replicated for the Ulysses ranks: sum the copies
         b, n, _, d = dk.shape
         dk, dv = (g.reshape(b, n, plan.heads_k, -1, d).sum(3) for g in (dk, dv))
