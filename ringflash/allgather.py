@@ -47,6 +47,7 @@ from .kernels.tile_mask import TileMask
 from .layouts import cumulative_lengths, full_document_lengths, layout_indices, segments
 from .ring import check_shards
 from .setup_cache import SetupCache
+from .word_views import as_words
 
 _UNMASKED = MaskBounds(None, None)
 
@@ -205,7 +206,10 @@ def _gathered_natural(buf: torch.Tensor, order: torch.Tensor | None) -> torch.Te
     contiguous shards of batch 1)."""
     w, b, n, h, d = buf.shape
     seq = buf.view(w * n, h, d)[None] if b == 1 else buf.permute(1, 0, 2, 3, 4).reshape(b, w * n, h, d)
-    return seq if order is None else seq.index_select(1, order)
+    if order is None:
+        return seq
+    (words,) = as_words([seq])  # whole head_dim rows: gathered 8 bytes at a time
+    return words.index_select(1, order).view(seq.dtype)
 
 
 def _to_shards(grad: torch.Tensor, order: torch.Tensor | None, world: int) -> torch.Tensor:
@@ -213,7 +217,8 @@ def _to_shards(grad: torch.Tensor, order: torch.Tensor | None, world: int) -> to
     contiguous (a view for contiguous shards of batch 1)."""
     b, total, h, d = grad.shape
     if order is not None:
-        grad = torch.empty_like(grad).index_copy_(1, order, grad)
+        (words,) = as_words([grad])
+        grad = torch.empty_like(words).index_copy_(1, order, words).view(grad.dtype)
     shards = grad.view(b, world, total // world, h, d).transpose(0, 1)
     return shards if b == 1 else shards.contiguous()
 

@@ -40,6 +40,7 @@ from .layouts import cumulative_lengths, document_lengths
 from .mesh import UlyssesRingMesh, mode_ulysses_size, ulysses_ring_mesh
 from .ring import RingPlan, ring_backward, ring_forward, ring_setup
 from .setup_cache import SetupCache
+from .word_views import as_words
 
 
 def kv_heads_for(heads_q: int, heads_k: int, u: int) -> int:
@@ -65,23 +66,6 @@ def _exchanged(x: torch.Tensor, group: dist.ProcessGroup, u: int):
     return out, all_to_all_async(out, x, group, u)
 
 
-# The all-to-alls' permuting copies (PyTorch's strided copy kernel: a fixed count of elements per
-# thread) move head_dim in 8-byte words where the tensors' layouts allow: the same bytes, 4x fewer
-# elements in bf16/fp16 (``_as_words``).
-_WORD = torch.int64
-
-
-def _as_words(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` (one dtype) viewed with ``_WORD`` elements along their last dim where all allow
-    it (its bytes a multiple of the word, the other strides too), else as they are."""
-    if len({t.dtype for t in tensors}) != 1:
-        raise TypeError(f"the all-to-all's tensors need one dtype, got {[t.dtype for t in tensors]}")
-    try:
-        return [t.view(_WORD) for t in tensors]
-    except RuntimeError:
-        return tensors
-
-
 def _sendable(parts: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous all-to-all buffer of ``parts`` joined along dim 3: a tensor already laid
     out so (batch 1, one tensor) goes as it is, without a copy."""
@@ -93,9 +77,9 @@ def _sendable(parts: list[torch.Tensor]) -> torch.Tensor:
 def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int) -> torch.Tensor:
     """[(B, n, h_i, D)] local tokens, all heads (one dtype) -> (B, U*n, sum h_i/U, D) group tokens,
     my heads (tensor i's in its run of heads): one all-to-all for all tensors."""
-    dtype, words = tensors[0].dtype, _as_words(tensors)
+    dtype, words = tensors[0].dtype, as_words(tensors)
     b, n, _, d = words[0].shape
-    # Concatenated straight into the all-to-all's layout (destination rank first): one copy.
+    # Concatenated straight into the all-to-all's layout (destination rank first): one copy, of words.
     x = _sendable([t.reshape(b, n, u, t.shape[2] // u, d).permute(2, 0, 1, 3, 4) for t in words])
     y, pending = _exchanged(x, group, u)  # (U source ranks, B, n, sum h, D)
     pending.wait()
@@ -104,8 +88,8 @@ def seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int) 
 
 def _to_seq_start(tensors: list[torch.Tensor], group: dist.ProcessGroup, u: int):
     """Start moving [(B, U*n, h_i, D)] (one dtype) back to local tokens: (buffer, pending); the
-    buffer may hold ``_WORD`` elements (``_to_seq_finish`` views them back)."""
-    words = _as_words(tensors)
+    buffer may hold 8-byte words (``word_views``), which ``_to_seq_finish`` views back."""
+    words = as_words(tensors)
     b, un, _, d = words[0].shape
     x = _sendable([t.reshape(b, u, un // u, t.shape[2], d).permute(1, 0, 2, 3, 4) for t in words])
     return _exchanged(x, group, u)  # (U head groups, B, n, sum h, D)

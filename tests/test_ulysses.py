@@ -126,22 +126,6 @@ def test_lse_crosses_back_only_when_returned(rank_pool, ulysses):
         assert torch.equal(out0, out1) and torch.equal(dq0, dq1)
 
 
-def test_all_to_all_copies_move_words_where_layouts_allow():
-    """The all-to-alls' permuting copies see head_dim as 8-byte words where every tensor allows
-    it (the same storage), and the tensors as they are otherwise."""
-    q = torch.randn(2, 8, 4, 128).to(torch.float16)
-    k = q.transpose(1, 2)  # a model's (B, H, S, D) seen as (B, S, H, D): head_dim still contiguous
-    words = ulysses_engine._as_words([q, k])
-    assert [w.dtype for w in words] == [torch.int64] * 2 and words[0].shape[-1] == 32
-    assert words[1].data_ptr() == k.data_ptr() and torch.equal(words[1].view(torch.float16), k)
-    lse = torch.randn(2, 8, 4, 1)  # the LSE's 4 bytes a row: not a word
-    assert ulysses_engine._as_words([lse])[0] is lse
-    odd = [q, q[..., 1:]]  # 254 bytes a row
-    assert all(a is b for a, b in zip(ulysses_engine._as_words(odd), odd))
-    with pytest.raises(TypeError, match="one dtype"):
-        ulysses_engine._as_words([q, q.float()])
-
-
 def _bad_calls():
     q = torch.randn(1, 8, 3, 16, device=worker_device())
     kv = torch.randn(1, 8, 3, 16, device=worker_device())

@@ -1,0 +1,28 @@
+"""Tensors seen as 8-byte words along their last dim, for copies that move that dim whole.
+
+PyTorch's strided copy, gather and scatter kernels (``copy_`` of a permuted view, ``index_select``,
+``index_copy_``) move a fixed count of elements per thread, so 2-byte elements run them at a
+fraction of the memory's bandwidth: 1.53 TB/s for a bf16 permuting copy against 3.39 TB/s for the
+same bytes as int64 on an H200 (docs/experiments.md §84). The sequence-parallel modes' layout
+changes (Ulysses' all-to-alls, the all-gather mode's token order) move whole head_dim rows, so
+they view them as words first and back after. NCCL takes int64 buffers (not complex128, which
+would be faster still).
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD = torch.int64
+
+
+def as_words(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (one dtype) viewed with ``WORD`` elements along their last dim, the same
+    storage, where every one allows it (its bytes a multiple of 8, the other strides and the
+    offset too); else the tensors as they are. ``.view(dtype)`` turns a result back."""
+    if len({t.dtype for t in tensors}) != 1:
+        raise TypeError(f"as_words takes tensors of one dtype, got {[t.dtype for t in tensors]}")
+    try:
+        return [t.view(WORD) for t in tensors]
+    except RuntimeError:
+        return tensors
