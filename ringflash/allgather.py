@@ -206,17 +206,14 @@ def _gathered_natural(buf: torch.Tensor, order: torch.Tensor | None) -> torch.Te
     contiguous shards of batch 1)."""
     w, b, n, h, d = buf.shape
     seq = buf.view(w * n, h, d)[None] if b == 1 else buf.permute(1, 0, 2, 3, 4).reshape(b, w * n, h, d)
-    if order is None:
-        return seq
-    (words,) = as_words([seq])  # whole head_dim rows: gathered 8 bytes at a time
-    return words.index_select(1, order).view(seq.dtype)
+    return seq if order is None else seq.index_select(1, order)  # near bandwidth as it is (§84)
 
 
 def _to_shards(grad: torch.Tensor, order: torch.Tensor | None, world: int) -> torch.Tensor:
     """The transpose of ``_gathered_natural``: (B, S, h, D) in natural order -> (W, B, n, h, D),
     contiguous (a view for contiguous shards of batch 1)."""
     b, total, h, d = grad.shape
-    if order is not None:
+    if order is not None:  # the scatter, unlike the gather, runs 1.4-2.3x faster on 8-byte words
         (words,) = as_words([grad])
         grad = torch.empty_like(words).index_copy_(1, order, words).view(grad.dtype)
     shards = grad.view(b, world, total // world, h, d).transpose(0, 1)
