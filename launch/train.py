@@ -503,7 +503,15 @@ def main() -> None:
                 f"{args.model}, seq {args.seq_len}, SP {summary['sp_size']} ({summary['sp_impl']})",
             )
         print(json.dumps(summary), flush=True)
+    gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()
+    if gloo:
+        # Gloo's worker threads (kept alive by DeepSpeed's references to its groups) may still be
+        # releasing their last work, whose tensors Python owns: that takes the GIL, and a thread
+        # that asks for it while the interpreter finalizes aborts the process ("terminate called
+        # without an active exception"; pytorch/pytorch#190489; 1 in 13 loaded CPU runs of
+        # tests/test_train.py, docs/experiments.md §84). Hand them the GIL before exiting.
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
