@@ -509,7 +509,7 @@ def main() -> None:
         # Gloo's worker threads (kept alive by DeepSpeed's references to its groups) may still be
         # releasing their last work, whose tensors Python owns: that takes the GIL, and a thread
         # that asks for it while the interpreter finalizes aborts the process ("terminate called
-        # without an active exception"; pytorch/pytorch#190489; 1 in 13 loaded CPU runs of
+        # without an active exception"; pytorch/pytorch#190489; 2 in 14 loaded CPU runs of
         # tests/test_train.py, docs/experiments.md §84). Hand them the GIL before exiting.
         time.sleep(0.2)
 

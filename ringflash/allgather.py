@@ -206,7 +206,8 @@ def _gathered_natural(buf: torch.Tensor, order: torch.Tensor | None) -> torch.Te
     contiguous shards of batch 1)."""
     w, b, n, h, d = buf.shape
     seq = buf.view(w * n, h, d)[None] if b == 1 else buf.permute(1, 0, 2, 3, 4).reshape(b, w * n, h, d)
-    return seq if order is None else seq.index_select(1, order)  # near bandwidth as it is (§84)
+    # index_select runs near bandwidth on 2-byte rows already (docs/experiments.md §84).
+    return seq if order is None else seq.index_select(1, order)
 
 
 def _to_shards(grad: torch.Tensor, order: torch.Tensor | None, world: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ WORD = torch.int64
 def as_words(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` (one dtype) viewed with ``WORD`` elements along their last dim, the same
     storage, where every one allows it (its bytes a multiple of 8, the other strides and the
-    offset too); else the tensors as they are. ``.view(dtype)`` turns a result back."""
+    offset too); else the tensors as they are. ``.view(dtype)`` turns a result back. Integer
+    views carry no gradient: for the engines' copies, which run outside autograd."""
     if len({t.dtype for t in tensors}) != 1:
         raise TypeError(f"as_words takes tensors of one dtype, got {[t.dtype for t in tensors]}")
     try:
