@@ -30,6 +30,12 @@ entries replay from the graphs ringflash captures itself (the default, ``graph_r
 ``flash_attn_func`` and the sequence-parallel entries on q/k/v that are transposed views of
 (B, H, S, D) tensors, as the Hugging Face integration passes them.
 
+``--floor`` adds ``replay_floor`` (``host_floor.py``): the single-device kernels replayed from graphs as
+a sequence-parallel call replays them, the least host time any replayed sequence-parallel fwd+bwd
+of these shapes can take; under torchrun also ``replay_floor[check]``, the same joining the ranks'
+host check every call. The benchmark first checks that the floor gives ``flash_attn_func``'s
+output and gradients bit for bit.
+
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention
 runs when the host does not run ahead of the device: there the host time before the first
@@ -54,6 +60,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from host_floor import ReplayFloor, check_exact  # launch/, beside this script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
@@ -67,9 +74,10 @@ def _sdpa(q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
+def entries(args, group, sequence_parallel: bool) -> dict[str, tuple[Callable, Callable | None]]:
     """name -> (f(q, k, v) -> out, the layout f takes its tensors in: a map from contiguous
-    (B, S, H, D) tensors, or None for those themselves). Each entry gets the same values in its
+    (B, S, H, D) tensors, or None for those themselves); the sequence-parallel entries where
+    ``sequence_parallel``. Each entry gets the same values in its
     own layout, made once outside the timed calls, as a model hands SDPA (B, H, S, D) and a packed batch's
     attention (total, H, D) without a view per call."""
     c = args.causal
@@ -84,7 +92,11 @@ def entries(args, group) -> dict[str, tuple[Callable, Callable | None]]:
         return ringflash.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=c)
 
     found["flash_attn_varlen_func"] = (varlen, lambda t: t.reshape(b * s, *t.shape[2:]).contiguous())
-    if group is not None:
+    if args.floor:
+        found["replay_floor"] = (ReplayFloor(c), None)
+        if group is not None:
+            found["replay_floor[check]"] = (ReplayFloor(c, group), None)
+    if sequence_parallel:
         found["ring_flash_attn_func"] = (
             lambda q, k, v: ringflash.ring_flash_attn_func(q, k, v, causal=c, group=group), None
         )
@@ -273,16 +285,25 @@ def main() -> None:
         help="also run flash_attn_func and the sequence-parallel entries on q/k/v that are transposed views "
         "of (B, H, S, D) tensors, as the Hugging Face integration passes them ([views])",
     )  # fmt: skip
+    p.add_argument(
+        "--floor", action="store_true",
+        help="also run replay_floor (and under torchrun replay_floor[check]): the host time under which no "
+        "replayed sequence-parallel call can go (host_floor.py)",
+    )  # fmt: skip
     p.add_argument("--out", help="folder for the profiles (appended to profiles.txt)")
     p.add_argument(
         "--trace", type=int, default=0, help="torch.profiler table of this many fwd calls per entry"
     )
     args = p.parse_args()
 
-    group = None
+    group, shared_gpu = None, False
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # Fewer GPUs than ranks: the ranks share GPU 0 over gloo, for the single-device entries and
+        # the floor's check (what the ranks' hosts cost each other); no sequence-parallel entry.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        shared_gpu = torch.cuda.device_count() < local_world
+        dist.init_process_group("gloo" if shared_gpu else "nccl")
+        torch.cuda.set_device(0 if shared_gpu else int(os.environ["LOCAL_RANK"]))
         group = dist.group.WORLD
     lead = not dist.is_initialized() or dist.get_rank() == 0
     torch.manual_seed(0)
@@ -298,13 +319,16 @@ def main() -> None:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, world {world}")
         shape = f"B={b} S={s}/rank H={h}/{hk} D={d} causal={args.causal} bf16"
         print(f"# {shape}, {args.calls} calls x {args.rounds}")
+        if shared_gpu:
+            print("# the ranks share one GPU over gloo: no sequence-parallel entry")
         print(
             f"{'entry':40s} {'fwd us':>8s} {'fwd+bwd us':>11s}"
             + (" syncs fwd/fwd+bwd" if args.sync_check else "")
         )
     if lead and args.event_pairs:
         print(f"# one call between two CUDA events, device idle before it: median µs of {args.event_pairs}")
-    found = {name: (f, contextlib.nullcontext, layout) for name, (f, layout) in entries(args, group).items()}
+    listed = entries(args, group, group is not None and not shared_gpu)
+    found = {name: (f, contextlib.nullcontext, layout) for name, (f, layout) in listed.items()}
     composed = lambda: mock.patch.object(kernel_ops, "attention_gradients", _composed)  # noqa: E731
     for name in [n for n in ("flash_attn_func", "flash_attn_varlen_func") if n in found]:
         f, _, layout = found[name]
@@ -334,6 +358,8 @@ def main() -> None:
         for name in replaying:
             f, _, layout = found[name]
             found[f"{name}[eager]"] = (f, eager, layout)
+    for name in [n for n in found if n.startswith("replay_floor")]:
+        check_exact(found[name][0], q, k, v, dout)
     inputs = {}  # each entry's (q, k, v) and (q, k, v, dout) with gradients, in its layout
     for name, (_, _, layout) in found.items():
         native = (lambda t: t) if layout is None else layout
