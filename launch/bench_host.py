@@ -34,7 +34,7 @@ entries replay from the graphs ringflash captures itself (the default, ``graph_r
 a sequence-parallel call replays them, the least host time any replayed sequence-parallel fwd+bwd
 of these shapes can take; under torchrun also ``replay_floor[check]``, the same joining the ranks'
 host check every call. The benchmark first checks that the floor gives ``flash_attn_func``'s
-output and gradients bit for bit.
+output bit for bit and its gradients to bf16's rounding.
 
 ``--event-pairs N`` times instead one call at a time between two CUDA events, the device idle
 before it (synchronize, event, call, event, synchronize; median of N), as a layer's attention

@@ -66,12 +66,14 @@ def check_exact(
     floor: ReplayFloor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
 ) -> None:
     """Raise unless ``floor``'s eager, capturing and replayed calls give ``flash_attn_func``'s
-    output and gradients bit for bit (it must run the same kernels, not nothing)."""
+    output bit for bit and its gradients to their dtype's rounding (dQ's float32 additions from
+    different key tiles come in any order): it must run the same kernels, not nothing."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     ref = ringflash.flash_attn_func(q, k, v, causal=floor.causal)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     for call in range(3):
         out = floor(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-        if not (torch.equal(out, ref) and all(map(torch.equal, grads, ref_grads))):
+        close = all(torch.allclose(g, r, rtol=1e-2, atol=1e-3) for g, r in zip(grads, ref_grads))
+        if not (torch.equal(out, ref) and close):
             raise RuntimeError(f"the replay floor's call {call + 1} differs from flash_attn_func")
